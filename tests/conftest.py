@@ -1,0 +1,3 @@
+"""Suite-wide fixtures: the local control plane's fixtures come from hlat_testbed."""
+
+pytest_plugins = ["hlat_testbed.pytest_plugin"]

@@ -1,0 +1,41 @@
+"""Environment variables the operator sets in worker pods and the trainer reads.
+
+One module of names, so neither side scatters string literals. Rendezvous variables follow
+torchrun's own meaning; HLAT_* ones are ours.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum, StrEnum
+
+
+class Env(StrEnum):
+    JOB_NAME = "HLAT_JOB_NAME"
+    """PretrainJob name; also the checkpoint subdirectory."""
+    NAMESPACE = "HLAT_NAMESPACE"
+    POD_NAME = "HLAT_POD_NAME"
+    NODE_NAME = "HLAT_NODE_NAME"
+    ATTEMPT = "HLAT_ATTEMPT"
+    """Restart attempt number, from 0."""
+    CONFIG = "HLAT_CONFIG"
+    """Path of the trainer config (the PretrainJob spec as JSON, from the ConfigMap)."""
+    NNODES = "HLAT_NNODES"
+    NODE_RANK = "HLAT_NODE_RANK"
+    NPROC_PER_NODE = "HLAT_NPROC_PER_NODE"
+    MASTER_ADDR = "HLAT_MASTER_ADDR"
+    MASTER_PORT = "HLAT_MASTER_PORT"
+    HEARTBEAT_LEASE = "HLAT_HEARTBEAT_LEASE"
+    """Name of the Lease this pod's local rank 0 renews; unset means no heartbeat."""
+    HEARTBEAT_PERIOD = "HLAT_HEARTBEAT_PERIOD_SECONDS"
+    METRICS_PORT = "HLAT_METRICS_PORT"
+    """Port of the trainer's Prometheus endpoint (local rank 0); 0 or unset disables it."""
+    LOG_FORMAT = "HLAT_LOG_FORMAT"
+    """`json` (one object per step on stdout) or `bar` (progress bar); default by isatty."""
+
+
+class ExitCode(IntEnum):
+    """Trainer exit codes with a meaning to the operator."""
+
+    OK = 0
+    CONFIG_ERROR = 2
+    """Bad spec, data, tokenizer or checkpoint: permanent, a restart cannot fix it."""

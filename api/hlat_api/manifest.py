@@ -1,0 +1,121 @@
+"""Reading a PretrainJob from YAML/JSON, applying `--set` overrides, and explaining errors.
+
+`hlat-train --config FILE` takes either a whole PretrainJob manifest (its `spec` is used, its
+`metadata.name` names the job) or a bare spec. Overrides use the YAML's camelCase paths
+(`train.steps=40`); a path that is not a field of the schema is an error that lists the keys
+that exist there, so a typo never goes unnoticed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from hlat_api.spec import PretrainJobSpec, SpecError
+
+API_GROUP = "hlat.dev"
+API_VERSION = "v1alpha1"
+KIND = "PretrainJob"
+
+
+class InvalidSpecError(ValueError):
+    """One or more problems, each `(camelCase field path, reason)`."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str = "spec") -> None:
+        self.problems = problems
+        lines = "\n".join(f"  {field}: {reason}" for field, reason in problems)
+        super().__init__(f"invalid {source}:\n{lines}")
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    spec: PretrainJobSpec
+
+
+def explain(err: ValidationError) -> list[tuple[str, str]]:
+    """Turn pydantic's errors into (field path, reason) pairs a user can act on."""
+    problems = []
+    for e in err.errors():
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, SpecError):
+            problems.append((f"spec.{cause.field}", cause.reason))
+            continue
+        path = ".".join(str(p) for p in ("spec", *e["loc"]))
+        reason = e["msg"]
+        if e["type"] not in ("missing", "extra_forbidden"):
+            reason += f" (got {e['input']!r})"
+        if e["type"] == "extra_forbidden":
+            reason = "unknown field: check its spelling (fields are camelCase)"
+        problems.append((path, reason))
+    return problems
+
+
+def parse_spec(raw: Mapping[str, Any], source: str = "spec") -> PretrainJobSpec:
+    try:
+        return PretrainJobSpec.model_validate(raw)
+    except ValidationError as err:
+        raise InvalidSpecError(explain(err), source) from err
+
+
+def _field_aliases(model: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
+    """camelCase key -> nested model class (None for a leaf)."""
+    out: dict[str, type[BaseModel] | None] = {}
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        nested = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        out[info.alias or name] = nested
+    return out
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a raw spec dict, in place."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise InvalidSpecError([(f"--set {item}", "expected key.path=value")], "--set")
+        parts = key.split(".")
+        model: type[BaseModel] | None = PretrainJobSpec
+        node = raw
+        for i, part in enumerate(parts):
+            if model is None:
+                raise InvalidSpecError([(key, f"{'.'.join(parts[:i])} has no sub-keys")], "--set")
+            fields = _field_aliases(model)
+            if part not in fields:
+                known = ", ".join(sorted(fields))
+                where = ".".join(parts[:i]) or "spec"
+                raise InvalidSpecError([(key, f"unknown key {part!r}; {where} has: {known}")], "--set")
+            if i == len(parts) - 1:
+                node[part] = yaml.safe_load(text) if text else None
+            else:
+                child = node.get(part)
+                node = node.setdefault(part, {}) if not isinstance(child, dict) else child
+                model = fields[part]
+    return raw
+
+
+def load_job(path: str | Path, overrides: Iterable[str] = (), name: str | None = None) -> Job:
+    """Read a PretrainJob manifest or a bare spec from YAML/JSON and validate it."""
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise InvalidSpecError([(str(path), "file not found")], "config") from None
+    except yaml.YAMLError as err:
+        raise InvalidSpecError([(str(path), f"not valid YAML: {err}")], "config") from err
+    if not isinstance(doc, dict):
+        raise InvalidSpecError([(str(path), "expected a mapping (a PretrainJob or its spec)")])
+    if "spec" in doc or doc.get("kind") == KIND:
+        if doc.get("kind", KIND) != KIND:
+            raise InvalidSpecError([("kind", f"expected {KIND}, got {doc.get('kind')!r}")])
+        raw = dict(doc.get("spec") or {})
+        name = name or (doc.get("metadata") or {}).get("name")
+    else:
+        raw = dict(doc)
+    raw = apply_overrides(raw, overrides)
+    return Job(name=name or path.stem, spec=parse_spec(raw, str(path)))

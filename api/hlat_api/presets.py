@@ -1,0 +1,83 @@
+"""Model presets and instance types: the facts validation needs, as plain data.
+
+Kept apart from the spec models so the operator, the trainer and the docs read one table.
+Model dimensions follow the published LLaMA family (7b is LLaMA-2-7B, 70b is LLaMA-2-70B with
+grouped-query attention); `tiny` exists for tests and the CPU demo.
+Instance facts come from ../shared/reference/neuron-eks.md: a "rank" is one trainer process
+(one NeuronCore on Trainium, one GPU on p5, one process on `cpu`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+ModelPreset = Literal["tiny", "125m", "1b", "7b", "70b"]
+InstanceType = Literal[
+    "trn1.2xlarge", "trn1.32xlarge", "trn1n.32xlarge", "trn2.48xlarge", "p5.48xlarge", "cpu"
+]
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The dimensions of a LLaMA-style decoder."""
+
+    hidden_size: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.heads
+
+    def param_count(self) -> int:
+        """Parameters of the decoder (untied embedding and output head, no biases)."""
+        h, kv_dim = self.hidden_size, self.kv_heads * self.head_dim
+        attn = h * (h + 2 * kv_dim) + h * h
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        return self.layers * per_layer + 2 * self.vocab_size * h + h
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x matmul params + attention scores (PaLM appendix B)."""
+        non_embedding = self.param_count() - self.vocab_size * self.hidden_size
+        return 6.0 * non_embedding + 12.0 * self.layers * self.hidden_size * seq_len
+
+
+MODEL_PRESETS: Final[dict[str, ModelDims]] = {
+    "tiny": ModelDims(128, 4, 4, 2, 384, 4096, 1024),
+    "125m": ModelDims(768, 12, 12, 12, 2048, 32000, 2048),
+    "1b": ModelDims(2048, 16, 32, 8, 8192, 32000, 4096, rope_theta=500000.0),
+    "7b": ModelDims(4096, 32, 32, 32, 11008, 32000, 4096),
+    "70b": ModelDims(8192, 80, 64, 8, 28672, 32000, 4096),
+}
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    """What one node of an instance type offers a PretrainJob."""
+
+    ranks_per_node: int  # trainer processes per node (torchrun --nproc-per-node)
+    device_memory_gib: float | None  # accelerator memory per rank; None: not checked
+    neuron_devices: int  # aws.amazon.com/neuron requested per pod
+    efa_interfaces: int  # vpc.amazonaws.com/efa requested per pod
+    gpus: int = 0  # nvidia.com/gpu requested per pod
+    peak_tflops_per_rank: float | None = None  # dense BF16, for MFU
+
+
+INSTANCE_TYPES: Final[dict[str, InstanceInfo]] = {
+    # trn1: 16 Trainium chips = 32 NeuronCores of 16 GiB HBM, 95 TFLOPS BF16 each (paper, section 2)
+    "trn1.2xlarge": InstanceInfo(2, 16.0, 1, 0, peak_tflops_per_rank=95.0),
+    "trn1.32xlarge": InstanceInfo(32, 16.0, 16, 8, peak_tflops_per_rank=95.0),
+    "trn1n.32xlarge": InstanceInfo(32, 16.0, 16, 16, peak_tflops_per_rank=95.0),
+    # trn2: 16 Trainium2 chips, 96 GiB each, 4 logical NeuronCores per chip (LNC=2)
+    "trn2.48xlarge": InstanceInfo(64, 24.0, 16, 16, peak_tflops_per_rank=167.0),
+    "p5.48xlarge": InstanceInfo(8, 80.0, 0, 32, gpus=8, peak_tflops_per_rank=989.0),
+    "cpu": InstanceInfo(1, None, 0, 0),
+}

@@ -1,0 +1,418 @@
+"""The PretrainJob spec: one schema for Kubernetes manifests and local runs.
+
+Field names are snake_case in Python and camelCase in YAML (pydantic aliases), every field is
+documented (the descriptions become the CRD's `kubectl explain` text), and unknown fields are
+rejected so that a typo never silently falls back to a default. Defaults are the HLAT paper's
+recipe (section 3.2): AdamW 0.9/0.95, eps 1e-8, weight decay 0.1, clip 1.0, cosine 3e-4 -> 3e-5,
+2000 warmup steps, sequence length 4096, global batch 1024.
+
+Cross-field rules (parallel degrees against the model and the world size, batch divisibility,
+sequence length against the model, memory per device) live in `PretrainJobSpec`'s validator and
+raise with the offending field's camelCase path, so both the operator (InvalidSpec) and
+`hlat-train` print an actionable message.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from hlat_api.presets import INSTANCE_TYPES, MODEL_PRESETS, InstanceType, ModelDims, ModelPreset
+
+Precision = Literal["fp32", "mixed", "bf16", "bf16-sr"]
+ActivationCheckpointing = Literal["none", "selective", "full"]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class SpecError(ValueError):
+    """A spec that cannot run; `field` is the camelCase path, e.g. `parallelism.tensor`."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"spec.{field}: {message}")
+        self.field = field
+        self.reason = message
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_assignment=True,
+        use_attribute_docstrings=True,
+    )
+
+
+class ModelSpec(_Model):
+    """The decoder: a preset, optionally with individual dimensions overridden."""
+
+    preset: ModelPreset | None = "7b"
+    """Named size: tiny (tests, CPU demo), 125m, 1b, 7b (LLaMA-2-7B), 70b (LLaMA-2-70B, GQA)."""
+    hidden_size: PositiveInt | None = None
+    """Model width; overrides the preset's."""
+    layers: PositiveInt | None = None
+    """Number of decoder layers; overrides the preset's."""
+    heads: PositiveInt | None = None
+    """Attention (query) heads; overrides the preset's."""
+    kv_heads: PositiveInt | None = None
+    """Key/value heads (grouped-query attention when fewer than heads); overrides the preset's."""
+    intermediate_size: PositiveInt | None = None
+    """SwiGLU hidden width; overrides the preset's."""
+    vocab_size: PositiveInt | None = None
+    """Vocabulary size; must be at least the tokenizer's. Overrides the preset's."""
+    max_seq_len: PositiveInt | None = None
+    """Longest sequence the model supports (RoPE table size); overrides the preset's."""
+    rope_theta: Annotated[float, Field(gt=0)] | None = None
+    """RoPE base frequency; overrides the preset's."""
+
+    def dims(self) -> ModelDims:
+        """The preset's dimensions with this spec's overrides applied."""
+        overrides = {k: v for k, v in self.model_dump(exclude={"preset"}).items() if v is not None}
+        if self.preset is None:
+            missing = [to_camel(n) for n in ModelDims.__dataclass_fields__ if n not in overrides]
+            missing = [m for m in missing if m not in ("ropeTheta", "normEps")]
+            if missing:
+                raise SpecError("model", f"no preset, so these dimensions are required: {missing}")
+            return ModelDims(**overrides)
+        base = MODEL_PRESETS[self.preset]
+        return ModelDims(**{**base.__dict__, **overrides})
+
+
+class ParallelismSpec(_Model):
+    """How the model is split over the ranks; the data-parallel degree is what remains."""
+
+    tensor: PositiveInt = 1
+    """Tensor-parallel degree (within a node); must divide heads and kvHeads."""
+    pipeline: PositiveInt = 1
+    """Pipeline-parallel degree. Only 1 is supported for now."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence between tensor-parallel ranks (paper section 3.5)."""
+    zero1: bool = True
+    """Shard optimizer state over data-parallel ranks (ZeRO stage 1)."""
+    activation_checkpointing: ActivationCheckpointing = "none"
+    """Recompute activations in the backward pass: none, selective (attention core), or full."""
+
+
+class OptimizerSpec(_Model):
+    """AdamW with a linear warmup and cosine decay (paper section 3.2)."""
+
+    lr: Annotated[float, Field(gt=0)] = 3.0e-4
+    """Peak learning rate, reached after warmupSteps."""
+    min_lr: Annotated[float, Field(ge=0)] = 3.0e-5
+    """Learning rate at the end of the cosine decay (the last training step)."""
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (
+        0.9,
+        0.95,
+    )
+    """AdamW beta1, beta2. The paper found beta2=0.99 unstable with BF16+SR; 0.95 fixed it."""
+    eps: Annotated[float, Field(gt=0)] = 1.0e-8
+    """AdamW epsilon."""
+    weight_decay: Annotated[float, Field(ge=0)] = 0.1
+    """Decoupled weight decay, applied to all parameters (norm weights included, as the paper)."""
+    grad_clip: Annotated[float, Field(ge=0)] = 1.0
+    """Clip the global gradient L2 norm to this value; 0 disables clipping."""
+    warmup_steps: Annotated[int, Field(ge=0)] = 2000
+    """Linear warmup from 0 to lr over this many steps."""
+
+
+class DataSpec(_Model):
+    """The training corpus and how it is tokenized and packed."""
+
+    path: str
+    """Arrow files (IPC file or stream, as HF datasets writes): a file, a directory, or a glob."""
+    tokenizer: str
+    """A HF tokenizers JSON file, or "bytes" for the built-in byte-level tokenizer (tests)."""
+    text_column: str = "text"
+    """The column holding each document's text."""
+    seq_len: PositiveInt = 4096
+    """Tokens per training sequence; at most the model's maxSeqLen."""
+    shuffle_seed: int = 1234
+    """Seed of the document shuffle; each epoch reshuffles with (seed, epoch)."""
+
+
+class TrainSpec(_Model):
+    """Batch sizes and run length."""
+
+    global_batch: PositiveInt = 1024
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    micro_batch: PositiveInt = 1
+    """Sequences per rank per forward pass; gradients accumulate to globalBatch."""
+    steps: PositiveInt | None = None
+    """Optimizer steps to run; or give tokens instead."""
+    tokens: Annotated[float, Field(gt=0)] | None = None
+    """Tokens to train on (e.g. 1.8e12); converted to steps, rounded up."""
+    seed: int = 1
+    """Seed for weight init and every other random choice of the run."""
+    log_interval: PositiveInt = 1
+    """Log and publish metrics every this many steps."""
+
+
+class CheckpointSpec(_Model):
+    """Where and how often state is saved; layout `<dir>/<job>/step_<N>/`, complete iff `done`."""
+
+    dir: str = "/fsx/checkpoints"
+    """Root directory; each job writes under `<dir>/<job name>/`."""
+    interval: PositiveInt = 1000
+    """Save every this many steps (and always after the last step)."""
+    keep: PositiveInt = 3
+    """Keep this many newest complete checkpoints; older ones are deleted."""
+    async_: bool = Field(
+        default=True,
+        alias="async",
+        validation_alias=AliasChoices("async", "async_"),
+        description="Write in the background; the step waits only for the copy to host memory.",
+    )
+
+
+class StorageSpec(_Model):
+    """The shared volume for data and checkpoints (FSx for Lustre on EKS)."""
+
+    claim_name: str | None = None
+    """PersistentVolumeClaim mounted in every worker pod; none for local runs."""
+    mount_path: str = "/fsx"
+    """Where the claim is mounted in the pods."""
+
+
+class BackoffSpec(_Model):
+    """Exponential backoff between gang restarts."""
+
+    initial_seconds: Annotated[float, Field(ge=0)] = 30
+    """Delay before the first restart; doubles per consecutive restart."""
+    max_seconds: Annotated[float, Field(ge=0)] = 600
+    """Upper bound of the delay."""
+
+
+class HeartbeatSpec(_Model):
+    """When a worker counts as hung."""
+
+    startup_timeout_seconds: Annotated[float, Field(gt=0)] = 3600
+    """Longest wait for a pod's first heartbeat (process start, compile, checkpoint load)."""
+    timeout_seconds: Annotated[float, Field(gt=0)] | Literal["auto"] = "auto"
+    """Longest gap between heartbeats once training; auto = observed step time x safetyFactor."""
+    safety_factor: Annotated[float, Field(ge=1)] = 5
+    """Multiplier on the observed step time for the automatic timeout."""
+
+
+class FaultToleranceSpec(_Model):
+    """Automatic gang restart from the latest complete checkpoint."""
+
+    max_restarts: Annotated[int, Field(ge=0)] = 20
+    """Restarts that count against the budget before the job is Failed."""
+    infra_faults_count: bool = False
+    """Whether node loss, eviction and preemption use restart budget."""
+    backoff: BackoffSpec = Field(default_factory=BackoffSpec)
+    """Delay between restarts."""
+    heartbeat: HeartbeatSpec = Field(default_factory=HeartbeatSpec)
+    """Hang detection."""
+    no_progress_restarts: PositiveInt = 3
+    """Restarts in a row without a new complete checkpoint before the job is Failed."""
+    avoid_failed_nodes: bool = True
+    """Keep nodes that failed out of the next attempt (node affinity)."""
+
+
+class Toleration(_Model):
+    """A pod toleration, as in the Kubernetes Pod spec."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class SchedulingSpec(_Model):
+    """Placement extras passed through to the worker pods."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Extra node labels the worker nodes must carry."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Extra tolerations (the Neuron taint is tolerated automatically on trn instances)."""
+    priority_class_name: str | None = None
+    """PriorityClass of the worker pods."""
+    scheduler_name: str | None = None
+    """Scheduler for the worker pods (e.g. a gang scheduler); default scheduler if unset."""
+
+
+class PretrainJobSpec(_Model):
+    """What to train, on what, and how to survive faults."""
+
+    image: str | None = None
+    """The trainer image (Dockerfile.trainer); required on Kubernetes, unused by local runs."""
+    nodes: PositiveInt = 1
+    """Worker pods, one per node."""
+    instance_type: InstanceType = "trn1.32xlarge"
+    """Node type: trn1.2xlarge, trn1.32xlarge, trn1n.32xlarge, trn2.48xlarge, p5.48xlarge, cpu."""
+    processes_per_node: PositiveInt | None = None
+    """Trainer processes per node; defaults to the instance type's (32 on trn1.32xlarge)."""
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    """The decoder."""
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    """Tensor/pipeline/sequence parallelism, ZeRO-1, activation checkpointing."""
+    precision: Precision = "bf16-sr"
+    """fp32, mixed (bf16 autocast, fp32 master), bf16 (round to nearest), bf16-sr (stochastic)."""
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    """AdamW and the learning-rate schedule."""
+    data: DataSpec
+    """Corpus, tokenizer, sequence length."""
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    """Batch sizes and run length."""
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    """Checkpoint location and cadence."""
+    storage: StorageSpec = Field(default_factory=StorageSpec)
+    """Shared volume for data and checkpoints."""
+    fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
+    """Restart policy."""
+    suspend: bool = False
+    """Delete the pods but keep progress (Kueue-compatible); false resumes."""
+    active_deadline_seconds: PositiveInt | None = None
+    """Fail the job after this many seconds since it started."""
+    ttl_seconds_after_finished: Annotated[int, Field(ge=0)] | None = None
+    """Delete the job this long after it Succeeded or Failed."""
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    """Placement extras."""
+
+    # --- derived quantities (pure functions of the spec) -------------------------------------
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.processes_per_node or INSTANCE_TYPES[self.instance_type].ranks_per_node
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def data_parallel(self) -> int:
+        return self.world_size // (self.parallelism.tensor * self.parallelism.pipeline)
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch // (self.train.micro_batch * self.data_parallel)
+
+    @property
+    def total_steps(self) -> int:
+        if self.train.steps is not None:
+            return self.train.steps
+        assert self.train.tokens is not None  # guaranteed by validation
+        return math.ceil(self.train.tokens / (self.train.global_batch * self.data.seq_len))
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch * self.data.seq_len
+
+    # --- cross-field validation ---------------------------------------------------------------
+
+    @model_validator(mode="after")
+    def _check(self) -> PretrainJobSpec:
+        for check in _CHECKS:
+            check(self)
+        return self
+
+
+def _check_model(spec: PretrainJobSpec) -> None:
+    d = spec.model.dims()
+    if d.hidden_size % d.heads:
+        raise SpecError(
+            "model.hiddenSize", f"{d.hidden_size} is not divisible by heads={d.heads}"
+        )
+    if d.head_dim % 2:
+        raise SpecError("model.heads", f"head dim {d.head_dim} must be even for RoPE")
+    if d.heads % d.kv_heads:
+        raise SpecError("model.kvHeads", f"heads={d.heads} must be a multiple of kvHeads={d.kv_heads}")
+
+
+def _check_parallelism(spec: PretrainJobSpec) -> None:
+    d, p = spec.model.dims(), spec.parallelism
+    if p.pipeline != 1:
+        raise SpecError("parallelism.pipeline", "pipeline parallelism is not supported yet: set 1")
+    if d.heads % p.tensor:
+        raise SpecError(
+            "parallelism.tensor",
+            f"{p.tensor} does not divide the model's {d.heads} attention heads: "
+            f"use a divisor of {d.heads}",
+        )
+    if d.kv_heads % p.tensor:
+        raise SpecError(
+            "parallelism.tensor",
+            f"{p.tensor} does not divide the model's {d.kv_heads} key/value heads "
+            "(each tensor-parallel rank owns whole kv heads): lower parallelism.tensor",
+        )
+    if p.tensor > spec.ranks_per_node:
+        raise SpecError(
+            "parallelism.tensor",
+            f"{p.tensor} exceeds the {spec.ranks_per_node} ranks of one {spec.instance_type} "
+            "node: tensor parallelism stays within a node",
+        )
+    model_ranks = p.tensor * p.pipeline
+    if spec.world_size % model_ranks:
+        raise SpecError(
+            "nodes",
+            f"{spec.nodes} nodes x {spec.ranks_per_node} ranks = {spec.world_size} ranks, "
+            f"not divisible by tensor x pipeline = {model_ranks}",
+        )
+
+
+def _check_batch(spec: PretrainJobSpec) -> None:
+    t, dp = spec.train, spec.data_parallel
+    if t.global_batch % (t.micro_batch * dp):
+        raise SpecError(
+            "train.globalBatch",
+            f"{t.global_batch} is not divisible by microBatch x data-parallel degree = "
+            f"{t.micro_batch} x {dp} = {t.micro_batch * dp}",
+        )
+    if (t.steps is None) == (t.tokens is None):
+        raise SpecError("train", "give exactly one of train.steps or train.tokens")
+
+
+def _check_lengths(spec: PretrainJobSpec) -> None:
+    d = spec.model.dims()
+    if spec.data.seq_len > d.max_seq_len:
+        raise SpecError(
+            "data.seqLen", f"{spec.data.seq_len} exceeds the model's maxSeqLen {d.max_seq_len}"
+        )
+    o = spec.optimizer
+    if o.min_lr > o.lr:
+        raise SpecError("optimizer.minLr", f"{o.min_lr} is above optimizer.lr {o.lr}")
+    if o.warmup_steps > spec.total_steps:
+        raise SpecError(
+            "optimizer.warmupSteps",
+            f"{o.warmup_steps} exceeds the run's {spec.total_steps} steps: lower it",
+        )
+    b = spec.fault_tolerance.backoff
+    if b.initial_seconds > b.max_seconds:
+        raise SpecError("faultTolerance.backoff.initialSeconds", "is above maxSeconds")
+
+
+# Bytes per parameter: weights + gradients, and optimizer state (sharded by ZeRO-1).
+_WEIGHT_GRAD_BYTES = {"fp32": 8, "mixed": 8, "bf16": 4, "bf16-sr": 4}
+_OPTIMIZER_BYTES = {"fp32": 8, "mixed": 8, "bf16": 4, "bf16-sr": 8}
+_MEMORY_HEADROOM = 0.8  # the rest is left for activations, buffers and the runtime
+
+
+def estimate_state_bytes_per_rank(spec: PretrainJobSpec) -> float:
+    """Weights, gradients and optimizer state on one rank (activations not included)."""
+    params = spec.model.dims().param_count() / (spec.parallelism.tensor * spec.parallelism.pipeline)
+    opt_shards = spec.data_parallel if spec.parallelism.zero1 else 1
+    return params * (
+        _WEIGHT_GRAD_BYTES[spec.precision] + _OPTIMIZER_BYTES[spec.precision] / opt_shards
+    )
+
+
+def _check_memory(spec: PretrainJobSpec) -> None:
+    mem = INSTANCE_TYPES[spec.instance_type].device_memory_gib
+    if mem is None:
+        return
+    need = estimate_state_bytes_per_rank(spec) / 2**30
+    if need > mem * _MEMORY_HEADROOM:
+        raise SpecError(
+            "parallelism.tensor",
+            f"the {spec.precision} model state needs about {need:.1f} GiB per rank but a "
+            f"{spec.instance_type} rank has {mem:g} GiB (at most {_MEMORY_HEADROOM:.0%} usable "
+            "for state): raise parallelism.tensor, enable zero1, or add nodes",
+        )
+
+
+_CHECKS = (_check_model, _check_parallelism, _check_batch, _check_lengths, _check_memory)

@@ -8,6 +8,7 @@ that exist there, so a typo never goes unnoticed.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from hlat_api.spec import PretrainJobSpec, SpecError
 
+_FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 API_GROUP = "hlat.dev"
 API_VERSION = "v1alpha1"
 KIND = "PretrainJob"
@@ -40,20 +42,21 @@ class Job:
 
 def explain(err: ValidationError) -> list[tuple[str, str]]:
     """Turn pydantic's errors into (field path, reason) pairs a user can act on."""
-    problems = []
+    problems: dict[str, list[str]] = {}
     for e in err.errors():
         cause = (e.get("ctx") or {}).get("error")
         if isinstance(cause, SpecError):
-            problems.append((f"spec.{cause.field}", cause.reason))
+            problems.setdefault(f"spec.{cause.field}", []).append(cause.reason)
             continue
-        path = ".".join(str(p) for p in ("spec", *e["loc"]))
+        # union members appear in `loc` as tags like "literal['auto']": not field names
+        loc = [str(p) for p in e["loc"] if isinstance(p, int) or _FIELD.match(str(p))]
         reason = e["msg"]
         if e["type"] not in ("missing", "extra_forbidden"):
             reason += f" (got {e['input']!r})"
         if e["type"] == "extra_forbidden":
             reason = "unknown field: check its spelling (fields are camelCase)"
-        problems.append((path, reason))
-    return problems
+        problems.setdefault(".".join(["spec", *loc]), []).append(reason)
+    return [(path, " or ".join(reasons)) for path, reasons in problems.items()]
 
 
 def parse_spec(raw: Mapping[str, Any], source: str = "spec") -> PretrainJobSpec:

@@ -1,0 +1,46 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+# Each creates .venv from the lock file (uv, bootstrapped from PyPI into .tools/) first.
+SHELL := /bin/bash
+PY    := .venv/bin/python
+UV    := .tools/bin/uv
+UV_VERSION := 0.13.9
+DATA  := data/sample
+RUNS  := runs
+
+.PHONY: setup lint test test-fast demo bench clean
+
+$(UV):
+	python3 -m venv .tools
+	.tools/bin/pip install --quiet --disable-pip-version-check uv==$(UV_VERSION)
+
+.venv/.synced: $(UV) pyproject.toml uv.lock
+	$(UV) sync --frozen --all-extras
+	touch $@
+
+setup: .venv/.synced
+
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/mypy api/hlat_api trainer/hlat_trainer
+	.venv/bin/lint-imports
+
+test: lint
+	.venv/bin/pytest
+
+test-fast: setup
+	.venv/bin/pytest -m "not slow and not cluster"
+
+$(DATA)/tokenizer.json: | setup
+	.venv/bin/hlat-data sample --out $(DATA)
+
+demo: setup $(DATA)/tokenizer.json
+	.venv/bin/hlat-train --config examples/pretrainjob-tiny.yaml \
+	  --set data.path=$(DATA) --set data.tokenizer=$(DATA)/tokenizer.json \
+	  --set checkpoint.dir=$(RUNS)/checkpoints
+	@echo "checkpoints: $(RUNS)/checkpoints/tiny/ (run again to resume from the latest)"
+
+bench: setup $(DATA)/tokenizer.json
+	$(PY) bench/run_all.py --data $(DATA)
+
+clean:
+	rm -rf $(RUNS) $(DATA)

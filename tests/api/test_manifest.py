@@ -1,0 +1,72 @@
+"""Manifests, bare specs and `--set` overrides, with errors that say what to fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hlat_api import InvalidSpecError, apply_overrides, load_job
+
+SPEC = {
+    "instanceType": "cpu",
+    "model": {"preset": "tiny"},
+    "data": {"path": "/data", "tokenizer": "bytes", "seqLen": 64},
+    "train": {"steps": 10, "globalBatch": 4},
+    "optimizer": {"warmupSteps": 2},
+}
+
+
+def write(tmp_path: Path, doc: object, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_manifest_and_bare_spec_give_the_same_spec(tmp_path: Path) -> None:
+    manifest = {"apiVersion": "hlat.dev/v1alpha1", "kind": "PretrainJob",
+                "metadata": {"name": "run-a"}, "spec": SPEC}
+    a = load_job(write(tmp_path, manifest))
+    b = load_job(write(tmp_path, SPEC, "bare.yaml"))
+    assert a.spec == b.spec
+    assert (a.name, b.name) == ("run-a", "bare")
+
+
+def test_set_overrides_use_camel_case_paths_and_yaml_values(tmp_path: Path) -> None:
+    job = load_job(write(tmp_path, SPEC), [
+        "train.steps=40", "checkpoint.dir=/tmp/ck", "checkpoint.interval=20",
+        "data.path=/elsewhere", "optimizer.betas=[0.9, 0.99]", "checkpoint.async=false",
+    ])
+    s = job.spec
+    assert (s.train.steps, s.checkpoint.dir, s.checkpoint.interval) == (40, "/tmp/ck", 20)
+    assert (s.data.path, s.optimizer.betas, s.checkpoint.async_) == ("/elsewhere", (0.9, 0.99), False)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("train.stpes=4", "unknown key 'stpes'; train has: globalBatch, logInterval"),
+    ("trian.steps=4", "unknown key 'trian'; spec has:"),
+    ("train.steps.x=4", "has no sub-keys"),
+    ("train.steps", "expected key.path=value"),
+    ("train.steps=-3", "spec.train.steps: Input should be greater than or equal to 1"),
+])
+def test_bad_overrides_are_explained(tmp_path: Path, override: str, message: str) -> None:
+    with pytest.raises(InvalidSpecError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        load_job(write(tmp_path, SPEC), [override])
+
+
+def test_override_creates_missing_sections() -> None:
+    raw: dict[str, object] = {}
+    apply_overrides(raw, ["faultTolerance.backoff.maxSeconds=5"])
+    assert raw == {"faultTolerance": {"backoff": {"maxSeconds": 5}}}
+
+
+def test_bad_files_are_named(tmp_path: Path) -> None:
+    with pytest.raises(InvalidSpecError, match="missing.yaml: file not found"):
+        load_job(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("spec: [unclosed")
+    with pytest.raises(InvalidSpecError, match="bad.yaml: not valid YAML"):
+        load_job(bad)
+    with pytest.raises(InvalidSpecError, match="expected PretrainJob"):
+        load_job(write(tmp_path, {"kind": "Deployment", "spec": {}}))

@@ -1,0 +1,80 @@
+"""`hlat-train --config FILE [--set key.path=value ...]`: train one job.
+
+FILE is a PretrainJob manifest (its spec is used, its name names the checkpoint directory) or a
+bare spec. A bad config, dataset, tokenizer or checkpoint prints what to fix and exits with
+`ExitCode.CONFIG_ERROR`, which the operator treats as permanent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from hlat_api import Env, ExitCode, InvalidSpecError, load_job
+from hlat_trainer.errors import UserError
+
+log = logging.getLogger("hlat_trainer")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="hlat-train", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=os.environ.get(Env.CONFIG),
+                   help=f"PretrainJob manifest or spec, YAML or JSON (default: ${Env.CONFIG})")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a spec field by its camelCase path, e.g. train.steps=40")
+    p.add_argument("--job-name", default=os.environ.get(Env.JOB_NAME),
+                   help="job name for the checkpoint directory (default: metadata.name)")
+    p.add_argument("--log-format", choices=["json", "bar"], default=os.environ.get(Env.LOG_FORMAT),
+                   help="per-step output (default: bar on a terminal, json otherwise)")
+    p.add_argument("--metrics-port", type=int, default=int(os.environ.get(Env.METRICS_PORT) or 0),
+                   help="serve Prometheus metrics on this port (0: off)")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    args = p.parse_args(argv)
+    if not args.config:
+        p.error(f"--config is required (or set ${Env.CONFIG})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args)
+    except (InvalidSpecError, UserError) as err:
+        print(f"hlat-train: {err}", file=sys.stderr)
+        return ExitCode.CONFIG_ERROR
+
+
+def _run(args: argparse.Namespace) -> int:
+    # torch is imported here, after argument parsing, so `--help` and config errors are fast
+    from hlat_trainer.metrics import TrainMetrics
+    from hlat_trainer.report import JsonLines, ProgressBar
+    from hlat_trainer.train import Trainer
+
+    job = load_job(args.config, args.overrides, name=args.job_name)
+    fmt = args.log_format or ("bar" if sys.stdout.isatty() else "json")
+    trainer = Trainer(job, device=args.device)
+    metrics = TrainMetrics()
+    if args.metrics_port:
+        port = metrics.serve(args.metrics_port)
+        log.info("Prometheus metrics on :%d/metrics", port)
+    trainer.sinks.append(metrics.update)
+    bar = None
+    if fmt == "bar":
+        bar = ProgressBar(job.spec.total_steps, initial=trainer.checkpointer.latest_step() or 0)
+        trainer.sinks.append(bar)
+    else:
+        trainer.sinks.append(JsonLines())
+    try:
+        trainer.run()
+    finally:
+        if bar:
+            bar.close()
+    return ExitCode.OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

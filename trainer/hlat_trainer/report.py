@@ -19,11 +19,8 @@ _SKIP = {"tokens_step"}
 def to_record(stats: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in stats.items():
-        if key in _SKIP:
-            continue
-        if isinstance(value, float):
-            value = float(f"{value:.6g}")
-        out[to_camel(key)] = value
+        if key not in _SKIP:
+            out[to_camel(key)] = value  # floats in full: resumed runs are compared bit for bit
     return out
 
 

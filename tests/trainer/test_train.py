@@ -1,0 +1,88 @@
+"""The trainer trains: loss falls on the sample dataset, metrics are served, checkpoints behave."""
+
+from __future__ import annotations
+
+import logging
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hlat_api import Job, step_dir
+from hlat_trainer.metrics import TrainMetrics
+from hlat_trainer.train import Trainer
+
+
+def collect(job: Job) -> tuple[Trainer, list[dict[str, Any]]]:
+    seen: list[dict[str, Any]] = []
+    trainer = Trainer(job, sinks=[seen.append])
+    trainer.run()
+    return trainer, seen
+
+
+@pytest.mark.slow
+def test_loss_falls_on_the_sample_dataset(make_job: Callable[..., Job]) -> None:
+    """A few minutes of CPU at most: 80 steps of a small model on stdlib text."""
+    job = make_job(train__steps=80, train__globalBatch=8, optimizer__warmupSteps=5,
+                   checkpoint__interval=80)
+    _, seen = collect(job)
+    first, last = seen[0]["loss"], sum(r["loss"] for r in seen[-10:]) / 10
+    # from uniform over 4096 tokens (ln 4096 = 8.3) to about the data's unigram entropy (~6.3)
+    assert first == pytest.approx(8.3, abs=0.3)
+    assert last < first - 1.2, (first, last)
+    assert all(r["tokens_per_second"] > 0 and 0 < r["mfu"] < 1 for r in seen)
+
+
+def test_steps_count_from_one_and_checkpoints_hold_the_state_after_n_steps(
+    make_job: Callable[..., Job],
+) -> None:
+    job = make_job(train__steps=5, checkpoint__interval=2, checkpoint__keep=2)
+    trainer, seen = collect(job)
+    assert [r["step"] for r in seen] == [1, 2, 3, 4, 5]
+    root = Path(job.spec.checkpoint.dir)
+    # keep=2: step_2 was purged; step_5 is the final save
+    assert sorted(p.name for p in (root / "job").iterdir()) == ["step_4", "step_5"]
+    state = torch.load(step_dir(root, "job", 5) / "state.pt", weights_only=True)
+    assert state["train"]["step"] == 5
+    assert state["train"]["tokens"] == 5 * job.spec.tokens_per_step
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(state["model"][name], tensor), name
+
+
+def test_corrupt_or_incomplete_newest_checkpoint_falls_back_to_older(
+    make_job: Callable[..., Job], caplog: pytest.LogCaptureFixture
+) -> None:
+    job = make_job(train__steps=4, checkpoint__interval=2, checkpoint__keep=3)
+    collect(job)
+    root = Path(job.spec.checkpoint.dir)
+    newest = step_dir(root, "job", 4) / "state.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, though `done` exists
+    half_written = step_dir(root, "job", 6)
+    half_written.mkdir()
+    (half_written / "state.pt").write_bytes(b"partial")  # a crash before `done`
+
+    caplog.set_level(logging.WARNING)
+    resumed = Trainer(make_job(train__steps=6, checkpoint__interval=2))
+    assert resumed.maybe_resume() == 2
+    assert "step_4 is unreadable" in caplog.text
+    assert not half_written.exists(), "an incomplete checkpoint is removed at start"
+
+
+def test_prometheus_endpoint_serves_training_metrics(make_job: Callable[..., Job]) -> None:
+    job = make_job(train__steps=3)
+    metrics = TrainMetrics()
+    port = metrics.serve(0, addr="127.0.0.1")
+    trainer = Trainer(job, sinks=[metrics.update])
+    last = trainer.run()
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in body.splitlines()
+              if line.startswith("hlat_train_")}
+    assert values["hlat_train_step"] == 3
+    assert values["hlat_train_loss"] == pytest.approx(last["loss"])
+    assert values["hlat_train_tokens_total"] == 3 * job.spec.tokens_per_step
+    for name in ("grad_norm", "param_norm", "lr", "tokens_per_second", "mfu", "step_seconds",
+                 "data_wait_seconds", "checkpoint_blocking_seconds"):
+        assert f"hlat_train_{name}" in values, name

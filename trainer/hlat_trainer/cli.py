@@ -49,12 +49,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # torch is imported here, after argument parsing, so `--help` and config errors are fast
+    job = load_job(args.config, args.overrides, name=args.job_name)
+    # the loader tokenizes in one background thread; keep HF tokenizers' Rayon pool from
+    # competing with the training threads for every core
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    # torch is imported only now, so `--help` and config errors answer at once
     from hlat_trainer.metrics import TrainMetrics
     from hlat_trainer.report import JsonLines, ProgressBar
     from hlat_trainer.train import Trainer
 
-    job = load_job(args.config, args.overrides, name=args.job_name)
     fmt = args.log_format or ("bar" if sys.stdout.isatty() else "json")
     trainer = Trainer(job, device=args.device)
     metrics = TrainMetrics()

@@ -1,0 +1,312 @@
+"""The online packing loader: packing semantics, data-parallel streams, epochs, exact resume."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+import torch
+
+from hlat_trainer.data import ByteTokenizer, PackedLoader, load_tokenizer
+from hlat_trainer.errors import UserError
+
+EOS = 256
+# 40 distinct documents of 0-29 characters (plus a prefix): many shorter than a row, some longer
+DOCS = [f"<{i}>" + "abcdefghijklmnopqrstuvwxyz0123"[: (i * 7) % 30] for i in range(40)]
+
+
+def write_arrow(path: Path, docs: list[str], *, stream: bool = False) -> Path:
+    table = pa.table({"text": pa.array(docs, type=pa.string())})
+    new = pa.ipc.new_stream if stream else pa.ipc.new_file
+    with pa.OSFile(str(path), "wb") as sink, new(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=6)
+    return path
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> str:
+    write_arrow(tmp_path / "part-0.arrow", DOCS[:25])
+    write_arrow(tmp_path / "part-1.arrow", DOCS[25:], stream=True)
+    return str(tmp_path)
+
+
+def make(data: str, **kw: Any) -> PackedLoader:
+    args: dict[str, Any] = dict(
+        text_column="text", seq_len=16, micro_batch=2, dp_rank=0, dp_size=1, seed=7, prefetch=4
+    )
+    args.update(kw)
+    return PackedLoader(data, args.pop("tokenizer", load_tokenizer("bytes")), **args)
+
+
+def take(loader: PackedLoader, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [next(loader) for _ in range(n)]
+
+
+def token_stream(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+    """The rank's token stream as the batches show it: first input token, then all targets."""
+    return [int(batches[0][0][0, 0]), *torch.cat([y for _, y in batches]).flatten().tolist()]
+
+
+def documents_in(stream: list[int]) -> list[str]:
+    """Texts of the complete documents in a stream (those after the first EOS)."""
+    text = bytes(t if t != EOS else 0 for t in stream).decode()
+    return text.split("\0")[1:-1]
+
+
+def test_batches_have_the_promised_shape_and_type(data: str) -> None:
+    with make(data, seq_len=16, micro_batch=3) as loader:
+        inputs, targets = next(loader)
+        assert inputs.shape == targets.shape == (3, 16)
+        assert inputs.dtype == targets.dtype == torch.int64
+        assert loader.tokens_per_batch == 48
+        assert loader.vocab_size == 257
+
+
+def test_rows_carry_leftover_tokens_and_no_token_is_lost(data: str) -> None:
+    with make(data, seq_len=16, micro_batch=2) as loader:
+        batches = take(loader, 30)
+    stream = token_stream(batches)
+    rows_x = torch.cat([x for x, _ in batches])
+    rows_y = torch.cat([y for _, y in batches])
+    for i in range(len(rows_x)):
+        # row i is stream[16i : 16i+17]: targets are inputs shifted by one, and the next row
+        # starts with the last token of this one (the leftover is carried, nothing cropped)
+        assert rows_x[i].tolist() == stream[16 * i : 16 * i + 16]
+        assert rows_y[i].tolist() == stream[16 * i + 1 : 16 * i + 17]
+        if i + 1 < len(rows_x):
+            assert rows_x[i + 1, 0] == rows_y[i, -1]
+
+
+def test_documents_are_whole_and_joined_by_eos(data: str) -> None:
+    with make(data, seq_len=16, micro_batch=2) as loader:
+        stream = token_stream(take(loader, 15))  # about 25 documents: within epoch 0
+    assert stream.count(EOS) > 15
+    docs = documents_in(stream)
+    assert all(d in DOCS for d in docs)  # each document intact between two EOS
+    assert len(set(docs)) == len(docs)  # within one epoch no document repeats
+    assert docs != DOCS[1 : len(docs) + 1]  # shuffled
+
+
+def first_epoch(data: str, rank: int, size: int, seed: int = 7) -> list[str]:
+    """The documents of `rank` in epoch 0: rank r gets every size-th one, ceil((40-r)/size)."""
+    with make(data, dp_rank=rank, dp_size=size, seed=seed) as loader:
+        stream = token_stream(take(loader, 40))
+    docs = bytes(t if t != EOS else 0 for t in stream).decode().split("\0")
+    return docs[: -(-(len(DOCS) - rank) // size)]
+
+
+def test_ranks_get_disjoint_streams_that_cover_each_document_once_per_epoch(data: str) -> None:
+    per_rank = [first_epoch(data, r, 3) for r in range(3)]
+    counts = Counter(doc for docs in per_rank for doc in docs)
+    assert set(counts) == set(DOCS)
+    assert set(counts.values()) == {1}
+
+
+def test_seed_changes_the_order(data: str) -> None:
+    assert first_epoch(data, 0, 1, seed=1) != first_epoch(data, 0, 1, seed=2)
+    assert first_epoch(data, 0, 1, seed=1) == first_epoch(data, 0, 1, seed=1)
+
+
+def test_epochs_continue_with_a_new_permutation(data: str) -> None:
+    with make(data, dp_rank=1, dp_size=2, seq_len=32, micro_batch=4) as loader:
+        stream = token_stream(take(loader, 40))
+        assert loader.epoch >= 2
+    docs = bytes(t if t != EOS else 0 for t in stream).decode().split("\0")
+    epoch0, epoch1 = docs[:20], docs[20:40]
+    assert sorted(epoch0) != sorted(DOCS)  # half of them
+    assert epoch0 != epoch1
+    assert len(set(epoch0) | set(epoch1)) > 20  # another split of the documents between ranks
+
+
+def resume_cases(data: str) -> dict[str, int]:
+    """How many batches to consume before saving, for each kind of resume point."""
+    with make(data, micro_batch=1, seq_len=8) as loader:
+        states = [loader.state_dict()] + [
+            (next(loader), loader.state_dict())[1] for _ in range(120)
+        ]
+    doc_start = next(k for k, s in enumerate(states) if k > 0 and s["offset"] == 0)
+    mid_doc = next(k for k, s in enumerate(states) if s["offset"] > 0)
+    last_of_epoch = max(k for k, s in enumerate(states) if s["epoch"] == 0)
+    new_epoch = last_of_epoch + 1
+    assert states[new_epoch]["epoch"] == 1
+    return {
+        "start": 0,
+        "doc_start": doc_start,
+        "mid_doc": mid_doc,
+        "before_epoch_end": last_of_epoch - 1,
+        "new_epoch": new_epoch,
+    }
+
+
+@pytest.mark.parametrize("case", ["start", "doc_start", "mid_doc", "before_epoch_end", "new_epoch"])
+def test_resume_gives_exactly_the_next_batches(data: str, case: str, tmp_path: Path) -> None:
+    k = resume_cases(data)[case]
+    with make(data, micro_batch=1, seq_len=8) as loader:
+        expected = take(loader, k + 12)
+    with make(data, micro_batch=1, seq_len=8, prefetch=6) as first:
+        assert same(take(first, k), expected[:k])
+        if k:
+            _wait_until_prefetched(first)  # the thread has run ahead of what was consumed
+        state = first.state_dict()
+        buf = io.BytesIO()
+        torch.save(state, buf)
+    buf.seek(0)
+    with make(data, micro_batch=1, seq_len=8, prefetch=2) as second:
+        second.load_state_dict(torch.load(buf, weights_only=True))
+        got = take(second, 12)
+    assert same(got, expected[k:])
+
+
+def same(
+    a: list[tuple[torch.Tensor, torch.Tensor]], b: list[tuple[torch.Tensor, torch.Tensor]]
+) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x, bx) and torch.equal(y, by) for (x, y), (bx, by) in zip(a, b, strict=True)
+    )
+
+
+def _wait_until_prefetched(loader: PackedLoader) -> None:
+    deadline = time.monotonic() + 5
+    while not loader._queue.full() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loader._queue.full()
+
+
+def test_resume_in_the_same_loader_rewinds(data: str) -> None:
+    with make(data) as loader:
+        take(loader, 3)
+        state = loader.state_dict()
+        after = take(loader, 5)
+        take(loader, 10)
+        loader.load_state_dict(state)
+        again = take(loader, 5)
+    assert same(after, again)
+
+
+def test_state_is_small_and_plain(data: str) -> None:
+    with make(data, seq_len=4096, micro_batch=1) as loader:
+        next(loader)
+        state = loader.state_dict()
+    assert len(pickle.dumps(state)) < 1000
+    assert {"epoch", "doc", "offset", "seed", "dp_rank", "dp_size", "seq_len"} <= set(state)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"seed": 8}, r"different data\.shuffleSeed: seed was 7, now 8"),
+        ({"dp_size": 2}, r"different data-parallel size .*dp_size was 1, now 2"),
+        ({"dp_rank": 1, "dp_size": 2}, r"dp_size was 1, now 2"),
+        ({"seq_len": 32}, r"different data\.seqLen: seq_len was 16, now 32"),
+    ],
+)
+def test_state_from_another_layout_is_refused(
+    data: str, change: dict[str, Any], message: str
+) -> None:
+    with make(data) as loader:
+        next(loader)
+        state = loader.state_dict()
+    with make(data, **change) as other, pytest.raises(UserError, match=message):
+        other.load_state_dict(state)
+
+
+def test_state_from_another_dataset_is_refused(data: str, tmp_path: Path) -> None:
+    with make(data) as loader:
+        state = loader.state_dict()
+    other_data = write_arrow(tmp_path / "other.arrow", DOCS[:30])
+    with (
+        make(str(other_data)) as other,
+        pytest.raises(
+            UserError,
+            match=r"different dataset \(data\.path.*part-0\.arrow', 25\].*other\.arrow', 30",
+        ),
+    ):
+        other.load_state_dict(state)
+
+
+def test_state_from_another_tokenizer_is_refused(data: str) -> None:
+    class Other(ByteTokenizer):
+        fingerprint = "other"
+
+    with make(data) as loader:
+        state = loader.state_dict()
+    with (
+        make(data, tokenizer=Other()) as other,
+        pytest.raises(UserError, match=r"different tokenizer \(data\.tokenizer\)"),
+    ):
+        other.load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("doc", 10_000, r"points at document 10000 of epoch 0, but this rank has 40"),
+        ("offset", 10_000, r"points at token 10000 of a document that has \d+ tokens"),
+        ("version", 99, r"version 99, this trainer reads version 1"),
+    ],
+)
+def test_corrupt_state_is_refused(data: str, field: str, value: int, message: str) -> None:
+    with make(data) as loader:
+        state = loader.state_dict()
+        state[field] = value
+        with pytest.raises(UserError, match=message):
+            loader.load_state_dict(state)
+
+
+def _loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("hlat-data")]
+
+
+def test_background_thread_is_a_daemon_and_close_stops_it(data: str) -> None:
+    loader = make(data, prefetch=1)
+    next(loader)
+    assert [t.daemon for t in _loader_threads()] == [True]
+    loader.close()
+    assert _loader_threads() == []
+    with pytest.raises(RuntimeError, match="closed"):
+        next(loader)
+
+
+class SlowTokenizer(ByteTokenizer):
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        time.sleep(0.05)
+        if any("boom" in t for t in texts):
+            raise ValueError("tokenizer exploded")
+        return super().encode_batch(texts)
+
+
+def test_wait_seconds_counts_time_spent_waiting_for_data(data: str) -> None:
+    with make(data, tokenizer=SlowTokenizer()) as loader:
+        assert loader.wait_seconds == 0
+        next(loader)
+        assert loader.wait_seconds >= 0.04
+
+
+def test_errors_in_the_background_thread_reach_the_consumer(tmp_path: Path) -> None:
+    path = write_arrow(tmp_path / "d.arrow", ["fine", "boom"])
+    with (
+        make(str(path), tokenizer=SlowTokenizer()) as loader,
+        pytest.raises(ValueError, match="tokenizer exploded"),
+    ):
+        next(loader)
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"seq_len": 0}, r"data\.seqLen must be at least 1"),
+        ({"micro_batch": 0}, r"train\.microBatch must be at least 1"),
+        ({"dp_rank": 2, "dp_size": 2}, r"rank 2 is not in \[0, 2\)"),
+        ({"seed": -1}, r"data\.shuffleSeed must be >= 0"),
+    ],
+)
+def test_bad_arguments(data: str, kw: dict[str, Any], message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        make(data, **kw)

@@ -33,3 +33,11 @@ def test_only_checkpoints_with_done_are_complete(tmp_path: Path) -> None:
     latest = latest_complete(tmp_path, "job")
     assert latest is not None and latest.step == 20
     assert latest_complete(tmp_path, "other") is None
+
+
+def test_api_reference_doc_is_current() -> None:
+    from hlat_api.reference import render
+
+    doc = Path(__file__).parents[2] / "docs" / "api.md"
+    assert doc.read_text() == render(), "run: .venv/bin/python -m hlat_api.reference > docs/api.md"
+    assert "`checkpoint.async`" in doc.read_text() and "`data.seqLen`" in doc.read_text()

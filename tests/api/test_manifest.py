@@ -62,11 +62,11 @@ def test_override_creates_missing_sections() -> None:
 
 
 def test_bad_files_are_named(tmp_path: Path) -> None:
-    with pytest.raises(InvalidSpecError, match="missing.yaml: file not found"):
+    with pytest.raises(InvalidSpecError, match=r"missing\.yaml: file not found"):
         load_job(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("spec: [unclosed")
-    with pytest.raises(InvalidSpecError, match="bad.yaml: not valid YAML"):
+    with pytest.raises(InvalidSpecError, match=r"bad\.yaml: not valid YAML"):
         load_job(bad)
     with pytest.raises(InvalidSpecError, match="expected PretrainJob"):
         load_job(write(tmp_path, {"kind": "Deployment", "spec": {}}))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from hlat_trainer.monitor import GradSpikeMonitor
@@ -18,7 +20,7 @@ def test_warmup_then_cosine_to_min() -> None:
     assert lr_at(mid, **PAPER) == pytest.approx((3e-4 + 3e-5) / 2)
     assert lr_at(430_000, **PAPER) == pytest.approx(3e-5)
     rates = [lr_at(s, **PAPER) for s in range(2000, 430_001, 1000)]
-    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(rates))
 
 
 def test_spikes_are_counted_by_length() -> None:

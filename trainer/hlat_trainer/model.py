@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x)
+        normed: Tensor = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x)
         return normed * self.weight
 
     def reset_parameters(self) -> None:
@@ -57,7 +57,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate [B, heads, T, head_dim] by the position tables sliced to T."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos + rotated * sin).type_as(x)
+    out: Tensor = (x * cos + rotated * sin).type_as(x)
+    return out
 
 
 class Attention(nn.Module):
@@ -77,11 +78,15 @@ class Attention(nn.Module):
         v = qkv[:, :, :, self.q_per_kv + 1].transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core_attention(q, k, v)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        projected: Tensor = self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return projected
 
     def core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Causal softmax attention; the unit that selective activation checkpointing recomputes."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.q_per_kv > 1)
+        out: Tensor = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.q_per_kv > 1
+        )
+        return out
 
 
 class FeedForward(nn.Module):
@@ -94,7 +99,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.w_gate_up(x).unflatten(-1, (-1, 2))
-        return self.w_down(F.silu(gate_up[..., 0]) * gate_up[..., 1])
+        out: Tensor = self.w_down(F.silu(gate_up[..., 0]) * gate_up[..., 1])
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -107,8 +113,9 @@ class DecoderLayer(nn.Module):
         self.feed_forward = FeedForward(dims)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        h: Tensor = x + self.attention(self.attention_norm(x), cos, sin)
+        out: Tensor = h + self.feed_forward(self.ffn_norm(h))
+        return out
 
     def init_weights(self) -> None:
         out_std = INIT_STD / math.sqrt(2 * (self.layer_id + 1))
@@ -122,6 +129,9 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     """tokens [B, T] -> logits [B, T, vocab]."""
+
+    rope_cos: Tensor
+    rope_sin: Tensor
 
     def __init__(self, dims: ModelDims) -> None:
         super().__init__()
@@ -140,7 +150,8 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)
-        return self.output(self.norm(h))
+        logits: Tensor = self.output(self.norm(h))
+        return logits
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -91,9 +91,8 @@ class Trainer:
             )
         self.policy = precision_policy(spec.precision)
         torch.manual_seed(spec.train.seed)
-        self.model: Transformer = self.policy.apply(
-            build_model(self.dims, self.device, seed=spec.train.seed)
-        )
+        self.model: Transformer = build_model(self.dims, self.device, seed=spec.train.seed)
+        self.policy.apply(self.model)
         o = spec.optimizer
         self.optimizer = build_optimizer(
             list(self.model.parameters()), precision=spec.precision, lr=o.lr, betas=o.betas,
@@ -166,9 +165,9 @@ class Trainer:
             with self.policy.autocast(self.device.type):
                 logits = self.model(inputs)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach()
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params: list[Tensor] = [p for p in self.model.parameters() if p.grad is not None]
         clip = spec.optimizer.grad_clip if spec.optimizer.grad_clip > 0 else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True).item()
         self.optimizer.step()

@@ -1,0 +1,70 @@
+"""Render the spec's field documentation as Markdown (docs/api.md), from the models themselves.
+
+`python -m hlat_api.reference > docs/api.md`; a test fails when the file is stale, so the
+reference can never drift from the schema.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel
+
+from hlat_api.spec import PretrainJobSpec
+
+HEADER = """# PretrainJob spec reference
+
+Generated from `hlat_api.spec` by `python -m hlat_api.reference > docs/api.md`; do not edit.
+Fields are camelCase in YAML. A manifest looks like `examples/pretrainjob-tiny.yaml`.
+
+| field | type | default | description |
+|---|---|---|---|
+"""
+
+
+def _type_name(annotation: Any) -> str:
+    """`int`, `float or "auto"`, `"fp32" | "mixed" | ...`, `list of Toleration`; None dropped."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _type_name(args[0])
+    if origin is Literal:
+        return " \\| ".join(f'"{a}"' for a in args)
+    if origin in (Union, UnionType):
+        return " or ".join(_type_name(a) for a in args if a is not type(None))
+    if origin in (list, tuple, dict):
+        inner = ", ".join(_type_name(a) for a in args if a is not Ellipsis)
+        return f"{origin.__name__}[{inner}]"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _default(info: Any) -> str:
+    if info.is_required():
+        return "required"
+    if info.default_factory is not None:
+        return ""
+    return f"`{json.dumps(info.default)}`"
+
+
+def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, info in model.model_fields.items():
+        key = prefix + (info.alias or name)
+        ann = info.annotation
+        nested = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        desc = (info.description or "").replace("\n", " ")
+        type_name = "object" if nested else _type_name(ann)
+        out.append(f"| `{key}` | {type_name} | {_default(info)} | {desc} |")
+        if nested is not None:
+            out.extend(rows(nested, key + "."))
+    return out
+
+
+def render() -> str:
+    return HEADER + "\n".join(rows(PretrainJobSpec)) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())

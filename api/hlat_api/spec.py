@@ -236,6 +236,21 @@ class SchedulingSpec(_Model):
     """Scheduler for the worker pods (e.g. a gang scheduler); default scheduler if unset."""
 
 
+class NeuronSpec(_Model):
+    """Neuron compiler and runtime settings (Trainium only); see docs/neuron.md."""
+
+    cache_dir: str = "/var/tmp/neuron-compile-cache"
+    """Node-local compile cache (never on the shared volume: the paper saw timeouts there)."""
+    compiler_flags: list[str] = Field(default_factory=lambda: ["--model-type=transformer"])
+    """Extra NEURON_CC_FLAGS; --cache_dir is added from cacheDir."""
+    fuse_softmax: bool = True
+    """NEURON_FUSE_SOFTMAX=1: the compiler's custom softmax lowering (paper 3.5)."""
+    async_exec_max_inflight_requests: Annotated[int, Field(ge=0)] = 3
+    """NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS: overlap host and device work (paper 3.5)."""
+    compile_only: bool = False
+    """Only trace and compile the graphs (for neuron_parallel_compile), then exit."""
+
+
 class PretrainJobSpec(_Model):
     """What to train, on what, and how to survive faults."""
 
@@ -247,6 +262,10 @@ class PretrainJobSpec(_Model):
     """Node type: trn1.2xlarge, trn1.32xlarge, trn1n.32xlarge, trn2.48xlarge, p5.48xlarge, cpu."""
     processes_per_node: PositiveInt | None = None
     """Trainer processes per node; defaults to the instance type's (32 on trn1.32xlarge)."""
+    backend: Literal["auto", "cpu", "cuda", "neuron-native", "neuron-xla"] = "auto"
+    """Device stack: auto picks neuron-xla on trn instances, cuda on p5, cpu on cpu."""
+    neuron: NeuronSpec = Field(default_factory=NeuronSpec)
+    """Neuron compiler/runtime settings, used by the neuron backends only."""
     model: ModelSpec = Field(default_factory=ModelSpec)
     """The decoder."""
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)

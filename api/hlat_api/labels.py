@@ -1,0 +1,143 @@
+"""Names the operator puts on Kubernetes objects, and the reasons it writes in status.
+
+Everything that reads a PretrainJob's objects from outside the operator (the testbed's fault
+injection, the integration tests, the benchmarks, a user's `kubectl get pods -l ...`) needs
+the same label keys, object names and reason strings; keeping them here means the operator
+never scatters literals and nobody else has to guess them.
+
+Object names are short on purpose: a worker's hostname `<job>-<rank>` must be a DNS label
+(63 characters), so the CRD limits job names to `MAX_JOB_NAME` characters.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Final
+
+# --- label keys ------------------------------------------------------------------------------
+
+JOB: Final = "hlat.dev/job"
+"""Name of the PretrainJob that owns the object (every object the operator creates)."""
+ATTEMPT: Final = "hlat.dev/attempt"
+"""Restart attempt of a worker pod or Lease, from 0."""
+NODE_RANK: Final = "hlat.dev/node-rank"
+"""Node rank of a worker pod (torchrun's --node-rank), from 0."""
+COMPONENT: Final = "app.kubernetes.io/component"
+NAME: Final = "app.kubernetes.io/name"
+MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+APP_NAME: Final = "hlat"
+OPERATOR_NAME: Final = "hlat-operator"
+WORKER: Final = "worker"
+
+STATE_ANNOTATION: Final = "hlat.dev/operator-state"
+"""The operator's own bookkeeping on a PretrainJob (JSON): what the status does not hold,
+e.g. nodes to avoid and the no-progress streak. Written only by the operator."""
+
+# --- well-known keys of other systems --------------------------------------------------------
+
+INSTANCE_TYPE_LABEL: Final = "node.kubernetes.io/instance-type"
+NODE_HEALTH_LABEL: Final = "sagemaker.amazonaws.com/node-health-status"
+"""SageMaker HyperPod's node health; any value but `NODE_HEALTHY` keeps new pods away."""
+NODE_HEALTHY: Final = "Schedulable"
+NEURON_RESOURCE: Final = "aws.amazon.com/neuron"
+EFA_RESOURCE: Final = "vpc.amazonaws.com/efa"
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+NEURON_TAINT: Final = "aws.amazon.com/neuron"
+GPU_TAINT: Final = "nvidia.com/gpu"
+
+# --- object names ----------------------------------------------------------------------------
+
+MAX_JOB_NAME: Final = 52
+"""Longest PretrainJob name: leaves room for `-a<attempt>-<rank>` within a 63-char label."""
+CONFIG_FILE: Final = "config.json"
+"""Key of the trainer config in the job's ConfigMap (and the file name it is mounted as)."""
+CONFIG_DIR: Final = "/etc/hlat"
+
+
+def service_name(job: str) -> str:
+    """The headless Service whose DNS the workers rendezvous through."""
+    return job
+
+
+def config_map_name(job: str) -> str:
+    return f"{job}-config"
+
+
+def service_account_name(job: str) -> str:
+    """Also the name of the Role and RoleBinding that let workers renew their Leases."""
+    return f"{job}-worker"
+
+
+def worker_pod_name(job: str, attempt: int, rank: int) -> str:
+    """Per attempt, so the next gang never collides with a pod that is still terminating."""
+    return f"{job}-a{attempt}-{rank}"
+
+
+def worker_hostname(job: str, rank: int) -> str:
+    """Stable across attempts: `<job>-0.<service>` is always the rendezvous master."""
+    return f"{job}-{rank}"
+
+
+def master_addr(job: str) -> str:
+    return f"{worker_hostname(job, 0)}.{service_name(job)}"
+
+
+# --- reasons (status conditions, lastFailure, Events) ----------------------------------------
+
+
+class Reason(StrEnum):
+    """CamelCase reasons in conditions, `status.lastFailure.reason` and Events."""
+
+    # lifecycle
+    CREATED = "Created"
+    """The gang of an attempt was created; waiting for every pod to run."""
+    RUNNING = "Running"
+    """Every worker pod of the attempt is running."""
+    TRAINING = "Training"
+    """Every worker reports a training heartbeat (the Ready condition)."""
+    COMPLETED = "Completed"
+    """Every worker pod exited 0: the trainer finished its steps."""
+    SUSPENDED = "Suspended"
+    RESUMED = "Resumed"
+    BACKOFF = "BackingOff"
+    """The old gang is gone; waiting out the restart backoff."""
+    FORCE_DELETED = "ForceDeleted"
+    """A pod stuck terminating on a dead node was deleted without waiting for its kubelet."""
+    # faults that end an attempt (retryable unless noted)
+    POD_FAILED = "PodFailed"
+    """A worker exited non-zero (not a config error, not a signal)."""
+    KILLED = "Killed"
+    """A worker was killed by a signal (exit code 128+n)."""
+    OOM_KILLED = "OOMKilled"
+    CONFIG_ERROR = "ConfigError"
+    """A worker exited with ExitCode.CONFIG_ERROR: permanent, the job is Failed."""
+    EVICTED = "Evicted"
+    PREEMPTED = "Preempted"
+    POD_DELETED = "PodDeleted"
+    """A running worker pod was deleted (or began terminating) without the operator asking."""
+    NODE_LOST = "NodeLost"
+    """The node of a worker is NotReady, unreachable, or gone."""
+    NODE_UNHEALTHY = "NodeUnhealthy"
+    """The node of a worker carries a HyperPod health label other than Schedulable."""
+    STARTUP_TIMEOUT = "StartupTimeout"
+    """No first heartbeat within faultTolerance.heartbeat.startupTimeoutSeconds."""
+    HEARTBEAT_TIMEOUT = "HeartbeatTimeout"
+    """A training worker stopped renewing its Lease for longer than the steady timeout."""
+    # terminal
+    INVALID_SPEC = "InvalidSpec"
+    BUDGET_EXHAUSTED = "BudgetExhausted"
+    """More counted restarts than faultTolerance.maxRestarts."""
+    NO_PROGRESS = "NoProgress"
+    """faultTolerance.noProgressRestarts restarts in a row without a new complete checkpoint."""
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+
+
+INFRA_REASONS: Final = frozenset(
+    {Reason.EVICTED, Reason.PREEMPTED, Reason.POD_DELETED, Reason.NODE_LOST, Reason.NODE_UNHEALTHY}
+)
+"""Infrastructure faults: they use restart budget only when faultTolerance.infraFaultsCount."""
+
+NODE_REASONS: Final = frozenset({Reason.NODE_LOST, Reason.NODE_UNHEALTHY, Reason.HEARTBEAT_TIMEOUT})
+"""Faults that implicate the node: with avoidFailedNodes its name is kept out of later attempts.
+A startup timeout does not: the whole gang usually waits on the one pod that is slow, and
+blaming every node would leave nowhere to run."""

@@ -1,0 +1,416 @@
+"""Pure `build_*` functions: the objects a PretrainJob needs, as dicts, from its spec.
+
+No I/O and no Kubernetes client: reconcile decides *when* to create them, the k8s module sends
+them. Every object carries the job label and an ownerReference to the PretrainJob, so deleting
+the job lets the garbage collector remove everything.
+
+Design choices:
+- Worker pods are named per attempt (`<job>-a<attempt>-<rank>`) but keep a stable hostname
+  (`<job>-<rank>`) under the headless Service, so `MASTER_ADDR=<job>-0.<job>` never changes
+  while a new gang can be named before the old one's names are free.
+- The headless Service publishes not-ready addresses: rendezvous happens before any probe
+  could pass.
+- Workers may get/update/patch only their own attempt's Leases (RBAC resourceNames). `create`
+  cannot be restricted by name, so the operator creates the Leases itself.
+- Resources come from hlat_api.presets.INSTANCE_TYPES: the whole node's Neuron devices and EFA
+  interfaces (requests = limits, as extended resources require), none on `cpu`.
+- The Neuron compile cache is a node-local hostPath: the paper saw timeouts with it on the
+  shared volume, and a node that compiled once should not compile again after a restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from hlat_api import labels
+from hlat_api.env import Env
+from hlat_api.heartbeat import lease_name
+from hlat_api.manifest import API_GROUP, API_VERSION, KIND
+from hlat_api.presets import INSTANCE_TYPES
+from hlat_api.spec import PretrainJobSpec
+from hlat_operator.config import OperatorSettings
+from hlat_operator.kube import (
+    ConfigMap,
+    Container,
+    EnvVar,
+    Lease,
+    ObjectMeta,
+    OwnerReference,
+    Pod,
+    PodSpec,
+    Role,
+    RoleBinding,
+    Service,
+    ServiceAccount,
+    Volume,
+    VolumeMount,
+)
+
+CONTAINER = "trainer"
+SHM_VOLUME, DATA_VOLUME, CACHE_VOLUME, CONFIG_VOLUME = "shm", "data", "neuron-cache", "config"
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """Identity of a PretrainJob: what every owned object points back to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+def owner_reference(job: JobRef) -> OwnerReference:
+    return {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": KIND,
+        "name": job.name,
+        "uid": job.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def job_labels(job: JobRef) -> dict[str, str]:
+    return {
+        labels.NAME: labels.APP_NAME,
+        labels.MANAGED_BY: labels.OPERATOR_NAME,
+        labels.JOB: job.name,
+    }
+
+
+def worker_selector(job: JobRef) -> dict[str, str]:
+    """Selects the job's worker pods of every attempt (only one attempt is ever alive)."""
+    return {labels.JOB: job.name, labels.COMPONENT: labels.WORKER}
+
+
+def _meta(job: JobRef, name: str, extra_labels: dict[str, str] | None = None) -> ObjectMeta:
+    return {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": {**job_labels(job), **(extra_labels or {})},
+        "ownerReferences": [owner_reference(job)],
+    }
+
+
+def resolve_image(spec: PretrainJobSpec, settings: OperatorSettings) -> str | None:
+    return spec.image or settings.default_image
+
+
+# --- per-job objects -------------------------------------------------------------------------
+
+
+def build_service(job: JobRef, settings: OperatorSettings) -> Service:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(job, labels.service_name(job.name)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": worker_selector(job),
+            "publishNotReadyAddresses": True,
+            "ports": [
+                {
+                    "name": "rendezvous",
+                    "port": settings.master_port,
+                    "targetPort": settings.master_port,
+                }
+            ],
+        },
+    }
+
+
+def build_config_map(job: JobRef, spec: PretrainJobSpec) -> ConfigMap:
+    """The trainer config: the spec itself, as the JSON `hlat-train --config` reads."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(job, labels.config_map_name(job.name)),
+        "data": {labels.CONFIG_FILE: spec.model_dump_json(by_alias=True)},
+    }
+
+
+def build_service_account(job: JobRef) -> ServiceAccount:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(job, labels.service_account_name(job.name)),
+    }
+
+
+def lease_names(job: JobRef, spec: PretrainJobSpec, attempt: int) -> list[str]:
+    return [
+        lease_name(labels.worker_pod_name(job.name, attempt, rank)) for rank in range(spec.nodes)
+    ]
+
+
+def build_role(job: JobRef, spec: PretrainJobSpec, attempt: int) -> Role:
+    """Only the current attempt's Leases: a worker of an old gang that is somehow still alive
+    cannot pose as a live member of the new one."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _meta(job, labels.service_account_name(job.name)),
+        "rules": [
+            {
+                "apiGroups": ["coordination.k8s.io"],
+                "resources": ["leases"],
+                "resourceNames": lease_names(job, spec, attempt),
+                "verbs": ["get", "update", "patch"],
+            }
+        ],
+    }
+
+
+def build_role_binding(job: JobRef) -> RoleBinding:
+    name = labels.service_account_name(job.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _meta(job, name),
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job.namespace}],
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+    }
+
+
+def build_leases(
+    job: JobRef, spec: PretrainJobSpec, attempt: int, settings: OperatorSettings
+) -> list[Lease]:
+    """Empty Leases (no renewTime): the first renewal is the worker's first heartbeat."""
+    duration = max(1, round(settings.heartbeat_period_seconds * 3))
+    out: list[Lease] = []
+    for rank, name in enumerate(lease_names(job, spec, attempt)):
+        extra = {labels.ATTEMPT: str(attempt), labels.NODE_RANK: str(rank)}
+        lease: Lease = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": _meta(job, name, extra),
+            "spec": {
+                "holderIdentity": labels.worker_pod_name(job.name, attempt, rank),
+                "leaseDurationSeconds": duration,
+            },
+        }
+        out.append(lease)
+    return out
+
+
+# --- worker pods -----------------------------------------------------------------------------
+
+
+def build_worker_pods(
+    job: JobRef,
+    spec: PretrainJobSpec,
+    attempt: int,
+    settings: OperatorSettings,
+    avoid_nodes: Iterable[str] = (),
+) -> list[Pod]:
+    avoid = sorted(set(avoid_nodes))
+    return [
+        build_worker_pod(job, spec, attempt, rank, settings, avoid) for rank in range(spec.nodes)
+    ]
+
+
+def build_worker_pod(
+    job: JobRef,
+    spec: PretrainJobSpec,
+    attempt: int,
+    rank: int,
+    settings: OperatorSettings,
+    avoid_nodes: list[str] | None = None,
+) -> Pod:
+    name = labels.worker_pod_name(job.name, attempt, rank)
+    extra = {
+        labels.COMPONENT: labels.WORKER,
+        labels.ATTEMPT: str(attempt),
+        labels.NODE_RANK: str(rank),
+    }
+    pod_spec: PodSpec = {
+        "hostname": labels.worker_hostname(job.name, rank),
+        "subdomain": labels.service_name(job.name),
+        "restartPolicy": "Never",
+        "serviceAccountName": labels.service_account_name(job.name),
+        "terminationGracePeriodSeconds": settings.termination_grace_seconds,
+        "enableServiceLinks": False,
+        "containers": [_container(job, spec, attempt, rank, name, settings)],
+        "volumes": _volumes(job, spec, settings),
+    }
+    _apply_scheduling(pod_spec, spec, avoid_nodes or [])
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _meta(job, name, extra),
+        "spec": pod_spec,
+    }
+
+
+def _container(
+    job: JobRef,
+    spec: PretrainJobSpec,
+    attempt: int,
+    rank: int,
+    pod: str,
+    settings: OperatorSettings,
+) -> Container:
+    c: Container = {
+        "name": CONTAINER,
+        "image": resolve_image(spec, settings) or "",
+        "command": list(settings.trainer_command),
+        "env": build_env(job, spec, attempt, rank, pod, settings),
+        "volumeMounts": _mounts(spec),
+        "ports": [{"name": "rendezvous", "containerPort": settings.master_port}],
+    }
+    if settings.trainer_metrics_port:
+        c["ports"].append({"name": "metrics", "containerPort": settings.trainer_metrics_port})
+    if settings.image_pull_policy:
+        c["imagePullPolicy"] = settings.image_pull_policy
+    resources = build_resources(spec)
+    if resources:
+        c["resources"] = {"requests": resources, "limits": dict(resources)}
+    return c
+
+
+def build_resources(spec: PretrainJobSpec) -> dict[str, str]:
+    """The whole node's accelerators and EFA interfaces; nothing on `cpu`."""
+    info = INSTANCE_TYPES[spec.instance_type]
+    wanted = {
+        labels.NEURON_RESOURCE: info.neuron_devices,
+        labels.EFA_RESOURCE: info.efa_interfaces,
+        labels.GPU_RESOURCE: info.gpus,
+    }
+    return {k: str(v) for k, v in wanted.items() if v}
+
+
+def _field_env(name: str, path: str) -> EnvVar:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def build_env(
+    job: JobRef,
+    spec: PretrainJobSpec,
+    attempt: int,
+    rank: int,
+    pod: str,
+    settings: OperatorSettings,
+) -> list[EnvVar]:
+    plain = {
+        Env.JOB_NAME: job.name,
+        Env.NAMESPACE: job.namespace,
+        Env.ATTEMPT: str(attempt),
+        Env.CONFIG: f"{labels.CONFIG_DIR}/{labels.CONFIG_FILE}",
+        Env.NNODES: str(spec.nodes),
+        Env.NODE_RANK: str(rank),
+        Env.NPROC_PER_NODE: str(spec.ranks_per_node),
+        Env.MASTER_ADDR: labels.master_addr(job.name),
+        Env.MASTER_PORT: str(settings.master_port),
+        Env.HEARTBEAT_LEASE: lease_name(pod),
+        Env.HEARTBEAT_PERIOD: f"{settings.heartbeat_period_seconds:g}",
+        Env.METRICS_PORT: str(settings.trainer_metrics_port),
+        Env.LOG_FORMAT: settings.log_format,
+    }
+    env: list[EnvVar] = [
+        _field_env(Env.POD_NAME, "metadata.name"),
+        _field_env(Env.NODE_NAME, "spec.nodeName"),
+    ]
+    env += [{"name": str(k), "value": v} for k, v in plain.items()]
+    env += [{"name": k, "value": v} for k, v in _accelerator_env(spec).items()]
+    return env
+
+
+def _accelerator_env(spec: PretrainJobSpec) -> dict[str, str]:
+    """EFA and Neuron runtime settings from reference/neuron-eks.md."""
+    info = INSTANCE_TYPES[spec.instance_type]
+    out: dict[str, str] = {}
+    if info.efa_interfaces:
+        out |= {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+    if info.neuron_devices:
+        n = spec.neuron
+        flags = [*n.compiler_flags, f"--cache_dir={n.cache_dir}"]
+        out |= {
+            "NEURON_CC_FLAGS": " ".join(flags),
+            "NEURON_COMPILE_CACHE_URL": n.cache_dir,
+            "NEURON_FUSE_SOFTMAX": "1" if n.fuse_softmax else "0",
+            "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": str(n.async_exec_max_inflight_requests),
+            "NEURON_RT_NUM_CORES": str(spec.ranks_per_node),
+            "MALLOC_ARENA_MAX": "64",
+        }
+        if spec.precision == "bf16-sr":
+            out["NEURON_RT_STOCHASTIC_ROUNDING_EN"] = "1"
+    return out
+
+
+def _is_trainium(spec: PretrainJobSpec) -> bool:
+    return INSTANCE_TYPES[spec.instance_type].neuron_devices > 0
+
+
+def _volumes(job: JobRef, spec: PretrainJobSpec, settings: OperatorSettings) -> list[Volume]:
+    shm: dict[str, str] = {"medium": "Memory"}
+    if settings.shm_size_limit:
+        shm["sizeLimit"] = settings.shm_size_limit
+    vols: list[Volume] = [
+        {"name": SHM_VOLUME, "emptyDir": shm},
+        {
+            "name": CONFIG_VOLUME,
+            "configMap": {"name": labels.config_map_name(job.name)},
+        },
+    ]
+    if spec.storage.claim_name:
+        vols.append(
+            {"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": spec.storage.claim_name}}
+        )
+    if _is_trainium(spec):
+        vols.append(
+            {
+                "name": CACHE_VOLUME,
+                "hostPath": {"path": spec.neuron.cache_dir, "type": "DirectoryOrCreate"},
+            }
+        )
+    return vols
+
+
+def _mounts(spec: PretrainJobSpec) -> list[VolumeMount]:
+    mounts: list[VolumeMount] = [
+        {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+        {"name": CONFIG_VOLUME, "mountPath": labels.CONFIG_DIR, "readOnly": True},
+    ]
+    if spec.storage.claim_name:
+        mounts.append({"name": DATA_VOLUME, "mountPath": spec.storage.mount_path})
+    if _is_trainium(spec):
+        mounts.append({"name": CACHE_VOLUME, "mountPath": spec.neuron.cache_dir})
+    return mounts
+
+
+def _apply_scheduling(pod: PodSpec, spec: PretrainJobSpec, avoid_nodes: list[str]) -> None:
+    s = spec.scheduling
+    selector = dict(s.node_selector)
+    if spec.instance_type != "cpu":
+        selector.setdefault(labels.INSTANCE_TYPE_LABEL, spec.instance_type)
+    if selector:
+        pod["nodeSelector"] = selector
+    tolerations: list[dict[str, Any]] = []
+    if _is_trainium(spec):
+        tolerations.append(
+            {"key": labels.NEURON_TAINT, "operator": "Exists", "effect": "NoSchedule"}
+        )
+    if INSTANCE_TYPES[spec.instance_type].gpus:
+        tolerations.append({"key": labels.GPU_TAINT, "operator": "Exists", "effect": "NoSchedule"})
+    tolerations += [t.model_dump(by_alias=True, exclude_none=True) for t in s.tolerations]
+    if tolerations:
+        pod["tolerations"] = tolerations
+    if avoid_nodes:
+        pod["affinity"] = build_avoid_affinity(avoid_nodes)
+    if s.priority_class_name:
+        pod["priorityClassName"] = s.priority_class_name
+    if s.scheduler_name:
+        pod["schedulerName"] = s.scheduler_name
+
+
+def build_avoid_affinity(nodes: list[str]) -> dict[str, Any]:
+    """Required node affinity `metadata.name NotIn nodes`: a hard rule, because a gang placed
+    on a node that just failed tends to fail again, and then the whole gang restarts."""
+    term = {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": nodes}]}
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
+        }
+    }

@@ -1,0 +1,106 @@
+"""Operator settings: what differs between EKS, the local rig and tests, read from HLAT_OPERATOR_*.
+
+Everything a PretrainJob's author controls lives in its spec; these are the knobs of the
+operator's deployment (the Helm chart sets them as env vars). Each field documents its unit,
+default and why it exists. `OperatorSettings.from_env()` reads `HLAT_OPERATOR_<FIELD>` (upper
+case); lists are JSON (`HLAT_OPERATOR_TRAINER_COMMAND='["/abs/hlat-launch"]'`) or a
+space-separated string.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hlat_api.heartbeat import DEFAULT_PERIOD_SECONDS
+
+ENV_PREFIX = "HLAT_OPERATOR_"
+
+
+class SettingsError(ValueError):
+    """A HLAT_OPERATOR_* variable that does not parse; names the variable."""
+
+
+class OperatorSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    namespace: str | None = None
+    """Watch only this namespace; None watches all (cluster-wide RBAC)."""
+    trainer_command: list[str] = Field(default_factory=lambda: ["hlat-launch"])
+    """Worker container command; `hlat-launch` turns the HLAT_* env into a torchrun line.
+    The local rig sets an absolute path (its pods run on the host)."""
+    default_image: str | None = None
+    """Trainer image for jobs whose spec.image is unset; None makes such jobs InvalidSpec."""
+    image_pull_policy: str | None = None
+    """imagePullPolicy of the worker container; None leaves the Kubernetes default."""
+    master_port: int = 29500
+    """Rendezvous port of node rank 0 (torchrun --master-port)."""
+    trainer_metrics_port: int = 9400
+    """Port of each worker's Prometheus endpoint (HLAT_METRICS_PORT); 0 disables it."""
+    heartbeat_period_seconds: float = DEFAULT_PERIOD_SECONDS
+    """How often workers renew their Lease (HLAT_HEARTBEAT_PERIOD_SECONDS). It is added to
+    every heartbeat timeout, since a renewal may legitimately be up to one period late."""
+    min_heartbeat_timeout_seconds: float = 20.0
+    """Floor of the learned steady-state timeout: step times of milliseconds (tiny CPU runs)
+    must not turn scheduler jitter into restarts."""
+    status_interval_seconds: float = 10.0
+    """Progress and uptime are written to status at most this often (transitions at once):
+    status writes are watch events for every client of the API server."""
+    resync_seconds: float = 10.0
+    """Requeue delay while a job is alive, so timeouts fire without a watch event."""
+    fast_requeue_seconds: float = 1.0
+    """Requeue delay while waiting for pods to go away (deletion is usually quick)."""
+    force_delete_after_seconds: float = 60.0
+    """A pod terminating this long on a NotReady or missing node is force-deleted: its kubelet
+    will never confirm, and the next gang must not wait forever."""
+    node_not_ready_grace_seconds: float = 0.0
+    """A worker's node must be NotReady this long before it counts as lost (the node
+    lifecycle controller already waits its own grace period before marking NotReady)."""
+    termination_grace_seconds: int = 60
+    """terminationGracePeriodSeconds of worker pods: time to finish an async checkpoint write."""
+    shm_size_limit: str | None = None
+    """sizeLimit of the /dev/shm memory volume (e.g. "64Gi"); None: no limit (node memory)."""
+    log_format: str = "json"
+    """HLAT_LOG_FORMAT for workers: json lines are what log collectors parse."""
+    metrics_port: int = 8080
+    """Port of the operator's own Prometheus endpoint."""
+    liveness_port: int = 8081
+    """Port of the operator's liveness endpoint (/healthz)."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorSettings:
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, info in cls.model_fields.items():
+            raw = env.get(ENV_PREFIX + name.upper())
+            if raw is None:
+                continue
+            if raw == "" and info.default is None:
+                values[name] = None
+            elif name == "trainer_command":
+                values[name] = _parse_list(ENV_PREFIX + name.upper(), raw)
+            else:
+                values[name] = raw
+        try:
+            return cls.model_validate(values)
+        except ValidationError as err:
+            problems = "; ".join(
+                f"{ENV_PREFIX}{str(e['loc'][0]).upper()}: {e['msg']}" for e in err.errors()
+            )
+            raise SettingsError(f"invalid operator settings: {problems}") from err
+
+
+def _parse_list(var: str, raw: str) -> list[str]:
+    if raw.lstrip().startswith("["):
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise SettingsError(f"{var}: not a JSON list: {err}") from err
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise SettingsError(f"{var}: expected a JSON list of strings")
+        return value
+    return raw.split()

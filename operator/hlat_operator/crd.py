@@ -1,0 +1,358 @@
+"""The PretrainJob CustomResourceDefinition, generated from the hlat_api models.
+
+`python -m hlat_operator.crd > crds/pretrainjob.yaml` writes it (`--write` writes it and the Helm
+chart's copy, charts/hlat/files/pretrainjob-crd.yaml); a test fails when either is stale, so the API server's schema can never drift from the pydantic model the operator and the
+trainer validate with.
+
+Pydantic emits JSON Schema 2020-12; the API server wants a *structural* OpenAPI v3.0 schema.
+The conversion: inline every `$ref`; `anyOf [X, null]` becomes X with `nullable: true`;
+numeric `exclusiveMinimum: v` becomes `minimum: v, exclusiveMinimum: true`; a fixed-length
+tuple becomes an array with `items` and min/maxItems; `const` becomes a one-value enum;
+`additionalProperties: false` is dropped (the API server prunes unknown fields instead, and
+structural schemas forbid it next to `properties`); "a number or 'auto'" is
+`x-kubernetes-int-or-string` plus a CEL rule. Descriptions and defaults come along, so
+`kubectl explain pj.spec.faultTolerance` prints the model's docstrings.
+
+The CEL rules check the cross-field rules the API server can see without the preset tables
+(the rest stays in the pydantic validator, reported as InvalidSpec by the operator). Each
+rule is a few comparisons of scalar fields, so its cost is constant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hlat_api import labels
+from hlat_api.manifest import API_GROUP, API_VERSION, KIND
+from hlat_api.spec import PretrainJobSpec
+from hlat_api.status import PretrainJobStatus
+
+PLURAL = "pretrainjobs"
+SINGULAR = "pretrainjob"
+SHORT_NAMES = ["pj"]
+CRD_NAME = f"{PLURAL}.{API_GROUP}"
+
+Schema = dict[str, Any]
+
+_DROP = {"title", "additionalProperties", "$defs", "discriminator"}
+
+
+def _resolve(node: Schema, defs: dict[str, Schema]) -> Schema:
+    ref = node.get("$ref")
+    if ref is None:
+        return node
+    target = defs[ref.rsplit("/", 1)[-1]]
+    merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+    return _resolve(merged, defs)
+
+
+def _int_or_auto(node: Schema, defs: dict[str, Schema], with_defaults: bool) -> Schema | None:
+    """`number > 0 | "auto"`: the only union of the spec that is not `X | None`."""
+    options = node["anyOf"]
+    consts = [o.get("const") for o in options if "const" in o]
+    if not consts or len(options) != 2:
+        return None
+    out: Schema = {"x-kubernetes-int-or-string": True}
+    out["x-kubernetes-validations"] = [
+        {
+            "rule": f"type(self) == string ? self == '{consts[0]}' : self > 0",
+            "message": f"must be a positive number of seconds or '{consts[0]}'",
+        }
+    ]
+    _copy_doc(node, out, with_defaults)
+    return out
+
+
+def _copy_doc(src: Schema, dst: Schema, with_defaults: bool) -> None:
+    if "description" in src:
+        dst["description"] = src["description"]
+    if with_defaults and src.get("default") is not None:
+        dst["default"] = src["default"]
+
+
+def structural(node: Schema, defs: dict[str, Schema], with_defaults: bool = True) -> Schema:
+    """Convert one pydantic JSON-Schema node (and its children) to a structural schema."""
+    node = _resolve(node, defs)
+    if "anyOf" in node:
+        special = _int_or_auto(node, defs, with_defaults)
+        if special is not None:
+            return special
+        options = [o for o in node["anyOf"] if o.get("type") != "null"]
+        if len(options) != 1:
+            raise ValueError(f"cannot express anyOf {node['anyOf']} structurally")
+        inner = structural(options[0], defs, with_defaults)
+        inner["nullable"] = True
+        _copy_doc(node, inner, with_defaults)
+        return inner
+    out: Schema = {}
+    for key, value in node.items():
+        if key in _DROP or key in ("prefixItems", "anyOf"):
+            continue
+        if key == "default" and (not with_defaults or value is None):
+            continue
+        if key == "const":
+            out["enum"] = [value]
+        elif key in ("exclusiveMinimum", "exclusiveMaximum"):
+            bound = "minimum" if key == "exclusiveMinimum" else "maximum"
+            out[bound], out[key] = value, True
+        elif key == "properties":
+            out[key] = {k: structural(v, defs, with_defaults) for k, v in value.items()}
+        elif key == "items":
+            out[key] = structural(value, defs, with_defaults)
+        else:
+            out[key] = value
+    if "prefixItems" in node:  # a fixed-length tuple of one item type
+        items = [structural(i, defs, with_defaults) for i in node["prefixItems"]]
+        if any(i != items[0] for i in items):
+            raise ValueError("tuples of mixed item schemas are not structural")
+        out["items"] = items[0]
+    extra = node.get("additionalProperties")
+    if isinstance(extra, dict):  # a map, e.g. nodeSelector
+        out["additionalProperties"] = structural(extra, defs, with_defaults)
+    if (
+        node.get("type") == "object"
+        and "properties" not in out
+        and "additionalProperties" not in out
+    ):
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    return out
+
+
+def _rule(
+    rule: str, message: str, field_path: str | None = None, reason: str | None = None
+) -> Schema:
+    out: Schema = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    if reason:
+        out["reason"] = reason
+    return out
+
+
+# Rules per schema node (path of property names from spec). Defaults are applied before
+# validation, but `has()` guards keep a rule meaningful when a field was explicitly nulled.
+SPEC_RULES: dict[tuple[str, ...], list[Schema]] = {
+    (): [
+        _rule(
+            "!has(self.model) || !has(self.model.heads) || !has(self.parallelism) || "
+            "self.model.heads % self.parallelism.tensor == 0",
+            "parallelism.tensor must divide model.heads (each tensor-parallel rank owns whole heads)",
+            ".parallelism.tensor",
+        ),
+        _rule(
+            "!has(self.model) || !has(self.model.kvHeads) || !has(self.parallelism) || "
+            "self.model.kvHeads % self.parallelism.tensor == 0",
+            "parallelism.tensor must divide model.kvHeads (each tensor-parallel rank owns whole "
+            "key/value heads): lower parallelism.tensor",
+            ".parallelism.tensor",
+        ),
+        _rule(
+            "!has(self.model) || !has(self.model.maxSeqLen) || !has(self.data) || "
+            "self.data.seqLen <= self.model.maxSeqLen",
+            "data.seqLen must not exceed model.maxSeqLen",
+            ".data.seqLen",
+        ),
+        _rule(
+            "!has(self.processesPerNode) || !has(self.parallelism) || "
+            "self.parallelism.tensor <= self.processesPerNode",
+            "parallelism.tensor must not exceed processesPerNode: tensor parallelism stays "
+            "within a node",
+            ".parallelism.tensor",
+        ),
+        _rule(
+            "!has(self.processesPerNode) || !has(self.parallelism) || "
+            "(self.nodes * self.processesPerNode) % self.parallelism.tensor == 0",
+            "nodes x processesPerNode must be divisible by parallelism.tensor",
+            ".nodes",
+        ),
+        _rule(
+            "!has(self.train) || !has(self.train.steps) || !has(self.optimizer) || "
+            "self.optimizer.warmupSteps <= self.train.steps",
+            "optimizer.warmupSteps must not exceed train.steps",
+            ".optimizer.warmupSteps",
+        ),
+    ],
+    ("model",): [
+        _rule(
+            "!has(self.heads) || !has(self.kvHeads) || self.heads % self.kvHeads == 0",
+            "model.heads must be a multiple of model.kvHeads",
+            ".kvHeads",
+        ),
+        _rule(
+            "!has(self.hiddenSize) || !has(self.heads) || self.hiddenSize % self.heads == 0",
+            "model.hiddenSize must be divisible by model.heads",
+            ".hiddenSize",
+        ),
+    ],
+    ("parallelism",): [
+        _rule(
+            "self.pipeline == 1",
+            "pipeline parallelism is not supported yet: set parallelism.pipeline to 1",
+            ".pipeline",
+        ),
+    ],
+    ("optimizer",): [
+        _rule("self.minLr <= self.lr", "optimizer.minLr must not exceed optimizer.lr", ".minLr"),
+    ],
+    ("train",): [
+        _rule(
+            "has(self.steps) != has(self.tokens)",
+            "give exactly one of train.steps or train.tokens",
+            ".steps",
+        ),
+    ],
+    ("faultTolerance", "backoff"): [
+        _rule(
+            "self.initialSeconds <= self.maxSeconds",
+            "faultTolerance.backoff.initialSeconds must not exceed maxSeconds",
+            ".initialSeconds",
+        ),
+    ],
+}
+
+ROOT_RULES = [
+    _rule(
+        f"size(self.metadata.name) <= {labels.MAX_JOB_NAME}",
+        f"a PretrainJob name must be at most {labels.MAX_JOB_NAME} characters "
+        "(worker hostnames <name>-<rank> must fit a DNS label)",
+        ".metadata.name",
+    ),
+]
+
+
+def _add_rules(schema: Schema, rules: dict[tuple[str, ...], list[Schema]]) -> None:
+    for path, node_rules in rules.items():
+        node = schema
+        for part in path:
+            node = node["properties"][part]
+        node.setdefault("x-kubernetes-validations", []).extend(node_rules)
+
+
+def spec_schema() -> Schema:
+    raw = PretrainJobSpec.model_json_schema(by_alias=True)
+    schema = structural(raw, raw.get("$defs", {}))
+    _add_rules(schema, SPEC_RULES)
+    return schema
+
+
+def status_schema() -> Schema:
+    """Status without defaults: the operator always writes it whole, and a defaulted status
+    would claim progress that never happened."""
+    raw = PretrainJobStatus.model_json_schema(by_alias=True)
+    schema = structural(raw, raw.get("$defs", {}), with_defaults=False)
+    schema["description"] = (
+        "Written by the operator only: phase, conditions, restarts, progress, uptime."
+    )
+    return schema
+
+
+PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Nodes", "type": "integer", "jsonPath": ".spec.nodes"},
+    {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
+    {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts.total"},
+    {
+        "name": "Uptime",
+        "type": "number",
+        "jsonPath": ".status.uptime.ratio",
+        "description": "Running seconds over running + down seconds since the first start.",
+    },
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Attempt", "type": "integer", "jsonPath": ".status.attempt", "priority": 1},
+    {"name": "Reason", "type": "string", "jsonPath": ".status.lastFailure.reason", "priority": 1},
+]
+
+
+def build_crd() -> dict[str, Any]:
+    root: Schema = {
+        "type": "object",
+        "description": (PretrainJobSpec.__doc__ or "").strip()
+        + " An LLM pretraining job on a gang of nodes, restarted from its latest complete "
+        "checkpoint after faults.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema(),
+            "status": status_schema(),
+        },
+        "x-kubernetes-validations": ROOT_RULES,
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": CRD_NAME,
+            "labels": {labels.NAME: labels.APP_NAME},
+        },
+        "spec": {
+            "group": API_GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": SHORT_NAMES,
+                "categories": ["all", "hlat"],
+            },
+            "versions": [
+                {
+                    "name": API_VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": root},
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                }
+            ],
+        },
+    }
+
+
+HEADER = (
+    "# Generated by `python -m hlat_operator.crd > crds/pretrainjob.yaml` from the hlat_api\n"
+    "# models: do not edit (tests/operator/test_crd.py fails when this file is stale).\n"
+)
+
+
+CHART_COPY = (
+    Path(__file__).resolve().parents[2] / "charts" / "hlat" / "files" / "pretrainjob-crd.yaml"
+)
+REPO_COPY = Path(__file__).resolve().parents[2] / "crds" / "pretrainjob.yaml"
+
+
+def render(helm: bool = False) -> str:
+    """The CRD as YAML; the chart's copy is kept on `helm uninstall` (deleting a CRD deletes
+    every PretrainJob with it)."""
+    crd = build_crd()
+    if helm:
+        crd["metadata"]["annotations"] = {"helm.sh/resource-policy": "keep"}
+    header = HEADER.replace("> crds/pretrainjob.yaml", "--write") if helm else HEADER
+    return header + yaml.safe_dump(crd, sort_keys=False, width=100)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Print (or --write) the PretrainJob CRD.")
+    parser.add_argument(
+        "--write", action="store_true", help=f"write {REPO_COPY.name} and the chart's copy"
+    )
+    args = parser.parse_args(argv)
+    if not args.write:
+        sys.stdout.write(render())
+        return
+    for path, text in ((REPO_COPY, render()), (CHART_COPY, render(helm=True))):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

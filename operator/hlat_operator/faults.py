@@ -1,0 +1,252 @@
+"""Fault detection: is the current gang broken, and why? Pure functions of what was observed.
+
+A gang is only as alive as its least alive member, so any one of these ends the attempt:
+- a worker pod Failed: the exit code says whether a restart can help. `ExitCode.CONFIG_ERROR`
+  is the trainer saying "bad spec, data or checkpoint": permanent. Signals (128+n: SIGKILL
+  137, SIGTERM 143, OOMKilled), infrastructure reasons (Evicted, preemption, node shutdown)
+  and any other code are retryable, within budget (unlike Kubeflow's 1-127-is-permanent rule:
+  an NCCL/EFA timeout exits 1 and is exactly what a restart fixes);
+- a worker pod deleted, or terminating without the operator asking;
+- the node of a worker NotReady/unreachable (after a grace), gone, or marked unhealthy by
+  SageMaker HyperPod's health label;
+- a stale heartbeat. Before the first beat (and while the trainer reports starting/compiling)
+  the startup timeout applies: compiling a graph for Trainium can take most of an hour. Once
+  training, the steady timeout: explicit, or learned as observed step time x safetyFactor
+  (never below a floor), plus one heartbeat period since renewals may be a period apart.
+  While a worker reports `checkpointing` the steady timeout is paused (bounded by the startup
+  timeout), because a blocking checkpoint write is slow but not a hang.
+The blamed pod is the one that failed first; among stale heartbeats, the stalest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from hlat_api import labels
+from hlat_api.env import ExitCode
+from hlat_api.heartbeat import lease_name
+from hlat_api.labels import Reason
+from hlat_api.spec import PretrainJobSpec
+from hlat_operator.config import OperatorSettings
+from hlat_operator.observe import Observed, ObservedLease, ObservedNode, ObservedPod
+
+_EVICTED_REASONS = {"Evicted", "EvictionByEvictionAPI", "TerminationByKubelet"}
+_PREEMPTED_REASONS = {"Preempting", "PreemptionByScheduler", "PreemptionByKubeScheduler"}
+_NODE_REASONS = {
+    "NodeLost",
+    "NodeShutdown",
+    "Shutdown",
+    "Terminated",
+    "DeletionByPodGC",
+    "DeletionByTaintManager",
+    "UnexpectedAdmissionError",
+}
+
+
+@dataclass(frozen=True)
+class Fault:
+    reason: Reason
+    message: str
+    pod: str | None = None
+    node: str | None = None
+    exit_code: int | None = None
+
+    @property
+    def permanent(self) -> bool:
+        return self.reason == Reason.CONFIG_ERROR
+
+    @property
+    def infrastructure(self) -> bool:
+        return self.reason in labels.INFRA_REASONS
+
+
+def _infra_reason(reason: str | None) -> Reason | None:
+    if reason in _EVICTED_REASONS:
+        return Reason.EVICTED
+    if reason in _PREEMPTED_REASONS:
+        return Reason.PREEMPTED
+    if reason in _NODE_REASONS:
+        return Reason.NODE_LOST
+    return None
+
+
+def classify_failed(pod: ObservedPod) -> Fault:
+    """Why a Failed worker pod failed."""
+    where = f"pod {pod.name} on node {pod.node or '?'}"
+    code = pod.exit_code
+    infra = _infra_reason(pod.reason) or _infra_reason(pod.disruption)
+    if code == ExitCode.CONFIG_ERROR:
+        reason, what = Reason.CONFIG_ERROR, "exited with the trainer's config-error code 2"
+    elif infra is not None:
+        reason, what = infra, f"was stopped by the cluster ({pod.reason or pod.disruption})"
+    elif pod.reason == "OOMKilled":
+        reason, what = Reason.OOM_KILLED, "ran out of memory (OOMKilled)"
+    elif code is not None and code > 128:
+        reason, what = Reason.KILLED, f"was killed by signal {code - 128} (exit code {code})"
+    else:
+        reason, what = Reason.POD_FAILED, f"failed with exit code {code}"
+    detail = f": {pod.message.strip()[-300:]}" if pod.message.strip() else ""
+    return Fault(reason, f"{where} {what}{detail}", pod.name, pod.node, code)
+
+
+def _terminating(pod: ObservedPod) -> Fault:
+    reason = _infra_reason(pod.disruption) or Reason.POD_DELETED
+    cause = f" ({pod.disruption})" if pod.disruption else ""
+    return Fault(reason, f"pod {pod.name} was deleted{cause}", pod.name, pod.node)
+
+
+def node_dead(node: ObservedNode | None, now: datetime, grace: float, known: bool) -> bool:
+    if node is None:
+        return known
+    if node.unreachable:
+        return True
+    if node.ready:
+        return False
+    since = node.not_ready_since
+    return since is None or (now - since).total_seconds() >= grace
+
+
+def _node_fault(pod: ObservedPod, observed: Observed, now: datetime, grace: float) -> Fault | None:
+    if pod.node is None:
+        return None
+    node = observed.nodes.get(pod.node)
+    if node_dead(node, now, grace, observed.nodes_known):
+        state = "is gone" if node is None else "is NotReady"
+        return Fault(
+            Reason.NODE_LOST, f"node {pod.node} of pod {pod.name} {state}", pod.name, pod.node
+        )
+    if node is not None and not node.healthy:
+        return Fault(
+            Reason.NODE_UNHEALTHY,
+            f"node {pod.node} of pod {pod.name} is labelled {labels.NODE_HEALTH_LABEL}={node.health}",
+            pod.name,
+            pod.node,
+        )
+    return None
+
+
+def steady_timeout(
+    spec: PretrainJobSpec, step_seconds: float | None, settings: OperatorSettings
+) -> float | None:
+    """Seconds a training worker may go without renewing; None: not learned yet."""
+    hb = spec.fault_tolerance.heartbeat
+    if hb.timeout_seconds != "auto":
+        return float(hb.timeout_seconds)
+    if step_seconds is None:
+        return None
+    learned = max(settings.min_heartbeat_timeout_seconds, hb.safety_factor * step_seconds)
+    return learned + settings.heartbeat_period_seconds
+
+
+@dataclass(frozen=True)
+class Staleness:
+    since: datetime
+    """The last sign of life: the last renewal, or the container start before the first one."""
+    timeout: float
+    reason: Reason
+
+
+def staleness(
+    spec: PretrainJobSpec,
+    pod: ObservedPod,
+    lease: ObservedLease | None,
+    settings: OperatorSettings,
+    gang_started: datetime | None = None,
+) -> Staleness | None:
+    """Which timeout applies to a running worker now, from when; None: nothing to check.
+    Before the first beat the clock starts when the whole gang runs (`gang_started`): no
+    worker can get past rendezvous before its last peer starts."""
+    startup = spec.fault_tolerance.heartbeat.startup_timeout_seconds
+    beat = lease.heartbeat if lease is not None and lease.renew_time is not None else None
+    if beat is not None and beat.attempt is not None and beat.attempt != pod.attempt:
+        beat = None  # a leftover of another attempt: not this worker's sign of life
+    if beat is None or lease is None or lease.renew_time is None:
+        since = max(filter(None, (pod.started_at or pod.created_at, gang_started)), default=None)
+        return Staleness(since, startup, Reason.STARTUP_TIMEOUT) if since else None
+    if beat.phase == "finished":
+        return None
+    if beat.phase in ("starting", "compiling"):
+        return Staleness(lease.renew_time, startup, Reason.STARTUP_TIMEOUT)
+    if beat.phase == "checkpointing":
+        return Staleness(lease.renew_time, startup, Reason.HEARTBEAT_TIMEOUT)
+    steady = steady_timeout(spec, beat.step_seconds, settings)
+    return Staleness(
+        lease.renew_time, startup if steady is None else steady, Reason.HEARTBEAT_TIMEOUT
+    )
+
+
+def _heartbeat_fault(
+    spec: PretrainJobSpec,
+    pods: list[ObservedPod],
+    observed: Observed,
+    now: datetime,
+    settings: OperatorSettings,
+) -> Fault | None:
+    worst: tuple[float, ObservedPod, Staleness] | None = None
+    gang_started = max((p.started_at for p in pods if p.started_at), default=None)
+    for pod in pods:
+        if pod.phase != "Running" or pod.terminating:
+            continue
+        lease = observed.leases.get(lease_name(pod.name))
+        stale = staleness(spec, pod, lease, settings, gang_started)
+        if stale is None:
+            continue
+        age = (now - stale.since).total_seconds()
+        if age > stale.timeout and (worst is None or age - stale.timeout > worst[0]):
+            worst = (age - stale.timeout, pod, stale)
+    if worst is None:
+        return None
+    _, pod, stale = worst
+    age = (now - stale.since).total_seconds()
+    what = "no first heartbeat" if stale.reason == Reason.STARTUP_TIMEOUT else "no heartbeat"
+    return Fault(
+        stale.reason,
+        f"pod {pod.name} on node {pod.node or '?'}: {what} for {age:.0f}s "
+        f"(timeout {stale.timeout:.0f}s)",
+        pod.name,
+        pod.node,
+    )
+
+
+def detect_fault(
+    spec: PretrainJobSpec,
+    attempt: int,
+    phase: str,
+    observed: Observed,
+    now: datetime,
+    settings: OperatorSettings,
+) -> Fault | None:
+    """The fault that ends `attempt`, or None while its gang is healthy (or still starting)."""
+    pods = observed.pods_of(attempt)
+    failed = [p for p in pods if p.phase == "Failed"]
+    if failed:
+        faults = [classify_failed(p) for p in failed]
+        return next((f for f in faults if f.permanent), faults[0])
+    for pod in pods:
+        if pod.terminating and not pod.finished:
+            return _terminating(pod)
+    if phase == "Running":
+        present = {p.name for p in pods}
+        for rank in range(spec.nodes):
+            name = labels.worker_pod_name(observed.job.name, attempt, rank)
+            if name not in present:
+                return Fault(Reason.POD_DELETED, f"pod {name} disappeared", name)
+    for pod in pods:
+        if not pod.finished:
+            fault = _node_fault(pod, observed, now, settings.node_not_ready_grace_seconds)
+            if fault is not None:
+                return fault
+    if phase != "Running":
+        return None  # heartbeats are judged once the whole gang runs
+    return _heartbeat_fault(spec, pods, observed, now, settings)
+
+
+def heartbeat_ages(observed: Observed, attempt: int, now: datetime) -> dict[str, float]:
+    """Seconds since each worker of `attempt` last renewed its Lease (for the metric)."""
+    out: dict[str, float] = {}
+    for pod in observed.pods_of(attempt):
+        lease = observed.leases.get(lease_name(pod.name))
+        if lease is not None and lease.renew_time is not None:
+            out[pod.name] = max(0.0, (now - lease.renew_time).total_seconds())
+    return out

@@ -1,0 +1,122 @@
+"""The operator's Prometheus metrics, on its own registry.
+
+Per job: uptime ratio (the paper's Table 1 measure, as a lasting signal rather than events),
+restarts by reason, time to recover, lost steps, heartbeat age, training step; and the number
+of jobs per phase. Fed from each Decision (`observe`), so the numbers are exactly what the
+status says. Labels are `namespace` and `pretrainjob` (not `job`, which Prometheus reserves
+for the scrape target; the chart's ServiceMonitor sets honorLabels so `namespace` survives).
+The trainer's own metrics (`hlat_train_*`: loss, tokens/s, MFU) come from the worker pods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import start_http_server
+
+from hlat_api.status import Phase
+from hlat_operator.reconcile import Decision
+
+PHASES: tuple[Phase, ...] = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+JOB_LABELS = ("namespace", "pretrainjob")
+RECOVERY_BUCKETS = (5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+
+
+class OperatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.uptime_ratio = Gauge(
+            "hlat_job_uptime_ratio",
+            "Running seconds over running + down seconds since the job first ran.",
+            JOB_LABELS,
+            registry=r,
+        )
+        self.running_seconds = Gauge(
+            "hlat_job_running_seconds",
+            "Seconds the job's gang has been running.",
+            JOB_LABELS,
+            registry=r,
+        )
+        self.down_seconds = Gauge(
+            "hlat_job_down_seconds",
+            "Seconds down (pending or restarting) since it first ran.",
+            JOB_LABELS,
+            registry=r,
+        )
+        self.restarts = Counter(
+            "hlat_job_restarts",
+            "Gang restarts, by the fault that caused them.",
+            (*JOB_LABELS, "reason"),
+            registry=r,
+        )
+        self.time_to_recover = Histogram(
+            "hlat_job_time_to_recover_seconds",
+            "From fault detection to every worker of the new gang training again.",
+            ("namespace",),
+            buckets=RECOVERY_BUCKETS,
+            registry=r,
+        )
+        self.lost_steps = Gauge(
+            "hlat_job_lost_steps", "Steps recomputed after restarts.", JOB_LABELS, registry=r
+        )
+        self.heartbeat_age = Gauge(
+            "hlat_job_heartbeat_age_seconds",
+            "Seconds since the stalest worker of the current gang renewed its Lease.",
+            JOB_LABELS,
+            registry=r,
+        )
+        self.step = Gauge("hlat_job_step", "Latest training step reported.", JOB_LABELS, registry=r)
+        self.attempt = Gauge("hlat_job_attempt", "Current restart attempt.", JOB_LABELS, registry=r)
+        self.jobs = Gauge("hlat_jobs", "PretrainJobs by phase.", ("phase",), registry=r)
+        self._phases: dict[tuple[str, str], Phase] = {}
+        for phase in PHASES:
+            self.jobs.labels(phase).set(0)
+
+    def observe(self, namespace: str, job: str, decision: Decision) -> None:
+        """Record one pass's outcome for one job."""
+        s = decision.status
+        labels = (namespace, job)
+        if s.uptime.ratio is not None:
+            self.uptime_ratio.labels(*labels).set(s.uptime.ratio)
+        self.running_seconds.labels(*labels).set(s.uptime.running_seconds)
+        self.down_seconds.labels(*labels).set(s.uptime.down_seconds)
+        self.lost_steps.labels(*labels).set(s.lost_steps)
+        self.step.labels(*labels).set(s.progress.step)
+        self.attempt.labels(*labels).set(s.attempt)
+        if decision.restarted and decision.fault is not None:
+            self.restarts.labels(*labels, str(decision.fault.reason)).inc()
+        if decision.recovered_seconds is not None:
+            self.time_to_recover.labels(namespace).observe(decision.recovered_seconds)
+        if decision.heartbeat_ages:
+            self.heartbeat_age.labels(*labels).set(max(decision.heartbeat_ages.values()))
+        self._phases[labels] = s.phase
+        self._count_phases()
+
+    def forget(self, namespace: str, job: str) -> None:
+        """The job was deleted: drop its series."""
+        labels = (namespace, job)
+        for gauge in (
+            self.uptime_ratio,
+            self.running_seconds,
+            self.down_seconds,
+            self.lost_steps,
+            self.heartbeat_age,
+            self.step,
+            self.attempt,
+        ):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels)
+        self._phases.pop(labels, None)
+        self._count_phases()
+
+    def _count_phases(self) -> None:
+        for phase in PHASES:
+            self.jobs.labels(phase).set(sum(1 for p in self._phases.values() if p == phase))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)

@@ -1,0 +1,247 @@
+"""What the operator sees of a job: small frozen dataclasses, parsed from raw API payloads.
+
+reconcile decides from these alone, so its tests build them directly, and the parsing of
+Kubernetes' sprawling Pod/Node/Lease payloads (pure functions here) is tested once, apart.
+`OperatorState` is the bookkeeping the status model does not hold, stored as JSON in the
+`hlat.dev/operator-state` annotation of the PretrainJob; everything else is derived from the
+observed objects and the status on every pass, so an operator restart mid-recovery resumes
+where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hlat_api import labels
+from hlat_api.heartbeat import Heartbeat
+from hlat_api.status import PretrainJobStatus
+from hlat_operator.builders import JobRef
+
+UNREACHABLE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+
+
+def parse_time(value: str | None) -> datetime | None:
+    """RFC 3339 (Time or MicroTime) to an aware datetime; None when absent or malformed."""
+    if not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def format_time(value: datetime) -> str:
+    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def format_micro_time(value: datetime) -> str:
+    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@dataclass(frozen=True)
+class ObservedPod:
+    name: str
+    attempt: int | None
+    """From the attempt label; None for a pod without one (not ours to judge)."""
+    rank: int | None = None
+    phase: str = "Pending"
+    """Pending | Running | Succeeded | Failed | Unknown."""
+    exit_code: int | None = None
+    """Of the trainer container, once it terminated."""
+    reason: str | None = None
+    """Pod-level reason (Evicted, Preempting, ...) or the container's (OOMKilled, Error)."""
+    message: str = ""
+    node: str | None = None
+    deletion_timestamp: datetime | None = None
+    ready: bool = False
+    started_at: datetime | None = None
+    """When the trainer container started (else the pod's startTime)."""
+    created_at: datetime | None = None
+    disruption: str | None = None
+    """Reason of a DisruptionTarget condition (PreemptionByScheduler, EvictionByEvictionAPI, ...)."""
+
+    @property
+    def terminating(self) -> bool:
+        return self.deletion_timestamp is not None
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class ObservedNode:
+    name: str
+    ready: bool = True
+    not_ready_since: datetime | None = None
+    unreachable: bool = False
+    health: str | None = None
+    """The HyperPod node-health-status label, if any."""
+
+    @property
+    def healthy(self) -> bool:
+        return self.health is None or self.health == labels.NODE_HEALTHY
+
+
+@dataclass(frozen=True)
+class ObservedLease:
+    name: str
+    renew_time: datetime | None = None
+    heartbeat: Heartbeat | None = None
+
+
+class OperatorState(BaseModel):
+    """Bookkeeping beyond PretrainJobStatus, in the `hlat.dev/operator-state` annotation."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    accounted_at: str | None = None
+    """Time up to which status.uptime has been accumulated."""
+    status_written_at: str | None = None
+    """Last time progress/uptime were written (they are written at a bounded rate)."""
+    avoid_nodes: list[str] = Field(default_factory=list)
+    """Nodes that failed this job; kept out of later attempts when avoidFailedNodes."""
+    checkpoint_at_attempt_start: int | None = None
+    """Latest complete checkpoint step when the current attempt was created."""
+    no_progress_streak: int = 0
+    """Attempts in a row that ended without a new complete checkpoint."""
+    faulted_attempt: int | None = None
+    """The attempt whose fault is already counted in this state (makes recounting a no-op)."""
+    ready_attempt: int | None = None
+    """The attempt that became Ready (all workers training), for time-to-recover."""
+
+    @classmethod
+    def from_annotations(cls, annotations: Mapping[str, str] | None) -> OperatorState:
+        raw = (annotations or {}).get(labels.STATE_ANNOTATION)
+        if not raw:
+            return cls()
+        try:
+            return cls.model_validate(json.loads(raw))
+        except (ValueError, ValidationError):
+            return cls()
+
+    def to_annotation(self) -> str:
+        return self.model_dump_json(exclude_defaults=True)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything decide() looks at besides the spec and status."""
+
+    job: JobRef
+    pods: list[ObservedPod] = field(default_factory=list)
+    nodes: dict[str, ObservedNode] = field(default_factory=dict)
+    nodes_known: bool = True
+    """False until the node list was read once: a node missing from an empty cache is not lost."""
+    leases: dict[str, ObservedLease] = field(default_factory=dict)
+    state: OperatorState = field(default_factory=OperatorState)
+    generation: int | None = None
+    resource_version: str | None = None
+    creation_time: datetime | None = None
+
+    def pods_of(self, attempt: int) -> list[ObservedPod]:
+        return [p for p in self.pods if p.attempt == attempt]
+
+
+# --- parsing raw payloads --------------------------------------------------------------------
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def pod_from_raw(raw: Mapping[str, Any], container: str = "trainer") -> ObservedPod:
+    meta, status = raw.get("metadata") or {}, raw.get("status") or {}
+    pod_labels = meta.get("labels") or {}
+    statuses = status.get("containerStatuses") or []
+    mine = next(
+        (c for c in statuses if c.get("name") == container), statuses[0] if statuses else {}
+    )
+    state = mine.get("state") or {}
+    term = state.get("terminated") or {}
+    running = state.get("running") or {}
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    disruption = conditions.get("DisruptionTarget") or {}
+    return ObservedPod(
+        name=meta.get("name", ""),
+        attempt=_int(pod_labels.get(labels.ATTEMPT)),
+        rank=_int(pod_labels.get(labels.NODE_RANK)),
+        phase=status.get("phase") or "Pending",
+        exit_code=_int(term.get("exitCode")),
+        reason=status.get("reason") or term.get("reason"),
+        message=status.get("message") or term.get("message") or "",
+        node=(raw.get("spec") or {}).get("nodeName"),
+        deletion_timestamp=parse_time(meta.get("deletionTimestamp")),
+        ready=(conditions.get("Ready") or {}).get("status") == "True",
+        started_at=parse_time(running.get("startedAt") or term.get("startedAt"))
+        or parse_time(status.get("startTime")),
+        created_at=parse_time(meta.get("creationTimestamp")),
+        disruption=disruption.get("reason") if disruption.get("status") == "True" else None,
+    )
+
+
+def node_from_raw(raw: Mapping[str, Any]) -> ObservedNode:
+    meta, status = raw.get("metadata") or {}, raw.get("status") or {}
+    ready: dict[str, Any] = next(
+        (c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {}
+    )
+    is_ready = ready.get("status") == "True"
+    taints = (raw.get("spec") or {}).get("taints") or []
+    return ObservedNode(
+        name=meta.get("name", ""),
+        ready=is_ready,
+        not_ready_since=None if is_ready else parse_time(ready.get("lastTransitionTime")),
+        unreachable=any(t.get("key") in UNREACHABLE_TAINTS for t in taints),
+        health=(meta.get("labels") or {}).get(labels.NODE_HEALTH_LABEL),
+    )
+
+
+def lease_from_raw(raw: Mapping[str, Any]) -> ObservedLease:
+    meta, spec = raw.get("metadata") or {}, raw.get("spec") or {}
+    return ObservedLease(
+        name=meta.get("name", ""),
+        renew_time=parse_time(spec.get("renewTime")),
+        heartbeat=Heartbeat.from_annotations(meta.get("annotations")),
+    )
+
+
+def status_from_raw(raw: Mapping[str, Any] | None) -> PretrainJobStatus:
+    """The job's status; a malformed one (edited by hand) starts over rather than crashing."""
+    try:
+        return PretrainJobStatus.model_validate(dict(raw or {}))
+    except ValidationError:
+        return PretrainJobStatus()
+
+
+def observe(
+    body: Mapping[str, Any],
+    pods: list[Mapping[str, Any]],
+    nodes: list[Mapping[str, Any]] | None,
+    leases: list[Mapping[str, Any]],
+) -> Observed:
+    """Build the Observed view from a PretrainJob body and raw lists (nodes None: unknown)."""
+    meta = body.get("metadata") or {}
+    job = JobRef(meta.get("name", ""), meta.get("namespace", ""), meta.get("uid", ""))
+    parsed_nodes = [node_from_raw(n) for n in nodes or []]
+    parsed_leases = [lease_from_raw(lease) for lease in leases]
+    return Observed(
+        job=job,
+        pods=[pod_from_raw(p) for p in pods],
+        nodes={n.name: n for n in parsed_nodes},
+        nodes_known=nodes is not None,
+        leases={lease.name: lease for lease in parsed_leases},
+        state=OperatorState.from_annotations(meta.get("annotations")),
+        generation=_int(meta.get("generation")),
+        resource_version=meta.get("resourceVersion"),
+        creation_time=parse_time(meta.get("creationTimestamp")),
+    )

@@ -1,0 +1,654 @@
+"""The operator's decisions: `decide(spec, status, observed, now, settings) -> Decision`.
+
+Pure: no kopf, no Kubernetes client, no clock (`now` is an argument), so every restart,
+backoff, budget, hang and uptime rule is unit-tested with a fake clock. The handlers call
+`decide` on every event and timer tick and hand the Decision to the k8s module, which executes
+its actions *in order* and stops at the first error (the next pass decides again).
+
+Everything is derived from the observed objects and the status on every pass, never from
+memory of an earlier pass, so an operator restarted mid-recovery carries on correctly:
+- "Never two gangs": pods of an older attempt are deleted, and a new gang is created only
+  when no pod of any attempt is left (terminating ones included). Pods of a *newer* attempt
+  than the status knows mean the view is stale: decide nothing and look again shortly.
+- Pod names are per attempt and deterministic, so creating a gang twice is a no-op.
+- The status (attempt, phase, restart counts) is written before the objects of the next
+  step, and fault accounting in the OperatorState annotation is keyed by attempt, so
+  replaying a pass never counts a fault twice.
+
+Phases: Pending (gang created, not all running) -> Running (all running) -> Succeeded (all
+exited 0). A fault makes it Restarting: every pod of the attempt is deleted, the operator
+waits until they are gone (force-deleting pods stuck on a dead node after a bound), backs
+off exponentially, and creates attempt+1 (phase Pending, the Restarting condition stays True
+until the new gang runs). Suspended deletes the pods and keeps progress; resuming creates a
+new attempt. Failed and Succeeded are terminal.
+
+Uptime (the paper's Table 1 measure): running seconds are the time spent in phase Running;
+down seconds the time in Pending or Restarting after the job first ran; Suspended time is
+neither. ratio = running / (running + down).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from hlat_api import labels
+from hlat_api.heartbeat import Heartbeat, lease_name
+from hlat_api.labels import Reason
+from hlat_api.manifest import InvalidSpecError, parse_spec
+from hlat_api.spec import PretrainJobSpec
+from hlat_api.status import (
+    CheckpointRef,
+    Condition,
+    Failure,
+    Phase,
+    PretrainJobStatus,
+    Progress,
+    Uptime,
+)
+from hlat_operator import builders
+from hlat_operator.config import OperatorSettings
+from hlat_operator.faults import Fault, detect_fault, heartbeat_ages, node_dead
+from hlat_operator.kube import Object
+from hlat_operator.observe import Observed, ObservedPod, format_time, parse_time
+
+TERMINAL: tuple[Phase, ...] = ("Succeeded", "Failed")
+PHASE_CONDITIONS = ("Running", "Restarting", "Suspended", "Succeeded", "Failed")
+
+# --- actions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PatchState:
+    """Write OperatorState as the job's `hlat.dev/operator-state` annotation."""
+
+    annotation: str
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    """Replace the job's status (the whole object, camelCase)."""
+
+    status: dict[str, Any]
+    resource_version: str | None = None
+    """For optimistic concurrency: a stale view must lose (HTTP 409), not overwrite."""
+
+
+@dataclass(frozen=True)
+class EmitEvent:
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class CreateObject:
+    """Create `obj`; if it exists, leave it (replace=False) or replace it (replace=True)."""
+
+    obj: Object
+    replace: bool = False
+
+
+@dataclass(frozen=True)
+class DeletePod:
+    name: str
+    grace_seconds: int | None = None
+    """None: the pod's own terminationGracePeriodSeconds; 0: force-delete."""
+
+
+@dataclass(frozen=True)
+class DeleteObject:
+    kind: Literal["Lease"]
+    name: str
+
+
+@dataclass(frozen=True)
+class DeleteJob:
+    """ttlSecondsAfterFinished elapsed: delete the PretrainJob (and, by ownership, the rest)."""
+
+
+Action = PatchState | PatchStatus | EmitEvent | CreateObject | DeletePod | DeleteObject | DeleteJob
+
+
+@dataclass(frozen=True)
+class Decision:
+    actions: list[Action]
+    """In order; the executor stops at the first failure."""
+    requeue_after: float | None
+    """Seconds until the next pass without an event; None: wait for one."""
+    status: PretrainJobStatus
+    """The status after this pass, whether or not it is written now (metrics read it)."""
+    fault: Fault | None = None
+    """The fault detected in this pass (it may have ended the job instead of restarting)."""
+    restarted: bool = False
+    """The fault led to a gang restart (restarts.total grew)."""
+    recovered_seconds: float | None = None
+    """Set on the pass a restarted gang became Ready: seconds since the fault."""
+    heartbeat_ages: dict[str, float] = field(default_factory=dict)
+
+
+# --- the pass --------------------------------------------------------------------------------
+
+
+class _Pass:
+    """One decision in the making: the new status and state, and the actions so far."""
+
+    def __init__(
+        self,
+        status: PretrainJobStatus,
+        observed: Observed,
+        now: datetime,
+        settings: OperatorSettings,
+    ) -> None:
+        self.old, self.observed, self.now, self.settings = status, observed, now, settings
+        self.status = status.model_copy(deep=True)
+        self.state = observed.state
+        self.actions: list[Action] = []
+        self.events: list[EmitEvent] = []
+        self.requeue: float | None = None
+        self.fault: Fault | None = None
+        self.restarted = False
+        self.recovered: float | None = None
+        self.force_write = False
+
+    @property
+    def stamp(self) -> str:
+        return format_time(self.now)
+
+    def after(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        self.requeue = seconds if self.requeue is None else min(self.requeue, seconds)
+
+    def event(self, reason: str, message: str, warning: bool = False) -> None:
+        self.events.append(EmitEvent("Warning" if warning else "Normal", reason, message))
+
+    def condition(self, type_: str, true: bool, reason: str, message: str) -> None:
+        conds = self.status.conditions
+        value: Literal["True", "False"] = "True" if true else "False"
+        for i, c in enumerate(conds):
+            if c.type == type_:
+                moved = c.status != value
+                conds[i] = c.model_copy(
+                    update={
+                        "status": value,
+                        "reason": reason if true or moved else c.reason,
+                        "message": message if true or moved else c.message,
+                        "last_transition_time": self.stamp if moved else c.last_transition_time,
+                    }
+                )
+                return
+        if true or type_ == "Ready":
+            conds.append(
+                Condition.model_validate(
+                    {
+                        "type": type_,
+                        "status": value,
+                        "reason": reason,
+                        "message": message,
+                        "last_transition_time": self.stamp,
+                    }
+                )
+            )
+
+    def phase(self, phase: Phase, reason: str, message: str, warning: bool = False) -> None:
+        """Move to `phase`, with its condition True and the other phase conditions False."""
+        if self.status.phase == phase:
+            return
+        self.status.phase = phase
+        for type_ in PHASE_CONDITIONS:
+            keep_restarting = type_ == "Restarting" and phase == "Pending"
+            if type_ == phase:
+                self.condition(type_, True, reason, message)
+            elif not keep_restarting:
+                self.condition(type_, False, reason, message)
+        if phase != "Running":
+            self.condition("Ready", False, reason, message)
+        if phase in TERMINAL:
+            self.status.completion_time = self.stamp
+        self.event(reason, message, warning)
+
+    def finish(self, spec: PretrainJobSpec | None) -> Decision:
+        _account_uptime(self)
+        self.status.observed_generation = self.observed.generation
+        write = _should_write(self)
+        head: list[Action] = []
+        if write:
+            new_state = self.state.model_copy(
+                update={"accounted_at": self.stamp, "status_written_at": self.stamp}
+            )
+            head.append(PatchState(new_state.to_annotation()))
+            head.append(
+                PatchStatus(
+                    self.status.model_dump(mode="json", by_alias=True, exclude_none=True),
+                    self.observed.resource_version,
+                )
+            )
+        elif self.state != self.observed.state:
+            head.append(PatchState(self.state.to_annotation()))
+        ages = heartbeat_ages(self.observed, self.status.attempt, self.now) if spec else {}
+        return Decision(
+            actions=[*head, *self.events, *self.actions],
+            requeue_after=self.requeue,
+            status=self.status
+            if write
+            else self.old.model_copy(
+                update={"progress": self.status.progress, "uptime": self.status.uptime}
+            ),
+            fault=self.fault,
+            restarted=self.restarted,
+            recovered_seconds=self.recovered,
+            heartbeat_ages=ages,
+        )
+
+
+def decide(
+    spec: Mapping[str, Any] | PretrainJobSpec,
+    status: PretrainJobStatus,
+    observed: Observed,
+    now: datetime,
+    settings: OperatorSettings,
+) -> Decision:
+    """The next step for one PretrainJob. `spec` may be raw (as stored): invalid is Failed."""
+    p = _Pass(status, observed, now, settings)
+    if status.phase in TERMINAL:
+        _terminal(p, spec)
+        return p.finish(None)
+    parsed = _parse(p, spec)
+    if parsed is None:
+        return p.finish(None)
+    _update_progress(p, parsed)
+    if parsed.suspend:
+        _suspend(p)
+    elif status.phase == "Suspended":
+        _resume(p, parsed)
+    elif _deadline_passed(p, parsed):
+        pass
+    elif status.phase == "Restarting":
+        _restarting(p, parsed)
+    else:
+        _active(p, parsed)
+    return p.finish(parsed)
+
+
+def _parse(p: _Pass, spec: Mapping[str, Any] | PretrainJobSpec) -> PretrainJobSpec | None:
+    try:
+        parsed = spec if isinstance(spec, PretrainJobSpec) else parse_spec(spec)
+    except InvalidSpecError as err:
+        message = "; ".join(f"{path}: {reason}" for path, reason in err.problems)
+        _fail(p, Reason.INVALID_SPEC, message)
+        return None
+    if builders.resolve_image(parsed, p.settings) is None:
+        _fail(
+            p,
+            Reason.INVALID_SPEC,
+            "spec.image: required (the trainer image) and the "
+            "operator has no default image (HLAT_OPERATOR_DEFAULT_IMAGE)",
+        )
+        return None
+    return parsed
+
+
+def _fail(p: _Pass, reason: Reason, message: str) -> None:
+    p.phase("Failed", reason, message, warning=True)
+    _teardown(p, p.observed.pods, keep_finished=True)
+
+
+# --- terminal, suspend, deadline ---------------------------------------------------------------
+
+
+def _terminal(p: _Pass, spec: Mapping[str, Any] | PretrainJobSpec) -> None:
+    """Finished jobs keep their finished pods (logs); stragglers are stopped; TTL applies."""
+    _teardown(p, p.observed.pods, keep_finished=True)
+    raw_ttl = (
+        spec.ttl_seconds_after_finished
+        if isinstance(spec, PretrainJobSpec)
+        else (spec.get("ttlSecondsAfterFinished"))
+    )
+    done = parse_time(p.status.completion_time)
+    if isinstance(raw_ttl, int) and done is not None:
+        left = raw_ttl - (p.now - done).total_seconds()
+        if left <= 0:
+            p.actions.append(DeleteJob())
+        else:
+            p.after(left)
+
+
+def _suspend(p: _Pass) -> None:
+    if p.status.phase != "Suspended":
+        p.phase("Suspended", Reason.SUSPENDED, "spec.suspend is true: pods deleted, progress kept")
+    if not _teardown(p, p.observed.pods):
+        p.after(p.settings.fast_requeue_seconds)
+
+
+def _resume(p: _Pass, spec: PretrainJobSpec) -> None:
+    if not _teardown(p, p.observed.pods):
+        p.after(p.settings.fast_requeue_seconds)
+        return
+    ran_before = p.status.start_time is not None
+    _new_attempt(p, spec, p.status.attempt + 1 if ran_before else p.status.attempt)
+    p.phase("Pending", Reason.RESUMED, f"resumed as attempt {p.status.attempt}")
+
+
+def _deadline_passed(p: _Pass, spec: PretrainJobSpec) -> bool:
+    start = parse_time(p.status.start_time)
+    limit = spec.active_deadline_seconds
+    if limit is None or start is None:
+        return False
+    left = limit - (p.now - start).total_seconds()
+    if left > 0:
+        p.after(left)
+        return False
+    _fail(p, Reason.DEADLINE_EXCEEDED, f"ran longer than activeDeadlineSeconds={limit}")
+    return True
+
+
+# --- tearing a gang down ---------------------------------------------------------------------
+
+
+def _teardown(p: _Pass, pods: list[ObservedPod], keep_finished: bool = False) -> bool:
+    """Delete these pods; True once none is left. Pods stuck terminating on a dead node past
+    the bound are force-deleted: their kubelet will never confirm."""
+    left = False
+    for pod in pods:
+        if keep_finished and pod.finished:
+            continue
+        left = True
+        if not pod.terminating:
+            p.actions.append(DeletePod(pod.name))
+            continue
+        assert pod.deletion_timestamp is not None
+        stuck = (p.now - pod.deletion_timestamp).total_seconds()
+        node = p.observed.nodes.get(pod.node) if pod.node else None
+        dead = pod.node is None or node_dead(node, p.now, 0.0, p.observed.nodes_known)
+        if stuck >= p.settings.force_delete_after_seconds and dead:
+            p.actions.append(DeletePod(pod.name, grace_seconds=0))
+            p.event(
+                Reason.FORCE_DELETED,
+                f"pod {pod.name} was stuck terminating on "
+                f"unreachable node {pod.node} for {stuck:.0f}s",
+                warning=True,
+            )
+    return not left
+
+
+def _newer_pods(p: _Pass) -> bool:
+    """Pods of an attempt the status does not know yet: our view of the job is stale."""
+    return any(
+        pod.attempt is not None and pod.attempt > p.status.attempt for pod in p.observed.pods
+    )
+
+
+def _restarting(p: _Pass, spec: PretrainJobSpec) -> None:
+    if _newer_pods(p):
+        p.after(p.settings.fast_requeue_seconds)
+        return
+    if not _teardown(p, p.observed.pods):
+        p.after(p.settings.fast_requeue_seconds)
+        return
+    ft = spec.fault_tolerance
+    streak = max(1, p.state.no_progress_streak)
+    delay = min(ft.backoff.max_seconds, ft.backoff.initial_seconds * 2 ** (streak - 1))
+    failure = p.status.last_failure
+    since = parse_time(failure.time if failure else None) or p.now
+    left = delay - (p.now - since).total_seconds()
+    if left > 0:
+        waiting = next((c for c in p.status.conditions if c.type == "Restarting"), None)
+        if waiting is not None and waiting.reason != Reason.BACKOFF:
+            p.condition(
+                "Restarting",
+                True,
+                Reason.BACKOFF,
+                f"the old gang is gone; attempt "
+                f"{p.status.attempt + 1} starts after a {delay:g}s backoff",
+            )
+        p.after(left)
+        return
+    _new_attempt(p, spec, p.status.attempt + 1)
+    p.phase(
+        "Pending",
+        Reason.CREATED,
+        f"attempt {p.status.attempt} created after {delay:g}s "
+        "backoff, resuming from the latest complete checkpoint",
+    )
+
+
+# --- creating a gang -------------------------------------------------------------------------
+
+
+def _avoided_nodes(p: _Pass, spec: PretrainJobSpec) -> list[str]:
+    unhealthy = [n.name for n in p.observed.nodes.values() if not n.healthy]
+    failed = p.state.avoid_nodes if spec.fault_tolerance.avoid_failed_nodes else []
+    return sorted({*failed, *unhealthy})
+
+
+def _new_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> None:
+    """Move the status to `attempt` and create its gang (the status is written first)."""
+    p.status.attempt = attempt
+    p.status.start_time = p.status.start_time or p.stamp
+    ckpt = p.status.latest_checkpoint.step if p.status.latest_checkpoint else None
+    p.state = p.state.model_copy(update={"checkpoint_at_attempt_start": ckpt})
+    p.force_write = True
+    job = p.observed.job
+    p.actions += [
+        CreateObject(o)
+        for o in (
+            builders.build_service(job, p.settings),
+            builders.build_service_account(job),
+            builders.build_role_binding(job),
+        )
+    ]
+    p.actions.append(CreateObject(builders.build_config_map(job, spec), replace=True))
+    p.actions.append(CreateObject(builders.build_role(job, spec, attempt), replace=True))
+    current = set(builders.lease_names(job, spec, attempt))
+    p.actions += [
+        DeleteObject("Lease", name) for name in sorted(p.observed.leases) if name not in current
+    ]
+    p.actions += [
+        CreateObject(lease) for lease in builders.build_leases(job, spec, attempt, p.settings)
+    ]
+    pods = builders.build_worker_pods(job, spec, attempt, p.settings, _avoided_nodes(p, spec))
+    p.actions += [CreateObject(pod) for pod in pods]
+
+
+def _create_missing(p: _Pass, spec: PretrainJobSpec) -> None:
+    """Pending with pods missing (first pass, or the operator stopped mid-creation)."""
+    present = {pod.name for pod in p.observed.pods_of(p.status.attempt)}
+    if not present:
+        _new_attempt(p, spec, p.status.attempt)
+        if p.status.phase == "Pending" and not any(
+            c.type == "Restarting" and c.status == "True" for c in p.status.conditions
+        ):
+            p.event(
+                Reason.CREATED, f"created {spec.nodes} worker pods (attempt {p.status.attempt})"
+            )
+        return
+    pods = builders.build_worker_pods(
+        p.observed.job, spec, p.status.attempt, p.settings, _avoided_nodes(p, spec)
+    )
+    p.actions += [CreateObject(pod) for pod in pods if pod["metadata"]["name"] not in present]
+
+
+# --- a live gang -----------------------------------------------------------------------------
+
+
+def _active(p: _Pass, spec: PretrainJobSpec) -> None:
+    attempt = p.status.attempt
+    if _newer_pods(p):
+        p.after(p.settings.fast_requeue_seconds)
+        return
+    older = [pod for pod in p.observed.pods if pod.attempt is None or pod.attempt < attempt]
+    if not _teardown(p, older):
+        p.after(p.settings.fast_requeue_seconds)  # never two gangs: the old one goes first
+        return
+    fault = detect_fault(spec, attempt, p.status.phase, p.observed, p.now, p.settings)
+    if fault is not None:
+        _on_fault(p, spec, fault)
+        return
+    pods = p.observed.pods_of(attempt)
+    if p.status.phase == "Pending" and len(pods) < spec.nodes:
+        _create_missing(p, spec)
+        p.after(p.settings.resync_seconds)
+        return
+    if len(pods) >= spec.nodes and all(pod.phase == "Succeeded" for pod in pods):
+        p.phase(
+            "Succeeded",
+            Reason.COMPLETED,
+            f"all {spec.nodes} workers finished {spec.total_steps} steps",
+        )
+        p.force_write = True
+        return
+    if p.status.phase == "Pending" and all(pod.phase in ("Running", "Succeeded") for pod in pods):
+        p.phase("Running", Reason.RUNNING, f"all {spec.nodes} workers of attempt {attempt} run")
+        p.condition("Restarting", False, Reason.RUNNING, "the new gang runs")
+    if p.status.phase == "Running":
+        _update_ready(p, spec, pods)
+    p.after(p.settings.resync_seconds)
+
+
+def _update_ready(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) -> None:
+    beats = [_beat(p, pod.name) for pod in pods]
+    training = all(
+        b is not None and b.phase != "starting" and b.phase != "compiling" for b in beats
+    )
+    if not training:
+        return
+    p.condition("Ready", True, Reason.TRAINING, f"all {spec.nodes} workers report training")
+    attempt = p.status.attempt
+    if p.state.ready_attempt != attempt:
+        failure = p.status.last_failure
+        since = parse_time(failure.time if failure else None)
+        if attempt > 0 and since is not None:
+            p.recovered = (p.now - since).total_seconds()
+        p.state = p.state.model_copy(update={"ready_attempt": attempt})
+
+
+def _beat(p: _Pass, pod: str) -> Heartbeat | None:
+    lease = p.observed.leases.get(lease_name(pod))
+    beat = lease.heartbeat if lease is not None and lease.renew_time is not None else None
+    if beat is not None and beat.attempt is not None and beat.attempt != p.status.attempt:
+        return None
+    return beat
+
+
+# --- faults ----------------------------------------------------------------------------------
+
+
+def _on_fault(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> None:
+    ft, s, attempt = spec.fault_tolerance, p.status, p.status.attempt
+    p.fault = fault
+    latest = s.latest_checkpoint.step if s.latest_checkpoint else -1
+    start = p.state.checkpoint_at_attempt_start
+    if p.state.faulted_attempt == attempt:  # replayed pass: this fault is already counted
+        streak = p.state.no_progress_streak
+    else:
+        streak = (
+            0 if latest > (start if start is not None else -1) else p.state.no_progress_streak + 1
+        )
+    avoid = list(p.state.avoid_nodes)
+    if ft.avoid_failed_nodes and fault.node and fault.reason in labels.NODE_REASONS:
+        avoid = [n for n in avoid if n != fault.node] + [fault.node]
+    p.state = p.state.model_copy(
+        update={"faulted_attempt": attempt, "no_progress_streak": streak, "avoid_nodes": avoid}
+    )
+    s.last_failure = Failure(
+        reason=fault.reason,
+        node=fault.node,
+        pod=fault.pod,
+        exit_code=fault.exit_code,
+        message=fault.message,
+        time=p.stamp,
+    )
+    counted = not fault.infrastructure or ft.infra_faults_count
+    if fault.permanent:
+        _fail(p, fault.reason, f"{fault.message}: not retried (a restart cannot fix it)")
+    elif counted and s.restarts.counted + 1 > ft.max_restarts:
+        _fail(
+            p,
+            Reason.BUDGET_EXHAUSTED,
+            f"{fault.message}; restart budget of {ft.max_restarts} used up",
+        )
+    elif streak > ft.no_progress_restarts:
+        _fail(
+            p,
+            Reason.NO_PROGRESS,
+            f"{fault.message}; {streak} attempts in a row ended without "
+            f"a new complete checkpoint (noProgressRestarts={ft.no_progress_restarts})",
+        )
+    else:
+        s.restarts.total += 1
+        s.restarts.counted += int(counted)
+        s.lost_steps += _lost_steps(p, latest)
+        p.restarted = True
+        p.phase(
+            "Restarting",
+            fault.reason,
+            f"{fault.message}; restarting the gang (restart {s.restarts.total})",
+            warning=True,
+        )
+        _teardown(p, p.observed.pods)
+        p.after(p.settings.fast_requeue_seconds)
+
+
+def _lost_steps(p: _Pass, checkpoint: int) -> int:
+    """Steps this attempt computed past the checkpoint the next attempt resumes from."""
+    steps = [b.step for pod in p.observed.pods_of(p.status.attempt) if (b := _beat(p, pod.name))]
+    return max(0, max(steps, default=0) - max(checkpoint, 0))
+
+
+# --- progress, uptime, writes ----------------------------------------------------------------
+
+
+def _update_progress(p: _Pass, spec: PretrainJobSpec) -> None:
+    attempt = p.status.attempt
+    names = [labels.worker_pod_name(p.observed.job.name, attempt, r) for r in range(spec.nodes)]
+    beats = [b for n in names if (b := _beat(p, n)) is not None]
+    if not beats:
+        return
+    lead = beats[0] if _beat(p, names[0]) is not None else max(beats, key=lambda b: b.step)
+    step = max(b.step for b in beats)
+    p.status.progress = Progress(
+        step=step,
+        tokens=max(b.tokens for b in beats),
+        loss=lead.loss,
+        tokens_per_second=lead.tokens_per_second,
+    )
+    ckpts = [b.checkpoint_step for b in beats if b.checkpoint_step is not None]
+    known = p.status.latest_checkpoint.step if p.status.latest_checkpoint else -1
+    if ckpts and max(ckpts) > known:
+        p.status.latest_checkpoint = CheckpointRef(step=max(ckpts), time=p.stamp)
+
+
+def _account_uptime(p: _Pass) -> None:
+    since = parse_time(p.observed.state.accounted_at)
+    up = p.old.uptime
+    running, down = up.running_seconds, up.down_seconds
+    if since is not None and p.now > since:
+        dt = (p.now - since).total_seconds()
+        if p.old.phase == "Running":
+            running += dt
+        elif p.old.phase in ("Pending", "Restarting") and running > 0:
+            down += dt
+    total = running + down
+    p.status.uptime = Uptime(
+        running_seconds=round(running, 3),
+        down_seconds=round(down, 3),
+        ratio=round(running / total, 6) if total > 0 else None,
+    )
+
+
+def _should_write(p: _Pass) -> bool:
+    volatile = {"progress", "uptime", "observed_generation"}
+    if p.force_write or p.observed.state.accounted_at is None:
+        return True
+    if p.status.model_dump(exclude=volatile) != p.old.model_dump(exclude=volatile):
+        return True
+    if p.status.observed_generation != p.old.observed_generation:
+        return True
+    written = parse_time(p.observed.state.status_written_at)
+    due = written is None or p.now - written >= timedelta(
+        seconds=p.settings.status_interval_seconds
+    )
+    changed = p.status.progress != p.old.progress or p.status.uptime != p.old.uptime
+    return due and changed

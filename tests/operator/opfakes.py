@@ -1,0 +1,268 @@
+"""A fake cluster for the operator's unit tests: decide() in a loop on a fake clock.
+
+`World` applies each Decision's actions the way the API server and the process kubelet would
+(pods scheduled onto ready nodes that their affinity allows, deletions that take effect at
+once unless the node is dead), so tests script what a user would see: a job created, a worker
+killed, a node lost, the operator itself stopped mid-pass.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from hlat_api import labels
+from hlat_api.heartbeat import Heartbeat, lease_name
+from hlat_api.status import PretrainJobStatus
+from hlat_operator.builders import JobRef
+from hlat_operator.config import OperatorSettings
+from hlat_operator.observe import (
+    Observed,
+    ObservedLease,
+    ObservedNode,
+    ObservedPod,
+    OperatorState,
+    format_time,
+)
+from hlat_operator.reconcile import (
+    CreateObject,
+    Decision,
+    DeleteJob,
+    DeleteObject,
+    DeletePod,
+    EmitEvent,
+    PatchState,
+    PatchStatus,
+    decide,
+)
+
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
+JOB = JobRef("tiny", "default", "uid-1")
+SETTINGS = OperatorSettings(
+    heartbeat_period_seconds=2.0,
+    min_heartbeat_timeout_seconds=5.0,
+    status_interval_seconds=10.0,
+    force_delete_after_seconds=30.0,
+)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+def raw_spec(**overrides: Any) -> dict[str, Any]:
+    """A tiny 2-node CPU job (like examples/pretrainjob-tiny.yaml); overrides by camelCase path."""
+    spec: dict[str, Any] = {
+        "image": "hlat-trainer:dev",
+        "nodes": 2,
+        "instanceType": "cpu",
+        "processesPerNode": 1,
+        "model": {"preset": "tiny"},
+        "precision": "fp32",
+        "optimizer": {"lr": 3e-3, "minLr": 3e-4, "warmupSteps": 10},
+        "data": {"path": "/fsx/data", "tokenizer": "bytes", "seqLen": 128},
+        "train": {"globalBatch": 8, "microBatch": 4, "steps": 120},
+        "checkpoint": {"dir": "/fsx/checkpoints", "interval": 20},
+        "storage": {"claimName": "hlat-shared", "mountPath": "/fsx"},
+        "faultTolerance": {
+            "maxRestarts": 5,
+            "backoff": {"initialSeconds": 4, "maxSeconds": 30},
+            "heartbeat": {"startupTimeoutSeconds": 60},
+            "noProgressRestarts": 3,
+        },
+    }
+    for path, value in overrides.items():
+        node = spec
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return spec
+
+
+class World:
+    """One PretrainJob, its pods/leases, and nodes; `now` moves only when a test says so."""
+
+    def __init__(
+        self,
+        spec: dict[str, Any] | None = None,
+        nodes: tuple[str, ...] = ("node-a", "node-b", "node-c"),
+        settings: OperatorSettings = SETTINGS,
+    ) -> None:
+        self.spec = spec if spec is not None else raw_spec()
+        self.settings = settings
+        self.now = T0
+        self.status = PretrainJobStatus()
+        self.state = OperatorState()
+        self.pods: dict[str, ObservedPod] = {}
+        self.avoid: dict[str, list[str]] = {}
+        self.nodes = {n: ObservedNode(n) for n in nodes}
+        self.leases: dict[str, ObservedLease] = {}
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.events: list[EmitEvent] = []
+        self.deleted = False
+        self.status_writes = 0
+
+    # --- the operator's side ------------------------------------------------------------------
+
+    def observed(self) -> Observed:
+        return Observed(
+            job=JOB,
+            pods=list(self.pods.values()),
+            nodes=dict(self.nodes),
+            leases=dict(self.leases),
+            state=self.state,
+            generation=1,
+        )
+
+    def decide(self) -> Decision:
+        return decide(self.spec, self.status, self.observed(), self.now, self.settings)
+
+    def step(self, crash_after: int | None = None) -> Decision:
+        """One operator pass; `crash_after=k` applies only its first k actions (a crash)."""
+        d = self.decide()
+        for action in d.actions[:crash_after]:
+            self.apply(action)
+        return d
+
+    def apply(self, action: object) -> None:
+        if isinstance(action, PatchStatus):
+            self.status = PretrainJobStatus.model_validate(copy.deepcopy(action.status))
+            self.status_writes += 1
+        elif isinstance(action, PatchState):
+            self.state = OperatorState.model_validate_json(action.annotation)
+        elif isinstance(action, EmitEvent):
+            self.events.append(action)
+        elif isinstance(action, CreateObject):
+            self._create(action)
+        elif isinstance(action, DeletePod):
+            self._delete_pod(action)
+        elif isinstance(action, DeleteObject):
+            self.leases.pop(action.name, None)
+        elif isinstance(action, DeleteJob):
+            self.deleted = True
+
+    def _create(self, action: CreateObject) -> None:
+        obj: dict[str, Any] = dict(action.obj)
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        if kind == "Pod":
+            if name in self.pods:
+                return
+            lab = obj["metadata"]["labels"]
+            terms = obj["spec"].get("affinity", {}).get("nodeAffinity", {})
+            req = terms.get("requiredDuringSchedulingIgnoredDuringExecution", {})
+            avoid = [
+                v
+                for t in req.get("nodeSelectorTerms", [])
+                for e in t["matchFields"]
+                for v in e["values"]
+            ]
+            self.avoid[name] = avoid
+            self.pods[name] = ObservedPod(
+                name, int(lab[labels.ATTEMPT]), int(lab[labels.NODE_RANK]), created_at=self.now
+            )
+        elif kind == "Lease":
+            if name not in self.leases:
+                self.leases[name] = ObservedLease(name)
+        elif action.replace or (kind, name) not in self.objects:
+            self.objects[(kind, name)] = obj
+
+    def _delete_pod(self, action: DeletePod) -> None:
+        pod = self.pods.get(action.name)
+        if pod is None:
+            return
+        node = self.nodes.get(pod.node) if pod.node else None
+        gone_at_once = action.grace_seconds == 0 or pod.node is None or pod.finished
+        if gone_at_once or (node is not None and node.ready):
+            del self.pods[action.name]  # a live kubelet confirms at once (SIGTERM -> exit)
+        elif pod.deletion_timestamp is None:
+            self.pods[action.name] = replace(pod, deletion_timestamp=self.now)
+
+    # --- the cluster's side -------------------------------------------------------------------
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+    def schedule(self) -> None:
+        """Bind pending pods to distinct ready nodes their affinity allows, and start them."""
+        used = {p.node for p in self.pods.values() if p.node and not p.finished}
+        for name, pod in sorted(self.pods.items()):
+            if pod.node is not None or pod.terminating:
+                continue
+            free = [
+                n
+                for n, node in sorted(self.nodes.items())
+                if node.ready and n not in used and n not in self.avoid.get(name, [])
+            ]
+            if not free:
+                continue
+            used.add(free[0])
+            self.pods[name] = replace(pod, node=free[0], phase="Running", started_at=self.now)
+
+    def live(self) -> list[ObservedPod]:
+        return [p for p in self.pods.values() if not p.finished]
+
+    def beat(self, step: int, phase: str = "training", **fields: Any) -> None:
+        """Every running worker renews its Lease now."""
+        for pod in self.pods.values():
+            if pod.phase != "Running" or pod.terminating:
+                continue
+            hb = Heartbeat.model_validate(
+                {
+                    "phase": phase,
+                    "step": step,
+                    "tokens": step * 1024.0,
+                    "attempt": pod.attempt,
+                    "step_seconds": 0.5,
+                    **fields,
+                }
+            )
+            self.leases[lease_name(pod.name)] = ObservedLease(lease_name(pod.name), self.now, hb)
+
+    def pod_of(self, rank: int) -> ObservedPod:
+        return next(
+            p for p in self.pods.values() if p.rank == rank and p.attempt == self.status.attempt
+        )
+
+    def fail(self, rank: int, exit_code: int = 137, reason: str | None = None) -> None:
+        pod = self.pod_of(rank)
+        self.pods[pod.name] = replace(pod, phase="Failed", exit_code=exit_code, reason=reason)
+
+    def succeed_all(self) -> None:
+        for name, pod in list(self.pods.items()):
+            if pod.phase == "Running":
+                self.pods[name] = replace(pod, phase="Succeeded", exit_code=0)
+
+    def node_down(self, node: str) -> None:
+        self.nodes[node] = replace(self.nodes[node], ready=False, not_ready_since=self.now)
+
+    def run(self, seconds: float, every: float = 1.0, step: int | None = None) -> None:
+        """Let time pass with the operator acting every `every` s (workers beat if step given)."""
+        t = 0.0
+        while t < seconds:
+            self.schedule()
+            if step is not None:
+                self.beat(step)
+            self.step()
+            self.advance(every)
+            t += every
+
+    def until(self, phase: str, limit: float = 300, step: int | None = None) -> float:
+        """Advance until the status phase is `phase`; returns the seconds it took."""
+        start = self.now
+        while self.status.phase != phase:
+            assert (self.now - start).total_seconds() < limit, f"stuck in {self.status.phase}"
+            self.run(1.0, step=step)
+        return (self.now - start).total_seconds()
+
+    def reasons(self) -> list[str]:
+        return [e.reason for e in self.events]
+
+
+def stamp(seconds: float) -> str:
+    return format_time(at(seconds))

@@ -1,0 +1,210 @@
+"""Parsing raw Kubernetes payloads, operator settings from env, and the metrics a job feeds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from opfakes import World, at, raw_spec
+
+from hlat_api import labels
+from hlat_api.heartbeat import Heartbeat
+from hlat_operator.config import OperatorSettings, SettingsError
+from hlat_operator.metrics import OperatorMetrics
+from hlat_operator.observe import (
+    OperatorState,
+    lease_from_raw,
+    node_from_raw,
+    observe,
+    pod_from_raw,
+    status_from_raw,
+)
+
+KILLED_POD: dict[str, Any] = {
+    "metadata": {
+        "name": "tiny-a2-1",
+        "creationTimestamp": "2025-01-01T00:00:00Z",
+        "labels": {labels.ATTEMPT: "2", labels.NODE_RANK: "1", labels.JOB: "tiny"},
+    },
+    "spec": {"nodeName": "node-b"},
+    "status": {
+        "phase": "Failed",
+        "startTime": "2025-01-01T00:00:05Z",
+        "conditions": [
+            {"type": "Ready", "status": "False"},
+            {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"},
+        ],
+        "containerStatuses": [
+            {
+                "name": "trainer",
+                "state": {
+                    "terminated": {
+                        "exitCode": 137,
+                        "reason": "Error",
+                        "startedAt": "2025-01-01T00:00:10Z",
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+def test_pod_from_raw() -> None:
+    pod = pod_from_raw(KILLED_POD)
+    assert (pod.name, pod.attempt, pod.rank, pod.phase) == ("tiny-a2-1", 2, 1, "Failed")
+    assert pod.exit_code == 137 and pod.reason == "Error" and pod.node == "node-b"
+    assert pod.disruption == "PreemptionByScheduler" and pod.started_at == at(10)
+    assert not pod.ready and not pod.terminating and pod.finished
+
+
+def test_a_pod_without_status_is_pending() -> None:
+    pod = pod_from_raw({"metadata": {"name": "x", "deletionTimestamp": "2025-01-01T00:01:00Z"}})
+    assert pod.phase == "Pending" and pod.attempt is None and pod.deletion_timestamp == at(60)
+
+
+@pytest.mark.parametrize(
+    ("ready", "taints", "health", "dead", "healthy"),
+    [
+        ("True", [], None, False, True),
+        ("False", [], None, True, True),
+        ("Unknown", [], "Schedulable", True, True),
+        (
+            "True",
+            [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}],
+            None,
+            True,
+            True,
+        ),
+        ("True", [], "UnschedulablePendingReplacement", False, False),
+    ],
+)
+def test_node_from_raw(
+    ready: str, taints: list[Any], health: str | None, dead: bool, healthy: bool
+) -> None:
+    node = node_from_raw(
+        {
+            "metadata": {
+                "name": "n",
+                "labels": {labels.NODE_HEALTH_LABEL: health} if health else {},
+            },
+            "spec": {"taints": taints},
+            "status": {
+                "conditions": [
+                    {"type": "Ready", "status": ready, "lastTransitionTime": "2025-01-01T00:00:00Z"}
+                ]
+            },
+        }
+    )
+    assert (not node.ready or node.unreachable) is dead
+    assert node.healthy is healthy
+
+
+def test_lease_from_raw_decodes_the_heartbeat() -> None:
+    beat = Heartbeat(phase="training", step=7, checkpoint_step=5, step_seconds=0.2)
+    lease = lease_from_raw(
+        {
+            "metadata": {"name": "l", "annotations": beat.to_annotations()},
+            "spec": {"renewTime": "2025-01-01T00:00:03.250000Z"},
+        }
+    )
+    assert lease.heartbeat == beat and lease.renew_time is not None
+    assert lease.renew_time.timestamp() == pytest.approx(at(3.25).timestamp())
+    assert lease_from_raw({"metadata": {"name": "l"}, "spec": {}}).heartbeat is None
+
+
+def test_observe_reads_state_annotation_and_tolerates_garbage() -> None:
+    state = OperatorState(avoid_nodes=["n1"], no_progress_streak=2)
+    body = {
+        "metadata": {
+            "name": "tiny",
+            "namespace": "ns",
+            "uid": "u",
+            "generation": 3,
+            "resourceVersion": "77",
+            "annotations": {labels.STATE_ANNOTATION: state.to_annotation()},
+        }
+    }
+    obs = observe(body, [KILLED_POD], None, [])
+    assert obs.state == state and obs.job.name == "tiny" and obs.generation == 3
+    assert obs.resource_version == "77" and not obs.nodes_known
+    garbage = {"metadata": {"annotations": {labels.STATE_ANNOTATION: "{not json"}}}
+    assert observe(garbage, [], [], []).state == OperatorState()
+    assert status_from_raw({"phase": "Nonsense"}).phase == "Pending"
+    assert status_from_raw({"phase": "Running", "attempt": 2}).attempt == 2
+
+
+def test_settings_from_env() -> None:
+    s = OperatorSettings.from_env(
+        {
+            "HLAT_OPERATOR_TRAINER_COMMAND": '["/opt/rig/hlat-launch", "--verbose"]',
+            "HLAT_OPERATOR_MASTER_PORT": "29600",
+            "HLAT_OPERATOR_DEFAULT_IMAGE": "",
+            "HLAT_OPERATOR_HEARTBEAT_PERIOD_SECONDS": "2.5",
+            "UNRELATED": "x",
+        }
+    )
+    assert s.trainer_command == ["/opt/rig/hlat-launch", "--verbose"]
+    assert s.master_port == 29600 and s.heartbeat_period_seconds == 2.5
+    assert s.default_image is None and s.namespace is None
+    assert OperatorSettings.from_env({"HLAT_OPERATOR_TRAINER_COMMAND": "a b"}).trainer_command == [
+        "a",
+        "b",
+    ]
+    assert OperatorSettings.from_env({}) == OperatorSettings()
+
+
+@pytest.mark.parametrize(
+    "env", [{"HLAT_OPERATOR_MASTER_PORT": "many"}, {"HLAT_OPERATOR_TRAINER_COMMAND": "[1, 2]"}]
+)
+def test_bad_settings_name_the_variable(env: dict[str, str]) -> None:
+    with pytest.raises(SettingsError, match="HLAT_OPERATOR_"):
+        OperatorSettings.from_env(env)
+
+
+def test_every_setting_is_documented() -> None:
+    for name, info in OperatorSettings.model_fields.items():
+        assert info.description, name
+
+
+def _sample(m: OperatorMetrics, name: str, **label_values: str) -> float | None:
+    return m.registry.get_sample_value(name, label_values)
+
+
+def test_metrics_follow_a_job_through_a_restart() -> None:
+    m = OperatorMetrics()
+    w = World(raw_spec())
+
+    def tick() -> None:
+        m.observe("default", "tiny", w.step())
+
+    tick()
+    w.schedule()
+    tick()
+    w.beat(5)
+    w.advance(4)
+    tick()
+    assert _sample(m, "hlat_jobs", phase="Running") == 1
+    assert (
+        _sample(m, "hlat_job_heartbeat_age_seconds", namespace="default", pretrainjob="tiny") == 4
+    )
+    w.fail(0)
+    tick()
+    assert (
+        _sample(
+            m, "hlat_job_restarts_total", namespace="default", pretrainjob="tiny", reason="Killed"
+        )
+        == 1
+    )
+    assert _sample(m, "hlat_jobs", phase="Restarting") == 1
+    for _ in range(10):
+        w.advance(1)
+        w.schedule()
+        w.beat(6)
+        tick()
+    assert _sample(m, "hlat_job_time_to_recover_seconds_count", namespace="default") == 1
+    ratio = _sample(m, "hlat_job_uptime_ratio", namespace="default", pretrainjob="tiny")
+    assert ratio is not None and 0 < ratio < 1
+    m.forget("default", "tiny")
+    assert _sample(m, "hlat_jobs", phase="Running") == 0
+    assert _sample(m, "hlat_job_uptime_ratio", namespace="default", pretrainjob="tiny") is None

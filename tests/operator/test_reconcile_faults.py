@@ -1,0 +1,253 @@
+"""Fault detection: which events end an attempt, how they are classified, and hang timeouts."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from opfakes import SETTINGS, World, at, raw_spec
+
+from hlat_api.heartbeat import Heartbeat
+from hlat_api.labels import Reason
+from hlat_api.spec import PretrainJobSpec
+from hlat_operator.faults import classify_failed, staleness, steady_timeout
+from hlat_operator.observe import ObservedLease, ObservedPod
+
+
+def running_world(**overrides: Any) -> World:
+    w = World(raw_spec(**overrides))
+    w.until("Running")
+    w.beat(5)
+    w.step()
+    return w
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "reason", "disruption", "expected", "permanent", "infra"),
+    [
+        (2, "Error", None, Reason.CONFIG_ERROR, True, False),
+        (137, "Error", None, Reason.KILLED, False, False),
+        (143, "Error", None, Reason.KILLED, False, False),
+        (137, "OOMKilled", None, Reason.OOM_KILLED, False, False),
+        (1, "Error", None, Reason.POD_FAILED, False, False),
+        (None, "Evicted", None, Reason.EVICTED, False, True),
+        (137, "Error", "PreemptionByScheduler", Reason.PREEMPTED, False, True),
+        (None, "NodeLost", None, Reason.NODE_LOST, False, True),
+        (143, None, "DeletionByTaintManager", Reason.NODE_LOST, False, True),
+        (None, None, None, Reason.POD_FAILED, False, False),
+    ],
+)
+def test_exit_codes_and_reasons_are_classified(
+    exit_code: int | None,
+    reason: str | None,
+    disruption: str | None,
+    expected: Reason,
+    permanent: bool,
+    infra: bool,
+) -> None:
+    pod = ObservedPod(
+        "p",
+        0,
+        0,
+        phase="Failed",
+        exit_code=exit_code,
+        reason=reason,
+        node="n",
+        disruption=disruption,
+    )
+    fault = classify_failed(pod)
+    assert fault.reason == expected
+    assert fault.permanent is permanent and fault.infrastructure is infra
+    assert "p" in fault.message and fault.node == "n"
+
+
+def test_a_config_error_fails_the_job_without_a_restart() -> None:
+    w = running_world()
+    w.fail(1, exit_code=2)
+    w.step()
+    assert w.status.phase == "Failed" and w.status.restarts.total == 0
+    assert w.status.last_failure is not None and w.status.last_failure.reason == Reason.CONFIG_ERROR
+    assert w.status.last_failure.exit_code == 2
+    assert not w.live()  # the healthy worker is stopped too
+
+
+def test_a_config_error_wins_over_a_simultaneous_retryable_failure() -> None:
+    w = running_world()
+    w.fail(0, exit_code=137)
+    w.fail(1, exit_code=2)
+    w.step()
+    assert w.status.phase == "Failed"
+
+
+@pytest.mark.parametrize("exit_code", [137, 143, 1, 134])
+def test_retryable_failures_restart_the_gang(exit_code: int) -> None:
+    w = running_world()
+    w.fail(0, exit_code=exit_code)
+    w.step()
+    assert w.status.phase == "Restarting"
+    assert w.status.restarts.total == 1 and w.status.restarts.counted == 1
+    assert w.events[-1].type == "Warning"
+
+
+def test_a_pod_deleted_behind_the_operators_back_is_a_fault() -> None:
+    w = running_world()
+    del w.pods["tiny-a0-1"]
+    w.step()
+    assert w.status.phase == "Restarting"
+    assert w.status.last_failure is not None
+    assert w.status.last_failure.reason == Reason.POD_DELETED
+
+
+def test_a_terminating_pod_is_a_fault() -> None:
+    w = running_world()
+    w.pods["tiny-a0-0"] = replace(w.pods["tiny-a0-0"], deletion_timestamp=w.now)
+    w.step()
+    assert w.status.last_failure is not None
+    assert w.status.last_failure.reason == Reason.POD_DELETED
+
+
+@pytest.mark.parametrize("how", ["not-ready", "gone", "unreachable", "unhealthy"])
+def test_losing_a_workers_node_is_a_fault(how: str) -> None:
+    w = running_world()
+    node = w.pod_of(0).node
+    assert node is not None
+    if how == "not-ready":
+        w.node_down(node)
+    elif how == "gone":
+        del w.nodes[node]
+    elif how == "unreachable":
+        w.nodes[node] = replace(w.nodes[node], unreachable=True)
+    else:
+        w.nodes[node] = replace(w.nodes[node], health="UnschedulablePendingReplacement")
+    w.step()
+    assert w.status.phase == "Restarting"
+    assert w.status.last_failure is not None and w.status.last_failure.node == node
+    want = Reason.NODE_UNHEALTHY if how == "unhealthy" else Reason.NODE_LOST
+    assert w.status.last_failure.reason == want
+
+
+def test_a_node_that_nobody_reported_yet_is_not_lost() -> None:
+    w = running_world()
+    obs = replace(w.observed(), nodes={}, nodes_known=False)
+    from hlat_operator.reconcile import decide
+
+    d = decide(w.spec, w.status, obs, w.now, w.settings)
+    assert d.fault is None
+
+
+def test_node_not_ready_grace() -> None:
+    w = running_world()
+    w.settings = SETTINGS.model_copy(update={"node_not_ready_grace_seconds": 20})
+    node = w.pod_of(0).node
+    assert node is not None
+    w.node_down(node)
+    w.step()
+    assert w.status.phase == "Running"
+    w.advance(21)
+    w.step()
+    assert w.status.phase == "Restarting"
+
+
+def test_an_idle_node_going_down_is_not_a_fault() -> None:
+    w = running_world()
+    busy = {p.node for p in w.pods.values()}
+    idle = next(n for n in w.nodes if n not in busy)
+    w.node_down(idle)
+    w.step()
+    assert w.status.phase == "Running"
+
+
+# --- heartbeats --------------------------------------------------------------------------------
+
+
+def test_no_first_heartbeat_within_the_startup_timeout() -> None:
+    w = World()
+    w.until("Running")
+    w.run(59)
+    assert w.status.phase == "Running"
+    w.run(3)
+    assert w.status.phase == "Restarting"
+    assert w.status.last_failure is not None
+    assert w.status.last_failure.reason == Reason.STARTUP_TIMEOUT
+
+
+def test_a_hung_worker_is_detected_within_the_learned_timeout() -> None:
+    """step 0.5 s x safety 5 = 2.5 s, floored at 5 s, + one 2 s heartbeat period = 7 s."""
+    w = running_world()
+    hung = w.pod_of(1).name
+    detected = None
+    for t in range(1, 30):
+        w.advance(1)
+        for name, lease in list(w.leases.items()):
+            if name != hung and lease.heartbeat is not None:
+                beat = lease.heartbeat.model_copy(update={"step": 5 + t})
+                w.leases[name] = ObservedLease(name, w.now, beat)
+        w.step()
+        if w.status.phase == "Restarting":
+            detected = t
+            break
+    assert detected is not None and 7 <= detected <= 8
+    assert w.status.last_failure is not None
+    assert w.status.last_failure.reason == Reason.HEARTBEAT_TIMEOUT
+    assert w.status.last_failure.pod == hung
+
+
+def test_an_explicit_steady_timeout_is_used_as_given() -> None:
+    w = running_world(**{"faultTolerance.heartbeat.timeoutSeconds": 30})
+    w.run(29)
+    assert w.status.phase == "Running"
+    w.run(3)
+    assert w.status.last_failure is not None
+    assert w.status.last_failure.reason == Reason.HEARTBEAT_TIMEOUT
+
+
+def test_checkpointing_pauses_the_steady_timeout() -> None:
+    w = World()
+    w.until("Running")
+    w.beat(20, phase="checkpointing")
+    w.run(50)  # far beyond the 7 s steady timeout, within the 60 s startup bound
+    assert w.status.phase == "Running"
+    w.run(15)
+    assert w.status.phase == "Restarting"
+
+
+def test_compiling_workers_get_the_startup_timeout() -> None:
+    w = World()
+    w.until("Running")
+    w.beat(0, phase="compiling")
+    w.run(50)
+    assert w.status.phase == "Running"
+
+
+def test_a_finished_worker_is_not_expected_to_beat() -> None:
+    w = running_world()
+    w.beat(120, phase="finished")
+    w.run(100)
+    assert w.status.phase == "Running"
+
+
+@pytest.mark.parametrize(
+    ("timeout", "step_seconds", "expected"),
+    [("auto", None, None), ("auto", 0.01, 5 + 2), ("auto", 4.0, 20 + 2), (90, 4.0, 90)],
+)
+def test_steady_timeout(timeout: Any, step_seconds: float | None, expected: float | None) -> None:
+    spec = PretrainJobSpec.model_validate(
+        raw_spec(**{"faultTolerance.heartbeat.timeoutSeconds": timeout})
+    )
+    assert steady_timeout(spec, step_seconds, SETTINGS) == expected
+
+
+def test_a_heartbeat_of_another_attempt_is_no_sign_of_life() -> None:
+    spec = PretrainJobSpec.model_validate(raw_spec())
+    pod = ObservedPod("tiny-a1-0", 1, 0, phase="Running", started_at=at(100))
+    old = ObservedLease("tiny-a1-0", at(150), Heartbeat(phase="training", step=9, attempt=0))
+    stale = staleness(spec, pod, old, SETTINGS)
+    assert stale is not None and stale.reason == Reason.STARTUP_TIMEOUT and stale.since == at(100)
+
+
+def test_the_startup_clock_starts_when_the_last_worker_starts() -> None:
+    spec = PretrainJobSpec.model_validate(raw_spec())
+    pod = ObservedPod("tiny-a0-0", 0, 0, phase="Running", started_at=at(0))
+    stale = staleness(spec, pod, None, SETTINGS, gang_started=at(40))
+    assert stale is not None and stale.since == at(40)

@@ -7,7 +7,7 @@ UV_VERSION := 0.13.9
 DATA  := data/sample
 RUNS  := runs
 
-.PHONY: setup lint test test-fast demo bench clean
+.PHONY: setup lint test test-fast demo bench generate clean
 
 $(UV):
 	python3 -m venv .tools
@@ -21,8 +21,9 @@ setup: .venv/.synced
 
 lint: setup
 	.venv/bin/ruff check .
-	.venv/bin/mypy api/hlat_api trainer/hlat_trainer
+	.venv/bin/mypy api/hlat_api trainer/hlat_trainer operator/hlat_operator
 	.venv/bin/lint-imports
+	.venv/bin/hadolint Dockerfile.trainer Dockerfile.operator
 
 test: lint
 	.venv/bin/pytest
@@ -41,6 +42,12 @@ demo: setup $(DATA)/tokenizer.json
 
 bench: setup $(DATA)/tokenizer.json
 	$(PY) bench/run_all.py --data $(DATA)
+
+# regenerate the files derived from the code (tests fail when they are stale)
+generate: setup
+	$(PY) -m hlat_api.reference > docs/api.md
+	$(PY) -m hlat_operator.crd --write
+	$(PY) -m hlat_operator.dashboards --write
 
 clean:
 	rm -rf $(RUNS) $(DATA)

@@ -1,0 +1,180 @@
+"""hlat-launch: the operator's environment -> the torchrun line (pure), and main's exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hlat_api import Env, ExitCode, PretrainJobSpec, parse_spec
+from hlat_trainer import launch
+from hlat_trainer.launch import LaunchError, build_command
+
+CONFIG = "/etc/hlat/spec.json"
+
+
+def spec_raw(instance: str = "trn1.32xlarge", nodes: int = 4, **over: Any) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "instanceType": instance, "nodes": nodes, "model": {"preset": "tiny"},
+        "data": {"path": "/fsx/data", "tokenizer": "bytes", "seqLen": 128},
+        "train": {"globalBatch": 512, "steps": 10}, "optimizer": {"warmupSteps": 1},
+    }
+    raw.update(over)
+    return raw
+
+
+def make_spec(instance: str = "trn1.32xlarge", nodes: int = 4, **over: Any) -> PretrainJobSpec:
+    return parse_spec(spec_raw(instance, nodes, **over))
+
+
+def pod_env(**over: str) -> dict[str, str]:
+    """What the operator sets in node rank 2's pod of a 4-node trn1 job."""
+    env = {
+        Env.CONFIG: CONFIG, Env.NNODES: "4", Env.NODE_RANK: "2", Env.NPROC_PER_NODE: "32",
+        Env.MASTER_ADDR: "llama-0.llama.ml.svc", Env.MASTER_PORT: "29500",
+        Env.JOB_NAME: "llama", "PATH": "/usr/bin",
+    }
+    env.update(over)
+    return {str(k): v for k, v in env.items()}
+
+
+def test_multi_node_command_and_environment() -> None:
+    argv, extra = build_command(pod_env(), make_spec())
+    assert argv == [
+        "torchrun", "--nnodes", "4", "--nproc-per-node", "32", "--node-rank", "2",
+        "--master-addr", "llama-0.llama.ml.svc", "--master-port", "29500", "--max-restarts", "0",
+        "-m", "hlat_trainer", "--config", CONFIG,
+    ]
+    assert extra["FI_PROVIDER"] == "efa"
+    assert extra["NEURON_CC_FLAGS"].endswith("--cache_dir=/var/tmp/neuron-compile-cache")
+    assert extra["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
+
+
+def test_the_environment_s_own_values_win() -> None:
+    _, extra = build_command(pod_env(NEURON_CC_FLAGS="--model-type=transformer -O2"), make_spec())
+    assert "NEURON_CC_FLAGS" not in extra and "NEURON_FUSE_SOFTMAX" in extra
+
+
+def test_single_node_is_standalone_and_needs_no_rendezvous_vars() -> None:
+    env = {Env.CONFIG.value: CONFIG, Env.NNODES.value: "1", Env.NPROC_PER_NODE.value: "2"}
+    argv, extra = build_command(env, make_spec("cpu", 1, train={"globalBatch": 4, "steps": 2}))
+    assert argv == ["torchrun", "--nnodes", "1", "--nproc-per-node", "2", "--standalone",
+                    "--max-restarts", "0", "-m", "hlat_trainer", "--config", CONFIG]
+    assert extra == {}  # cpu: no Neuron environment
+
+
+def test_nodes_and_processes_default_to_the_spec() -> None:
+    argv, _ = build_command({Env.CONFIG.value: CONFIG}, make_spec("trn1.32xlarge", 1))
+    assert argv[:5] == ["torchrun", "--nnodes", "1", "--nproc-per-node", "32"]
+
+
+def test_compile_only_prefixes_neuron_parallel_compile_and_passes_trainer_args() -> None:
+    spec = make_spec(neuron={"compileOnly": True})
+    argv, _ = build_command(pod_env(), spec, ["--set", "train.steps=4"])
+    assert argv[:2] == ["neuron_parallel_compile", "torchrun"]
+    assert argv[-3:] == [CONFIG, "--set", "train.steps=4"]
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    (pod_env(**{Env.CONFIG: ""}), "$HLAT_CONFIG is not set"),
+    (pod_env(**{Env.NNODES: "four"}), "$HLAT_NNODES='four' is not an integer"),
+    (pod_env(**{Env.NNODES: "0"}), "$HLAT_NNODES=0 must be at least 1"),
+    (pod_env(**{Env.NPROC_PER_NODE: "-1"}), "$HLAT_NPROC_PER_NODE=-1 must be at least 1"),
+    (pod_env(**{Env.NODE_RANK: "4"}), "$HLAT_NODE_RANK=4 must be below $HLAT_NNODES=4"),
+    (pod_env(**{Env.MASTER_ADDR: ""}), "$HLAT_MASTER_ADDR is not set"),
+    (pod_env(**{Env.MASTER_PORT: "70000"}), "$HLAT_MASTER_PORT=70000 is not a TCP port"),
+])
+def test_bad_environment_names_the_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(LaunchError) as err:
+        build_command(env, make_spec())
+    assert message in str(err.value)
+
+
+def test_missing_node_rank_is_named() -> None:
+    env = pod_env()
+    del env[Env.NODE_RANK]
+    with pytest.raises(LaunchError, match=r"\$HLAT_NODE_RANK is not set"):
+        build_command(env, make_spec())
+
+
+def test_compile_only_off_neuron_is_a_launch_error() -> None:
+    spec = make_spec("cpu", 1, train={"globalBatch": 4, "steps": 2}, neuron={"compileOnly": True})
+    with pytest.raises(LaunchError, match="compileOnly needs backend neuron-xla"):
+        build_command({Env.CONFIG.value: CONFIG}, spec)
+
+
+# --- main: reads the real environment and the config file -------------------------------------
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec_raw()))
+    return path
+
+
+def _set_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    for var in Env:
+        monkeypatch.delenv(var.value, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_main_execs_torchrun_with_the_merged_environment(
+    config_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config_file)}))
+    monkeypatch.delenv("FI_PROVIDER", raising=False)
+    seen: dict[str, Any] = {}
+
+    def fake_exec(file: str, args: list[str], env: dict[str, str]) -> None:
+        seen.update(file=file, args=args, env=env)
+
+    monkeypatch.setattr(os, "execvpe", fake_exec)
+    launch.main([])
+    assert seen["file"] == "torchrun" and seen["args"][-1] == str(config_file)
+    assert seen["env"]["FI_PROVIDER"] == "efa" and seen["env"][Env.JOB_NAME] == "llama"
+
+
+def test_main_dry_run_prints_the_command(
+    config_file: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config_file)}))
+    monkeypatch.setattr(os, "execvpe", lambda *a: pytest.fail("dry run must not exec"))
+    assert launch.main(["--dry-run", "--", "--set", "train.steps=2"]) == ExitCode.OK
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("torchrun --nnodes 4 --nproc-per-node 32 --node-rank 2")
+    assert out[-1].endswith("--set train.steps=2")
+    assert "FI_EFA_FORK_SAFE=1" in out
+
+
+@pytest.mark.parametrize("case", ["no-config-var", "missing-file", "invalid-spec", "bad-var"])
+def test_main_config_errors_exit_with_config_error(
+    case: str, config_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = pod_env(**{Env.CONFIG: str(config_file)})
+    expected = {"no-config-var": "HLAT_CONFIG", "missing-file": "file not found",
+                "invalid-spec": "spec.nodes", "bad-var": "HLAT_MASTER_PORT"}[case]
+    if case == "no-config-var":
+        del env[Env.CONFIG]
+    elif case == "missing-file":
+        env[Env.CONFIG] = str(tmp_path / "absent.json")
+    elif case == "invalid-spec":
+        config_file.write_text(json.dumps(spec_raw(nodes=0)))
+    else:
+        env[Env.MASTER_PORT] = "port"
+    _set_env(monkeypatch, env)
+    monkeypatch.setattr(os, "execvpe", lambda *a: pytest.fail("must not exec"))
+    assert launch.main([]) == ExitCode.CONFIG_ERROR
+    assert expected in capsys.readouterr().err
+
+
+def test_the_launcher_does_not_import_torch() -> None:
+    code = "import sys, hlat_trainer.launch; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -1,0 +1,116 @@
+"""The device-stack interface: what differs between CPU, CUDA and the two Neuron paths.
+
+Why one interface: the training loop, the data loader and the checkpoint layout are the same on
+every device; what is not is small and listed here, so the loop asks the backend instead of
+branching on device names. Two kinds of backend exist:
+
+- torch-native (`cpu`, `cuda`, `neuron-native`): the plain `hlat_trainer.model.Transformer` on a
+  torch device; the trainer applies `hlat_trainer.parallel` (DTensor TP/SP, ZeRO-1) and
+  checkpoints with `hlat_trainer.checkpoint` (torch.distributed.checkpoint).
+- `neuron-xla` (torch-xla + neuronx-distributed, what the HLAT paper ran): the model is built
+  from NxD parallel layers and the optimizer is NxD's ZeRO-1 wrapper, so the backend returns
+  them already parallel (`parallelizes_model`), and it saves and loads with NxD's checkpoint API
+  in the same `step_<N>/done` layout (`owns_checkpointing`).
+
+This module imports torch only inside methods (and for type checking), so that
+`hlat_trainer.backends` and `hlat_trainer.neuron_env` can be imported by the launcher, which
+execs torchrun and must not pay for (or depend on) torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor, nn
+
+    from hlat_api import PretrainJobSpec
+
+BackendName = Literal["cpu", "cuda", "neuron-native", "neuron-xla"]
+
+
+class Backend(ABC):
+    """One device stack. Instances are cheap; nothing is imported or initialised until used."""
+
+    name: BackendName
+    dist_backend: str
+    """torch.distributed backend for `init_process_group`: gloo, nccl, neuron or xla."""
+    autocast_device_type: str
+    """`torch.autocast(device_type=...)` for the `mixed` precision: cpu, cuda, neuron or xla."""
+    parallelizes_model: ClassVar[bool] = False
+    """True: `build_model`/`build_optimizer` return a tensor-parallel model and a ZeRO-1
+    optimizer that also clips gradients (NxD); False: the trainer applies hlat_trainer.parallel."""
+    owns_checkpointing: ClassVar[bool] = False
+    """True: use `save_checkpoint`/`load_checkpoint`/`finalize_checkpoint` below;
+    False: hlat_trainer.checkpoint (torch.distributed.checkpoint)."""
+
+    def __init__(self, spec: PretrainJobSpec) -> None:
+        self.spec = spec
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, dist={self.dist_backend!r})"
+
+    # --- placement and process group ------------------------------------------------------
+
+    @abstractmethod
+    def device(self, local_rank: int) -> torch.device:
+        """The torch device of the process with this local rank."""
+
+    def init_process_group(self, timeout: timedelta | None = None) -> None:
+        """`torch.distributed.init_process_group` with this backend, rendezvous from torchrun's env."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group(backend=self.dist_backend, timeout=timeout)
+
+    # --- per step -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def autocast(self) -> Iterator[None]:
+        """The forward pass's autocast for the spec's precision (only `mixed` autocasts)."""
+        from hlat_trainer.precision import precision_policy
+
+        with precision_policy(self.spec.precision).autocast(self.autocast_device_type):
+            yield
+
+    def step_end(self) -> None:
+        """Called after each optimizer step: cut the lazy graph on XLA; nothing elsewhere."""
+        return None
+
+    def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross entropy in fp32. logits [B, T, V] (V local on NxD), targets [B, T]."""
+        import torch.nn.functional as F
+
+        out: Tensor = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return out
+
+    # --- model and optimizer --------------------------------------------------------------
+
+    @abstractmethod
+    def build_model(self, device: torch.device) -> nn.Module:
+        """The decoder on `device` with the precision's parameter dtype applied."""
+
+    @abstractmethod
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """AdamW (with stochastic rounding where the precision asks for it) over `model`."""
+
+    # --- checkpoints (only where `owns_checkpointing`) -------------------------------------
+
+    def save_checkpoint(self, directory: str, step: int, model: nn.Module,
+                        optimizer: torch.optim.Optimizer, user_content: dict[str, Any]) -> None:
+        """Save `<directory>/step_<step>/`, `done` written last once every rank's shards are."""
+        raise NotImplementedError(f"{self.name}: checkpoints go through hlat_trainer.checkpoint")
+
+    def load_checkpoint(self, directory: str, model: nn.Module,
+                        optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """Load the newest complete checkpoint under `directory`; its user content, or None."""
+        raise NotImplementedError(f"{self.name}: checkpoints go through hlat_trainer.checkpoint")
+
+    def finalize_checkpoint(self) -> None:
+        """Wait for an asynchronous save to become durable (before exit)."""
+        return None

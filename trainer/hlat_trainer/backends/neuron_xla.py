@@ -1,0 +1,182 @@
+"""Trainium through torch-xla and neuronx-distributed (NxD): the stack the HLAT paper ran.
+
+What it does, each call from a documented API (sources: /shared/reference/neuron-eks.md, and
+aws-neuron/neuronx-distributed at release 2.29, file named beside each call):
+
+- Device and process group: `torch_xla.device()` (older: `xm.xla_device()`), and
+  `dist.init_process_group("xla")` under torchrun after importing
+  `torch_xla.distributed.xla_backend` (PyTorch Neuron programming guide).
+- Step end: `torch_xla.sync()` (older: `xm.mark_step()`) once per optimizer step, so each step
+  is one compiled graph; also before a checkpoint is saved ("xm.save moves to CPU; mark_step
+  first").
+- Model: `nxd.neuronx_distributed_config(tensor_parallel_size, optimizer_config={
+  zero_one_enabled, grad_clipping, max_grad_norm}, sequence_parallel, activation_checkpoint_config,
+  mixed_precision_config)` then `nxd.initialize_parallel_model(cfg, model_fn, ...)`
+  (trainer/trainer.py); the model is `nxd_model.NxDTransformer` (NxD parallel layers).
+- Precision: pure BF16 with stochastic rounding as the paper, the current way: parameters cast
+  to bf16 (`model.to(torch.bfloat16)`; the deprecated XLA_USE_BF16 is not set) and
+  `NEURON_RT_STOCHASTIC_ROUNDING_EN=1` in the environment (neuron_env.py), per
+  migration-from-xla-downcast-bf16.rst. NxD's master-weight / fp32-grad-accumulation options are
+  turned off explicitly: by default NxD enables them whenever ZeRO-1 is on (trainer.py), which
+  would be mixed precision, not the paper's recipe. `mixed` autocasts on device type "xla".
+- Optimizer: `nxd.initialize_parallel_optimizer(cfg, torch.optim.AdamW, params, lr, betas, eps,
+  weight_decay)`: NeuronZero1Optimizer when zero1 (shards over DP groups, grad norm over TP
+  groups), which also clips to `max_grad_norm` and exposes `grad_norm`; the trainer must not
+  clip again (`parallelizes_model`).
+- Loss: `parallel_cross_entropy` over the vocab-parallel logits
+  (parallel_layers/loss_functions.py, as the LLaMA example).
+- Checkpoints: `nxd.save_checkpoint(dir, tag="step_<N>", model, optimizer, user_content,
+  use_xser=True, num_kept_ckpts, async_save)`, `nxd.load_checkpoint(dir, tag=None, ...)` (newest
+  complete), `nxd.has_checkpoint(dir)`, `nxd.finalize_checkpoint()` (trainer/checkpoint.py).
+  NxD writes `<tag>/done` last (rank 0, after a rendezvous) and deletes `done` first when
+  purging: the same completeness rule as hlat_api's layout, with `<dir>` = `<root>/<job>`.
+  NxD's checkpoint format is its own: a checkpoint from one backend kind does not load in the
+  other.
+
+Nothing here ran: torch-xla for Neuron, torch-neuronx and neuronx-distributed are not on PyPI.
+The Neuron packages are imported inside methods only, so this module imports anywhere; using
+the backend without them raises `UserError` naming the package and the image to use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from hlat_trainer.backends.base import Backend, BackendName
+from hlat_trainer.errors import UserError
+
+if TYPE_CHECKING:
+    from datetime import timedelta
+
+    import torch
+    from torch import Tensor, nn
+
+NEURON_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.30.0-ubuntu24.04"
+_PACKAGES = {"torch_xla": "torch-xla (Neuron build)", "torch_neuronx": "torch-neuronx",
+             "neuronx_distributed": "neuronx-distributed"}
+
+
+def require_neuron(module: str) -> ModuleType:
+    """Import a Neuron-stack module, or raise a UserError that says where to get it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        package = _PACKAGES.get(module.split(".")[0], module.split(".")[0])
+        raise UserError(
+            f"backend neuron-xla needs the `{package}` package (module {module} is missing), "
+            "which is not on PyPI: run in the trainer image built FROM "
+            f"{NEURON_IMAGE} (Dockerfile.trainer), or install it from the Neuron pip "
+            "repository; off Trainium set backend: cpu or cuda"
+        ) from err
+
+
+class NeuronXlaBackend(Backend):
+    name: BackendName = "neuron-xla"
+    dist_backend = "xla"
+    autocast_device_type = "xla"
+    parallelizes_model: ClassVar[bool] = True
+    owns_checkpointing: ClassVar[bool] = True
+
+    _nxd_config: dict[str, Any] | None = None
+
+    # --- placement ------------------------------------------------------------------------
+
+    def device(self, local_rank: int) -> torch.device:
+        txla = require_neuron("torch_xla")
+        # torchrun's LOCAL_RANK picks the NeuronCore; torch_xla.device() replaces xm.xla_device()
+        if hasattr(txla, "device"):
+            dev: torch.device = txla.device()
+            return dev
+        dev = require_neuron("torch_xla.core.xla_model").xla_device()
+        return dev
+
+    def init_process_group(self, timeout: timedelta | None = None) -> None:
+        require_neuron("torch_xla.distributed.xla_backend")  # registers the "xla" backend
+        super().init_process_group(timeout)
+
+    def step_end(self) -> None:
+        txla = require_neuron("torch_xla")
+        if hasattr(txla, "sync"):
+            txla.sync()
+        else:
+            require_neuron("torch_xla.core.xla_model").mark_step()
+
+    def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        lf = require_neuron("neuronx_distributed.parallel_layers.loss_functions")
+        per_token = lf.parallel_cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        out: Tensor = per_token.mean()
+        return out
+
+    # --- model and optimizer --------------------------------------------------------------
+
+    def nxd_config(self) -> dict[str, Any]:
+        """One NxD config shared by the model and the optimizer (it also initialises the TP/DP
+        groups: parallel_state.initialize_model_parallel, ranks laid out [PP, DP, TP])."""
+        if self._nxd_config is None:
+            nxd = require_neuron("neuronx_distributed")
+            p, clip = self.spec.parallelism, self.spec.optimizer.grad_clip
+            self._nxd_config = nxd.neuronx_distributed_config(
+                tensor_parallel_size=p.tensor,
+                pipeline_parallel_size=p.pipeline,
+                optimizer_config={"zero_one_enabled": p.zero1, "grad_clipping": clip > 0,
+                                  "max_grad_norm": clip or 1.0},
+                sequence_parallel=p.sequence_parallel,
+                activation_checkpoint_config=self._activation_checkpoint_config(),
+                mixed_precision_config={"use_master_weights": False, "use_fp32_grad_acc": False,
+                                        "use_master_weights_in_ckpt": False},
+            )
+        return self._nxd_config
+
+    def _activation_checkpoint_config(self) -> type[nn.Module] | None:
+        from hlat_trainer.backends.nxd_model import CoreAttention, NxDDecoderLayer
+
+        mode = self.spec.parallelism.activation_checkpointing
+        # selective recompute of the attention core needs NEURON_CC_FLAGS -O1 (neuron_env.py)
+        return {"none": None, "selective": CoreAttention, "full": NxDDecoderLayer}[mode]
+
+    def build_model(self, device: torch.device) -> nn.Module:
+        from hlat_trainer.backends.nxd_model import build_nxd_model
+        from hlat_trainer.precision import precision_policy
+
+        nxd = require_neuron("neuronx_distributed")
+        s = self.spec
+        model: nn.Module = nxd.initialize_parallel_model(
+            self.nxd_config(), build_nxd_model, s.model.dims(), s.parallelism.sequence_parallel,
+            s.train.seed)
+        # bf16 / bf16-sr: parameters in bf16, rounding done by the runtime (env), not XLA_USE_BF16
+        return precision_policy(s.precision).apply(model)
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        import torch
+
+        nxd = require_neuron("neuronx_distributed")
+        o = self.spec.optimizer
+        opt: torch.optim.Optimizer = nxd.initialize_parallel_optimizer(
+            self.nxd_config(), torch.optim.AdamW, model.parameters(), lr=o.lr, betas=o.betas,
+            eps=o.eps, weight_decay=o.weight_decay)
+        return opt
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str, step: int, model: nn.Module,
+                        optimizer: torch.optim.Optimizer, user_content: dict[str, Any]) -> None:
+        nxd = require_neuron("neuronx_distributed")
+        self.step_end()  # materialise pending device work before the host copies
+        c = self.spec.checkpoint
+        nxd.save_checkpoint(directory, tag=f"step_{step}", model=model, optimizer=optimizer,
+                            user_content=user_content, use_xser=True, num_kept_ckpts=c.keep,
+                            async_save=c.async_)
+
+    def load_checkpoint(self, directory: str, model: nn.Module,
+                        optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        nxd = require_neuron("neuronx_distributed")
+        if not nxd.has_checkpoint(directory):
+            return None
+        content: dict[str, Any] | None = nxd.load_checkpoint(
+            directory, tag=None, model=model, optimizer=optimizer)
+        return content
+
+    def finalize_checkpoint(self) -> None:
+        require_neuron("neuronx_distributed").finalize_checkpoint()

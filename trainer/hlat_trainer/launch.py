@@ -1,0 +1,144 @@
+"""`hlat-launch`: turn the operator's environment into the torchrun line, then become it.
+
+Every worker pod runs this as its entrypoint (Dockerfile.trainer). It reads the HLAT_* variables
+the operator sets (`hlat_api.Env`) and the trainer config (HLAT_CONFIG: the PretrainJob spec,
+JSON or YAML), adds the Neuron environment computed from the spec (`neuron_env`), and execs
+
+    [neuron_parallel_compile] torchrun --nnodes N --nproc-per-node P --node-rank R
+        --master-addr A --master-port PORT --max-restarts 0 -m hlat_trainer --config FILE [ARGS]
+
+Choices:
+- exec, not a child process: torchrun becomes the container's main process, so the kubelet's
+  SIGTERM reaches it directly and its exit code is the pod's.
+- `--max-restarts 0`: the operator restarts the whole gang from the last checkpoint; torchrun
+  restarting one node's workers alone would only wait for peers that are not coming back.
+- Static rendezvous at HLAT_MASTER_ADDR:HLAT_MASTER_PORT (node rank 0's pod, through the
+  headless Service), so node ranks are the operator's, stable and known in advance.
+- One node (HLAT_NNODES=1): `torchrun --standalone` instead: a local rendezvous on a free port,
+  nothing to reach, so HLAT_NODE_RANK / HLAT_MASTER_* are not needed (and ignored).
+- HLAT_NNODES and HLAT_NPROC_PER_NODE fall back to the spec's `nodes` and processes per node,
+  so `HLAT_CONFIG=job.yaml hlat-launch` also works by hand on one machine.
+- A variable already in the environment wins over the computed Neuron one (an explicit
+  `env:` in the pod is a deliberate override); the overrides are printed.
+- The launcher does not import torch: errors in the env or config are reported at once.
+
+Missing or invalid variables and bad configs print one line naming the variable or field and
+exit with `ExitCode.CONFIG_ERROR` (permanent: restarting the gang cannot fix them).
+`hlat-launch --dry-run` prints the environment it adds and the command instead of running it.
+Arguments after `--` go to the trainer (e.g. `-- --set train.steps=4`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+
+from hlat_api import Env, ExitCode, InvalidSpecError, PretrainJobSpec, load_job
+from hlat_trainer.neuron_env import compile_command_prefix, neuron_environment
+
+
+class LaunchError(ValueError):
+    """The environment or config cannot make a launch; the message names the variable."""
+
+
+def _int_var(env: Mapping[str, str], var: Env, default: int | None, minimum: int) -> int:
+    raw = env.get(var)
+    if raw is None or raw == "":
+        if default is None:
+            raise LaunchError(f"${var} is not set (the operator sets it in every worker pod)")
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise LaunchError(f"${var}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise LaunchError(f"${var}={value} must be at least {minimum}")
+    return value
+
+
+def _rendezvous_args(env: Mapping[str, str], nnodes: int) -> list[str]:
+    if nnodes == 1:
+        return ["--standalone"]
+    node_rank = _int_var(env, Env.NODE_RANK, None, 0)
+    if node_rank >= nnodes:
+        raise LaunchError(f"${Env.NODE_RANK}={node_rank} must be below ${Env.NNODES}={nnodes}")
+    addr = env.get(Env.MASTER_ADDR, "").strip()
+    if not addr:
+        raise LaunchError(f"${Env.MASTER_ADDR} is not set (node rank 0's address, needed "
+                          f"when ${Env.NNODES} > 1)")
+    port = _int_var(env, Env.MASTER_PORT, None, 1)
+    if port > 65535:
+        raise LaunchError(f"${Env.MASTER_PORT}={port} is not a TCP port")
+    return ["--node-rank", str(node_rank), "--master-addr", addr, "--master-port", str(port)]
+
+
+def build_command(
+    env: Mapping[str, str], spec: PretrainJobSpec, trainer_args: Sequence[str] = ()
+) -> tuple[list[str], dict[str, str]]:
+    """The argv to exec and the variables to add to `env` (those `env` already has are kept)."""
+    config = env.get(Env.CONFIG, "").strip()
+    if not config:
+        raise LaunchError(f"${Env.CONFIG} is not set (path of the PretrainJob spec, JSON/YAML)")
+    nnodes = _int_var(env, Env.NNODES, spec.nodes, 1)
+    nproc = _int_var(env, Env.NPROC_PER_NODE, spec.ranks_per_node, 1)
+    try:
+        prefix = compile_command_prefix(spec)
+    except ValueError as err:
+        raise LaunchError(str(err)) from None
+    argv = [
+        *prefix, "torchrun", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+        *_rendezvous_args(env, nnodes), "--max-restarts", "0",
+        "-m", "hlat_trainer", "--config", config, *trainer_args,
+    ]
+    computed = neuron_environment(spec, nnodes=nnodes)
+    extra = {k: v for k, v in computed.items() if k not in env}
+    return argv, extra
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    args = list(sys.argv[1:] if argv is None else argv)
+    trainer_args: list[str] = []
+    if "--" in args:
+        cut = args.index("--")
+        args, trainer_args = args[:cut], args[cut + 1:]
+    p = argparse.ArgumentParser(prog="hlat-launch", description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the added environment and the command, run nothing")
+    return p.parse_args(args), trainer_args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, trainer_args = parse_args(argv)
+    env = dict(os.environ)
+    try:
+        config = env.get(Env.CONFIG, "").strip()
+        if not config:
+            raise LaunchError(f"${Env.CONFIG} is not set (path of the PretrainJob spec, JSON/YAML)")
+        spec = load_job(config).spec
+        command, extra = build_command(env, spec, trainer_args)
+    except (LaunchError, InvalidSpecError) as err:
+        print(f"hlat-launch: {err}", file=sys.stderr)
+        return ExitCode.CONFIG_ERROR
+    out = sys.stdout if args.dry_run else sys.stderr
+    nnodes = _int_var(env, Env.NNODES, spec.nodes, 1)  # validated by build_command
+    kept = sorted(k for k in neuron_environment(spec, nnodes=nnodes) if k in env)
+    if kept:
+        print(f"# kept from the environment: {', '.join(kept)}", file=out)
+    for key, value in sorted(extra.items()):
+        print(f"{key}={shlex.quote(value)}", file=out)
+    print(shlex.join(command), file=out, flush=True)
+    if args.dry_run:
+        return ExitCode.OK
+    try:
+        os.execvpe(command[0], command, {**env, **extra})
+    except OSError as err:  # not found in the image: permanent, a restart cannot fix it
+        print(f"hlat-launch: cannot run {command[0]}: {err}", file=sys.stderr)
+        return ExitCode.CONFIG_ERROR
+    return ExitCode.OK  # unreachable: exec replaced this process
+
+
+if __name__ == "__main__":
+    sys.exit(main())

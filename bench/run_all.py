@@ -16,9 +16,10 @@ def main() -> int:
     a = p.parse_args()
     runs = [
         ["bench_model.py", "--size", "tiny"],
-        ["bench_model.py", "--size", "small", "--batch", "2"],
+        ["bench_model.py", "--size", "small", "--batch", "2", "--steps", "3"],
         ["bench_optimizer.py"],
         ["bench_loader.py", *(["--data", a.data] if a.data else [])],
+        ["bench_checkpoint.py"],
     ]
     failed = 0
     for args in runs:

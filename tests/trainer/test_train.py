@@ -45,11 +45,13 @@ def test_steps_count_from_one_and_checkpoints_hold_the_state_after_n_steps(
     root = Path(job.spec.checkpoint.dir)
     # keep=2: step_2 was purged; step_5 is the final save
     assert sorted(p.name for p in (root / "job").iterdir()) == ["step_4", "step_5"]
-    state = torch.load(step_dir(root, "job", 5) / "state.pt", weights_only=True)
-    assert state["train"]["step"] == 5
-    assert state["train"]["tokens"] == 5 * job.spec.tokens_per_step
+    assert (step_dir(root, "job", 5) / "done").is_file()
+    again = Trainer(job)
+    assert again.maybe_resume() == 5
+    assert again.state.tokens == 5 * job.spec.tokens_per_step
     for name, tensor in trainer.model.state_dict().items():
-        assert torch.equal(state["model"][name], tensor), name
+        assert torch.equal(again.model.state_dict()[name], tensor), name
+    assert again.run()["step"] == 5, "a finished job resumed does no more steps"
 
 
 def test_corrupt_or_incomplete_newest_checkpoint_falls_back_to_older(
@@ -58,11 +60,11 @@ def test_corrupt_or_incomplete_newest_checkpoint_falls_back_to_older(
     job = make_job(train__steps=4, checkpoint__interval=2, checkpoint__keep=3)
     collect(job)
     root = Path(job.spec.checkpoint.dir)
-    newest = step_dir(root, "job", 4) / "state.pt"
-    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, though `done` exists
+    for shard in step_dir(root, "job", 4).glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:1000])  # truncated, though `done` exists
     half_written = step_dir(root, "job", 6)
     half_written.mkdir()
-    (half_written / "state.pt").write_bytes(b"partial")  # a crash before `done`
+    (half_written / "__0_0.distcp").write_bytes(b"partial")  # a crash before `done`
 
     caplog.set_level(logging.WARNING)
     resumed = Trainer(make_job(train__steps=6, checkpoint__interval=2))

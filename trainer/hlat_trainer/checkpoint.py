@@ -1,16 +1,27 @@
-"""Saving and resuming the whole training state in the contract's layout.
+"""Sharded, asynchronous checkpoints in the contract's layout, with torch.distributed.checkpoint.
 
 `<dir>/<job>/step_<N>/` holds the state after N optimizer steps; it is complete if and only if
-`step_<N>/done` exists (hlat_api.layout). The write order makes a crash at any point harmless:
-the state goes to a temporary file, is fsynced and renamed, then `meta.json`, and `done` last;
-a directory without `done` is never loaded and is removed at the next start. On resume the
-newest complete checkpoint is loaded; one that cannot be read (truncated, corrupt) is skipped
-with a warning and the next older complete one is used. Retention keeps the newest `keep`
-complete checkpoints and deletes `done` first, so a purge cut short never leaves a half-deleted
-checkpoint that looks complete.
+`step_<N>/done` exists (hlat_api.layout), and `done` is written by global rank 0 only after
+DCP's collective save has finished on every rank (every shard written and fsynced, the
+metadata written last by the coordinator). So a crash at any point before that, on any rank,
+leaves a directory that is never loaded and is removed at the next start.
 
-This is the single-process, synchronous checkpointer; the sharded asynchronous one
-(torch.distributed.checkpoint) keeps the same layout and the same rules.
+Design choices:
+- Every rank writes its own shards (DTensor shards of tensor-parallel weights, its ZeRO-1
+  optimizer partition, its data-parallel stream's loader position, its RNG); DCP de-duplicates
+  what data-parallel replicas hold in common, so replicated weights are written once.
+- Asynchronous mode: `save` blocks only while DCP stages the state into host memory (a copy
+  the trainer may then overwrite); the write runs on DCP's background thread over a separate
+  gloo group (its collectives must not interleave with training's). Rank 0 writes `done` and
+  purges old checkpoints from the future's completion callback, so a checkpoint is committed
+  as soon as it is durable. A new save first waits for the previous one.
+- Resume: the newest complete checkpoint that loads; if it cannot be read (truncated or corrupt
+  files despite `done`), a warning and the next older one. DCP loads in place into the state
+  the trainer built, and its collectives make every rank see the same outcome. If every
+  complete checkpoint fails, the trainer stops with an error rather than train from partially
+  overwritten weights.
+- Retention keeps the newest `keep` complete checkpoints and deletes `done` first, so a purge
+  cut short never leaves a half-deleted checkpoint that looks complete.
 """
 
 from __future__ import annotations
@@ -19,54 +30,124 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from hlat_api.layout import DONE, latest_complete, list_checkpoints, step_dir
+from hlat_trainer.errors import UserError
 
 log = logging.getLogger(__name__)
-STATE_FILE = "state.pt"
-META_FILE = "meta.json"
+META_FILE = "hlat.json"
+# Fault injection for tests and drills: delay every rank's shard writes by this many seconds,
+# so a process can be killed while an asynchronous save is in flight.
+WRITE_DELAY_ENV = "HLAT_FAULT_CHECKPOINT_WRITE_DELAY_SECONDS"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+class _DelayedWriter(FileSystemWriter):
+    def __init__(self, path: Path, delay: float) -> None:
+        super().__init__(path)
+        self.delay = delay
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        time.sleep(self.delay)
+        return super().write_data(plan, planner)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _write_durably(path: Path, write: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class Checkpointer:
-    def __init__(self, root: str | Path, job: str, keep: int) -> None:
-        self.root, self.job, self.keep = Path(root), job, keep
+    def __init__(self, root: str | Path, job: str, keep: int, *, async_: bool,
+                 rank: int = 0) -> None:
+        self.root, self.job, self.keep, self.async_ = Path(root), job, keep, async_
+        self.rank = rank
+        self.pending: Future[Any] | None = None
+        self.committed: int | None = None
+        self._lock = threading.Lock()
+        # background saves talk over their own group, apart from training's collectives
+        self.group: dist.ProcessGroup | None = None
+        if async_:
+            group = dist.new_group(backend="gloo")
+            assert isinstance(group, dist.ProcessGroup)
+            self.group = group
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    # --- save ---------------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any]) -> float:
-        """Write `state` as step_<step>; returns the seconds the caller was blocked."""
+        """Checkpoint `state` as step_<step>; returns the seconds training was blocked."""
         start = time.perf_counter()
+        self.wait()
         target = step_dir(self.root, self.job, step)
-        if target.exists():
-            shutil.rmtree(target)  # an incomplete leftover of a crashed attempt
-        target.mkdir(parents=True)
-        _write_durably(target / STATE_FILE, lambda f: torch.save(state, f))
-        meta = {"step": step, "time": time.time(), "format": "torch.save/v1"}
-        _write_durably(target / META_FILE, lambda f: f.write(json.dumps(meta).encode()))
-        _write_durably(target / DONE, lambda f: f.write(b""))
-        _fsync_dir(target)
-        self.purge()
+        if self.is_coordinator:
+            if target.exists():
+                shutil.rmtree(target)  # an incomplete leftover of an earlier attempt
+            target.mkdir(parents=True)
+        dist.barrier()
+        delay = float(os.environ.get(WRITE_DELAY_ENV) or 0)
+        writer = _DelayedWriter(target, delay) if delay else FileSystemWriter(target)
+        if self.async_:
+            future = dcp_async_save(state, storage_writer=writer, process_group=self.group)
+            assert isinstance(future, Future)
+            future.add_done_callback(lambda f: self._on_written(step, f))
+            self.pending = future
+        else:
+            dcp_save(state, storage_writer=writer)
+            self._commit(step)
         return time.perf_counter() - start
+
+    def _on_written(self, step: int, future: Future[Any]) -> None:
+        err = future.exception()
+        if err is not None:
+            log.error("checkpoint step_%d failed, it stays incomplete: %s", step, err)
+            return
+        self._commit(step)
+
+    def _commit(self, step: int) -> None:
+        """Every rank's shards are durable: rank 0 marks the checkpoint complete and purges."""
+        with self._lock:
+            self.committed = step
+            if not self.is_coordinator:
+                return
+            target = step_dir(self.root, self.job, step)
+            meta = {"step": step, "time": time.time(), "format": "torch.distributed.checkpoint"}
+            _write_durably(target / META_FILE, json.dumps(meta).encode())
+            _write_durably(target / DONE, b"")
+            self.purge()
+            log.info("checkpoint step_%d complete", step)
+
+    def wait(self) -> None:
+        """Block until the in-flight asynchronous save (if any) is written and committed."""
+        if self.pending is not None:
+            future, self.pending = self.pending, None
+            try:
+                future.result()
+            except Exception as err:  # the save's own callback logged it
+                log.error("asynchronous checkpoint failed: %s", err)
 
     def purge(self) -> None:
         """Keep the newest `keep` complete checkpoints; `done` goes first when deleting."""
@@ -75,29 +156,44 @@ class Checkpointer:
             (entry.path / DONE).unlink(missing_ok=True)
             shutil.rmtree(entry.path, ignore_errors=True)
 
+    # --- resume -------------------------------------------------------------------------------
+
     def remove_incomplete(self) -> list[Path]:
-        """Delete step directories without `done` (left by a crash mid-save)."""
+        """Rank 0 deletes step directories without `done` (left by a crash mid-save)."""
         removed = []
-        for entry in list_checkpoints(self.root, self.job):
-            if not entry.complete:
-                shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(entry.path)
+        if self.is_coordinator:
+            for entry in list_checkpoints(self.root, self.job):
+                if not entry.complete:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    removed.append(entry.path)
+        dist.barrier()
         return removed
 
-    def load_latest(self) -> tuple[int, dict[str, Any]] | None:
-        """The newest readable complete checkpoint as (step, state), or None to start fresh."""
+    def load_latest(self, state: dict[str, Any]) -> int:
+        """Load the newest readable complete checkpoint into `state` in place; its step, or 0."""
+        failed = []
         for entry in reversed(list_checkpoints(self.root, self.job)):
             if not entry.complete:
-                log.warning("checkpoint %s has no `done` marker: ignoring it", entry.path)
                 continue
             try:
-                state = torch.load(entry.path / STATE_FILE, map_location="cpu", weights_only=True)
-            except Exception as err:  # any unreadable file means: use an older one
-                log.warning("checkpoint %s is unreadable (%s): trying an older one", entry.path, err)
+                dcp_load(state, checkpoint_id=entry.path)
+            except (Exception, CheckpointException) as err:  # unreadable: try an older one
+                log.warning("checkpoint %s is unreadable (%s): trying an older one",
+                            entry.path, str(err).splitlines()[0][:300])
+                failed.append(str(entry.path))
                 continue
-            return entry.step, state
-        return None
+            self.committed = entry.step
+            return entry.step
+        if failed:
+            raise UserError(
+                f"no complete checkpoint of job {self.job} could be loaded ({', '.join(failed)} "
+                "are unreadable): move them aside to start over, or restore them"
+            )
+        return 0
 
     def latest_step(self) -> int | None:
         entry = latest_complete(self.root, self.job)
         return entry.step if entry else None
+
+    def close(self) -> None:
+        self.wait()

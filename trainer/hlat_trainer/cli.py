@@ -54,6 +54,7 @@ def _run(args: argparse.Namespace) -> int:
     # competing with the training threads for every core
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     # torch is imported only now, so `--help` and config errors answer at once
+    from hlat_trainer.distributed import shutdown
     from hlat_trainer.metrics import TrainMetrics
     from hlat_trainer.report import JsonLines, ProgressBar
     from hlat_trainer.train import Trainer
@@ -61,21 +62,23 @@ def _run(args: argparse.Namespace) -> int:
     fmt = args.log_format or ("bar" if sys.stdout.isatty() else "json")
     trainer = Trainer(job, device=args.device)
     metrics = TrainMetrics()
-    if args.metrics_port:
+    if args.metrics_port and trainer.world.local_rank == 0:
         port = metrics.serve(args.metrics_port)
         log.info("Prometheus metrics on :%d/metrics", port)
     trainer.sinks.append(metrics.update)
     bar = None
-    if fmt == "bar":
-        bar = ProgressBar(job.spec.total_steps, initial=trainer.checkpointer.latest_step() or 0)
-        trainer.sinks.append(bar)
-    else:
-        trainer.sinks.append(JsonLines())
+    if trainer.world.rank == 0:  # one line per step for the whole job, not one per rank
+        if fmt == "bar":
+            bar = ProgressBar(job.spec.total_steps, initial=trainer.checkpointer.latest_step() or 0)
+            trainer.sinks.append(bar)
+        else:
+            trainer.sinks.append(JsonLines())
     try:
         trainer.run()
     finally:
         if bar:
             bar.close()
+        shutdown()
     return ExitCode.OK
 
 

@@ -8,28 +8,37 @@ saved together: model, optimizer (including the stochastic-rounding generator), 
 position, spike monitor, step and token counters, and the RNG states; the LR schedule is a pure
 function of the step. Per-step numbers go to the sinks (stdout JSON or a progress bar,
 Prometheus) as one dict, so adding a sink (the heartbeat) touches nothing here.
+
+Every run is a torch.distributed run (one rank when not under torchrun). Parallelism is
+applied to the pure model by `hlat_trainer.parallel` (tensor/sequence parallel, activation
+checkpointing) and the optimizer step goes through its `DataParallel` (gradient averaging,
+global norm, ZeRO-1). Each data-parallel rank reads its own stream; tensor-parallel peers read
+the same one. The logged loss is the mean over data-parallel ranks.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 from hlat_api import INSTANCE_TYPES, Job
 from hlat_trainer.checkpoint import Checkpointer
 from hlat_trainer.data import PackedLoader, load_tokenizer
+from hlat_trainer.distributed import World, init_distributed
 from hlat_trainer.errors import UserError
+from hlat_trainer.heartbeat import LeaseHeartbeat
 from hlat_trainer.model import Transformer, build_model, count_params
 from hlat_trainer.monitor import GradSpikeMonitor
 from hlat_trainer.optim import build_optimizer
+from hlat_trainer.parallel import DataParallel, LocalParams, apply_ac, apply_tp
 from hlat_trainer.precision import precision_policy
 from hlat_trainer.schedule import lr_at
 
@@ -73,13 +82,10 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
 class Trainer:
     def __init__(self, job: Job, *, device: str = "cpu", sinks: list[Sink] | None = None) -> None:
         spec = job.spec
-        if spec.world_size != 1:
-            raise UserError(
-                f"spec asks for {spec.world_size} ranks ({spec.nodes} nodes x "
-                f"{spec.ranks_per_node} processes) but this is a single process: "
-                "--set nodes=1 --set processesPerNode=1, or launch under torchrun"
-            )
-        self.job, self.spec, self.device = job, spec, torch.device(device)
+        self.job, self.spec = job, spec
+        self.world: World = init_distributed(spec, "nccl" if device == "cuda" else "gloo")
+        self.device = (torch.device(device, self.world.local_rank) if device == "cuda"
+                       else torch.device(device))
         self.sinks = sinks or []
         self.dims = spec.model.dims()
         self.tokenizer = load_tokenizer(spec.data.tokenizer)
@@ -93,19 +99,34 @@ class Trainer:
         torch.manual_seed(spec.train.seed)
         self.model: Transformer = build_model(self.dims, self.device, seed=spec.train.seed)
         self.policy.apply(self.model)
+        apply_tp(self.model, self.world, spec.parallelism.sequence_parallel)
+        apply_ac(self.model, spec.parallelism.activation_checkpointing)
         o = spec.optimizer
-        self.optimizer = build_optimizer(
-            list(self.model.parameters()), precision=spec.precision, lr=o.lr, betas=o.betas,
-            eps=o.eps, weight_decay=o.weight_decay, seed=spec.train.seed,
+        self.dp = DataParallel(
+            LocalParams.of(self.model), self.world, spec.parallelism.zero1,
+            lambda params: build_optimizer(
+                params, precision=spec.precision, lr=o.lr, betas=o.betas, eps=o.eps,
+                weight_decay=o.weight_decay, seed=spec.train.seed,
+            ),
         )
+        self.optimizer = self.dp.optimizer
+        log.info("rank %d (dp %d, tp %d) updates %d of %d parameter elements (zero1=%s)",
+                 self.world.rank, self.world.dp_rank, self.world.tp_rank,
+                 sum(s.numel() for s in self.dp.owned),
+                 sum(s.numel() for s in self.dp.params.shards), self.dp.zero1)
         self.loader = PackedLoader(
             spec.data.path, self.tokenizer, text_column=spec.data.text_column,
             seq_len=spec.data.seq_len, micro_batch=spec.train.micro_batch,
-            dp_rank=0, dp_size=spec.data_parallel, seed=spec.data.shuffle_seed,
+            dp_rank=self.world.dp_rank, dp_size=self.world.dp, seed=spec.data.shuffle_seed,
         )
         self.state = TrainState()
-        self.checkpointer = Checkpointer(spec.checkpoint.dir, job.name, spec.checkpoint.keep)
+        self.checkpointer = Checkpointer(spec.checkpoint.dir, job.name, spec.checkpoint.keep,
+                                         async_=spec.checkpoint.async_, rank=self.world.rank)
         self.peak_flops = self._peak_flops()
+        self.heartbeat = LeaseHeartbeat.from_environment(self.world.local_rank)
+        if self.heartbeat is not None:
+            self.sinks.append(self.heartbeat)
+            self.heartbeat.start()
 
     def _peak_flops(self) -> float:
         table = INSTANCE_TYPES[self.spec.instance_type].peak_tflops_per_rank
@@ -116,30 +137,51 @@ class Trainer:
     # --- state ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds, keyed so that each rank's own parts have unique names."""
+        w = self.world
+        optim_key = (f"optimizer.dp{w.dp_rank}.tp{w.tp_rank}" if self.dp.zero1
+                     else f"optimizer.tp{w.tp_rank}")
         return {
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "loader": self.loader.state_dict(),
+            optim_key: self.optimizer.state_dict(),
+            f"loader.dp{w.dp_rank}": self.loader.state_dict(),
             "train": self.state.state_dict(),
-            "rng": {"cpu": torch.get_rng_state()},
+            f"rng.rank{w.rank}": torch.get_rng_state(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.loader.load_state_dict(state["loader"])
-        self.state.load_state_dict(state["train"])
-        torch.set_rng_state(state["rng"]["cpu"])
+    def _init_optimizer_state(self) -> None:
+        """Materialise the optimizer's state (a step with lr 0 on zero gradients) to load into."""
+        shards = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if all(p in self.optimizer.state for p in shards):
+            return
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        for p in shards:
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        for g, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            g["lr"] = lr
+        for p in shards:
+            p.grad = None
 
     def maybe_resume(self) -> int:
         """Load the newest complete checkpoint, if any; returns the step it holds (0: fresh)."""
         for path in self.checkpointer.remove_incomplete():
             log.warning("removed incomplete checkpoint %s (no `done` marker)", path)
-        found = self.checkpointer.load_latest()
-        if found is None:
+        if self.checkpointer.latest_step() is None:
             return 0
-        step, state = found
-        self.load_state_dict(state)
+        self._init_optimizer_state()
+        state = self.state_dict()
+        step = self.checkpointer.load_latest(state)
+        if step == 0:
+            return 0
+        w = self.world
+        optim_key = next(k for k in state if k.startswith("optimizer."))
+        self.optimizer.load_state_dict(state[optim_key])
+        self.loader.load_state_dict(state[f"loader.dp{w.dp_rank}"])
+        self.state.load_state_dict(state["train"])
+        torch.set_rng_state(state[f"rng.rank{w.rank}"])
         log.info("resumed from checkpoint step_%d: next step is %d", step, step + 1)
         return step
 
@@ -167,14 +209,13 @@ class Trainer:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
             loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach()
-        params: list[Tensor] = [p for p in self.model.parameters() if p.grad is not None]
-        clip = spec.optimizer.grad_clip if spec.optimizer.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True).item()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        param_norm = torch.linalg.vector_norm(
-            torch.stack([n.float() for n in torch._foreach_norm(params)])
-        ).item()
+        self.dp.sync_grads()
+        grad_norm = self.dp.clip(spec.optimizer.grad_clip)
+        self.dp.step()
+        param_norm = self.dp.param_norm()
+        if self.world.dp > 1:
+            dist.all_reduce(loss_sum, group=self.world.dp_group)
+            loss_sum /= self.world.dp
         seconds = time.perf_counter() - start
         tokens = spec.tokens_per_step
         self.state.step, self.state.tokens = step, self.state.tokens + tokens
@@ -188,9 +229,15 @@ class Trainer:
             "grad_spike": self.state.monitor.observe(grad_norm),
         }
 
+    def _beat(self, **fields: Any) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.update(checkpoint_step=self.checkpointer.committed, **fields)
+
     def save(self, step: int) -> float:
+        self._beat(phase="checkpointing")
         blocked = self.checkpointer.save(step, self.state_dict())
-        log.info("saved checkpoint step_%d in %.2fs", step, blocked)
+        self._beat(phase="training")
+        log.info("checkpoint step_%d: training blocked %.3fs", step, blocked)
         return blocked
 
     def run(self) -> dict[str, Any]:
@@ -205,7 +252,9 @@ class Trainer:
             self.spec.precision, first,
         )
         stats: dict[str, Any] = {"step": first - 1}
+        self._beat(phase="training", step=first - 1, tokens=self.state.tokens)
         batches = self._batches()
+        finished = False
         try:
             for step in range(first, total + 1):
                 stats = self.train_step(batches, step)
@@ -214,8 +263,14 @@ class Trainer:
                 if step % self.spec.train.log_interval == 0 or step == total:
                     for sink in self.sinks:
                         sink(stats)
+                self._beat()
+            self.checkpointer.wait()
+            finished = True
         finally:
             self.loader.close()
+            if self.heartbeat is not None:
+                self._beat()
+                self.heartbeat.stop(phase="finished" if finished else None)
         hist = self.state.monitor.histogram()
         log.info("finished at step %d; gradient spikes by length: %s", self.state.step, hist)
         return stats

@@ -1,0 +1,246 @@
+"""Parallelism applied to the pure model from outside: tensor/sequence parallel, activation
+checkpointing, and data parallelism with a ZeRO-1 sharded optimizer.
+
+Design choices:
+- Tensor parallelism uses DTensor plans (torch.distributed.tensor.parallel). The fused QKV and
+  gate/up weights are laid out by the model so that a contiguous row split gives each rank
+  whole kv-head groups (its q heads with their k and v) and matching (gate_i, up_i) pairs, so a
+  plain ColwiseParallel suffices; the output projections are RowwiseParallel. With sequence
+  parallelism the norms and residual stream are sharded along the sequence (Shard(1)) and the
+  attention/MLP inputs are all-gathered, as Megatron-SP and NxD do. Logits are gathered
+  (Replicate) before the loss: simple, and at the tiny vocabularies of tests cheap; a
+  vocab-parallel loss is the next step for 32k+ vocabularies.
+- The optimizer sees plain local tensors, never DTensors: `LocalParams` pairs each parameter's
+  local shard with its gradient's local shard. Any optimizer (AdamWSR's bit tricks included)
+  then works unchanged under tensor parallelism.
+- Data parallelism: gradients are averaged over the dp group in flat buckets (one all-reduce per
+  bucket). ZeRO-1: parameters are assigned whole to dp ranks, balanced by size; each rank keeps
+  optimizer state for, and updates, only its own, then broadcasts them to its dp peers. The
+  optimizer state per rank is about 1/dp of the whole.
+- The gradient norm is global: squares of tensor-parallel shards are summed over the tp group,
+  replicated parameters are counted once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.utils.checkpoint import checkpoint
+
+from hlat_trainer.distributed import World
+from hlat_trainer.model import Attention, DecoderLayer, Transformer
+
+BUCKET_ELEMENTS = 1 << 24
+
+
+def apply_tp(model: Transformer, world: World, sequence_parallel: bool) -> None:
+    """Shard the model over the tp mesh dimension (no-op when tp == 1)."""
+    if world.tp == 1:
+        return
+    mesh = world.mesh["tp"]
+    seq = Shard(1) if sequence_parallel else Replicate()
+    top: dict[str, Any] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+    for layer in model.layers:
+        plan: dict[str, Any] = {
+            "attention": PrepareModuleInput(
+                input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attention.wqkv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward": PrepareModuleInput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+            ),
+            "feed_forward.w_gate_up": ColwiseParallel(),
+            "feed_forward.w_down": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(layer, mesh, plan)
+
+
+def apply_ac(model: Transformer, mode: str) -> None:
+    """Activation checkpointing: `full` recomputes whole layers, `selective` the attention core."""
+    if mode == "none":
+        return
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        if mode == "full":
+            layer.forward = partial(checkpoint, layer.forward, use_reentrant=False)  # type: ignore[method-assign]
+        else:
+            attn: Attention = layer.attention
+            attn.core_attention = partial(  # type: ignore[method-assign]
+                checkpoint, attn.core_attention, use_reentrant=False
+            )
+
+
+def local(t: Tensor) -> Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def is_tp_sharded(p: Tensor) -> bool:
+    return isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+
+
+@dataclass
+class LocalParams:
+    """Plain local-shard tensors standing in for the model's (possibly DTensor) parameters."""
+
+    names: list[str]
+    params: list[nn.Parameter]
+    shards: list[Tensor]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> LocalParams:
+        names, params = zip(*model.named_parameters(), strict=True)
+        shards = [local(p).detach() for p in params]
+        return cls(list(names), list(params), shards)
+
+    def bind_grads(self) -> None:
+        for p, shard in zip(self.params, self.shards, strict=True):
+            grad = p.grad
+            if isinstance(grad, DTensor) and isinstance(p, DTensor) and (
+                grad.placements != p.placements
+            ):  # e.g. a Partial or Replicate gradient of a sharded embedding
+                grad = grad.redistribute(p.device_mesh, p.placements)
+            shard.grad = None if grad is None else local(grad)
+
+
+def _flat_all_reduce(tensors: list[Tensor], group: dist.ProcessGroup, divide: int) -> None:
+    """All-reduce (and average) in place, one collective per bucket of one dtype."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        for chunk in _buckets(same):
+            flat = torch.cat([t.reshape(-1) for t in chunk])
+            dist.all_reduce(flat, group=group)
+            if divide > 1:
+                flat /= divide
+            _unflatten_into(flat, chunk)
+
+
+def _unflatten_into(flat: Tensor, chunk: list[Tensor]) -> None:
+    offset = 0
+    for t in chunk:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def _buckets(tensors: list[Tensor]) -> Iterable[list[Tensor]]:
+    bucket: list[Tensor] = []
+    size = 0
+    for t in tensors:
+        if bucket and size + t.numel() > BUCKET_ELEMENTS:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += t.numel()
+    if bucket:
+        yield bucket
+
+
+def partition(numels: list[int], parts: int) -> list[int]:
+    """Owner (dp rank) of each parameter: greedy by size, largest first, ties to the lowest rank."""
+    owners = [0] * len(numels)
+    loads = [0] * parts
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        rank = min(range(parts), key=lambda r: (loads[r], r))
+        owners[i] = rank
+        loads[rank] += numels[i]
+    return owners
+
+
+class DataParallel:
+    """Gradient averaging over dp, the global grad norm, and (optionally) ZeRO-1."""
+
+    def __init__(self, params: LocalParams, world: World, zero1: bool,
+                 build_optimizer: Callable[[list[Tensor]], torch.optim.Optimizer]) -> None:
+        self.params, self.world = params, world
+        self.zero1 = zero1 and world.dp > 1
+        numels = [s.numel() for s in params.shards]
+        self.owners = partition(numels, world.dp) if self.zero1 else [world.dp_rank] * len(numels)
+        self.owned = [s for s, o in zip(params.shards, self.owners, strict=True)
+                      if o == world.dp_rank]
+        self.optimizer = build_optimizer(self.owned)
+
+    def sync_grads(self) -> None:
+        """Bind local grads and average them over the dp group."""
+        self.params.bind_grads()
+        grads = [s.grad for s in self.params.shards if s.grad is not None]
+        if self.world.dp > 1:
+            _flat_all_reduce(grads, self.world.dp_group, self.world.dp)
+
+    def _global_norm(self, tensors: list[Tensor | None]) -> float:
+        """L2 norm over the whole model: tp shards summed over the tp group, replicas once."""
+        sharded = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for p, t in zip(self.params.params, tensors, strict=True):
+            if t is None:
+                continue
+            sq = t.double().pow(2).sum()
+            if is_tp_sharded(p):
+                sharded += sq
+            else:
+                replicated += sq
+        if self.world.tp > 1:
+            dist.all_reduce(sharded, group=self.world.tp_group)
+        return math.sqrt((sharded + replicated).item())
+
+    def grad_norm(self) -> float:
+        return self._global_norm([s.grad for s in self.params.shards])
+
+    def param_norm(self) -> float:
+        return self._global_norm(list(self.params.shards))
+
+    def clip(self, max_norm: float) -> float:
+        norm = self.grad_norm()
+        if max_norm > 0 and norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            torch._foreach_mul_([s.grad for s in self.params.shards if s.grad is not None], coef)
+        return norm
+
+    def step(self) -> None:
+        self.optimizer.step()
+        if self.zero1:
+            self._broadcast_updates()
+        for p in self.params.params:
+            p.grad = None
+        for s in self.params.shards:
+            s.grad = None
+
+    def _broadcast_updates(self) -> None:
+        dp_ranks = dist.get_process_group_ranks(self.world.dp_group)
+        for owner in range(self.world.dp):
+            mine = [s for s, o in zip(self.params.shards, self.owners, strict=True) if o == owner]
+            for chunk in _buckets(mine):
+                flat = torch.cat([t.reshape(-1) for t in chunk])
+                dist.broadcast(flat, src=dp_ranks[owner], group=self.world.dp_group)
+                if owner != self.world.dp_rank:
+                    _unflatten_into(flat, chunk)
+
+    def optimizer_state_numel(self) -> int:
+        """Elements of optimizer state held by this rank (ZeRO-1 makes it about 1/dp)."""
+        return sum(v.numel() for st in self.optimizer.state.values()
+                   for v in st.values() if isinstance(v, Tensor) and v.dim() > 0)

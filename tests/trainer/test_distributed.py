@@ -127,6 +127,10 @@ def test_sigkill_one_rank_stops_all_and_resume_continues_exactly(
     straight = losses(run(torchrun(config, 2, *layout(2, 1),
                                    "checkpoint.dir=" + str(config.parent / "a"))).stdout)
     proc, lines = run_until_step(torchrun(config, 2, *sets), 3, ENV)
+    done = config.parent / "ck" / "job" / "step_2" / "done"
+    deadline = time.monotonic() + 60
+    while not done.exists() and time.monotonic() < deadline:  # the async write of step_2
+        time.sleep(0.05)
     victim = worker_pids(psutil.Process(proc.pid))[-1]
     os.kill(victim, signal.SIGKILL)
     start = time.monotonic()

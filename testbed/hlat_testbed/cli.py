@@ -1,0 +1,122 @@
+"""``hlat-cluster``: the one command people, the demo and CI use to drive the local cluster.
+
+    hlat-cluster up [--nodes N] [--instance-type T]   build if needed, start, add nodes
+    hlat-cluster down                                 stop everything, remove all state
+    hlat-cluster status                               components and nodes
+    hlat-cluster kubeconfig [--operator]              path for ``export KUBECONFIG=...``
+    hlat-cluster kubectl ARGS...                      the cached kubectl as admin
+    hlat-cluster logs POD [-n NS] [-c CONTAINER]      a pod process's stdout/stderr
+    hlat-cluster fault kill|hang|resume POD [-n NS] [-c C] [--signal SIG]
+    hlat-cluster node down|up|delete NODE
+
+Must run as root (network namespaces, bind mounts). ``HLAT_CLUSTER_DIR`` selects the state
+directory, ``HLAT_CACHE`` the build cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from hlat_testbed import faults
+from hlat_testbed.cluster import Cluster, kubectl_binary
+from hlat_testbed.instancetypes import DEFAULT_INSTANCE_TYPE, INSTANCE_TYPES
+
+
+def _progress(line: str) -> None:
+    print(f"hlat-cluster: {line}", file=sys.stderr, flush=True)
+
+
+def _signal(name: str) -> int:
+    name = name.upper()
+    if name.isdigit():
+        return int(name)
+    return int(getattr(signal, name if name.startswith("SIG") else f"SIG{name}"))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hlat-cluster", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="build if needed and start the cluster (idempotent)")
+    up.add_argument("--nodes", type=int, default=2)
+    up.add_argument("--instance-type", default=DEFAULT_INSTANCE_TYPE,
+                    choices=sorted(INSTANCE_TYPES))
+    sub.add_parser("down", help="stop everything and remove the cluster's state")
+    sub.add_parser("status", help="show components and nodes")
+    kc = sub.add_parser("kubeconfig", help="print the admin kubeconfig's path")
+    kc.add_argument("--operator", action="store_true",
+                    help="the operator service account's kubeconfig instead")
+    kubectl = sub.add_parser("kubectl", help="run kubectl as admin")
+    kubectl.add_argument("args", nargs=argparse.REMAINDER)
+    logs = sub.add_parser("logs", help="print a pod process's output")
+    logs.add_argument("pod")
+    logs.add_argument("-n", "--namespace", default="default")
+    logs.add_argument("-c", "--container")
+    fault = sub.add_parser("fault", help="kill, hang or resume a pod's process")
+    fault.add_argument("action", choices=["kill", "hang", "resume"])
+    fault.add_argument("pod")
+    fault.add_argument("-n", "--namespace", default="default")
+    fault.add_argument("-c", "--container")
+    fault.add_argument("--signal", default="KILL", help="for kill: name or number")
+    node = sub.add_parser("node", help="take a node down, bring it up, or delete it")
+    node.add_argument("action", choices=["down", "up", "delete"])
+    node.add_argument("node")
+    return parser
+
+
+def _fault(cluster: Cluster, args: argparse.Namespace) -> None:
+    cfg, ns = cluster.config, args.namespace
+    if args.action == "kill":
+        pid = faults.kill(cfg, ns, args.pod, _signal(args.signal), args.container)
+    elif args.action == "hang":
+        pid = faults.hang(cfg, ns, args.pod, args.container)
+    else:
+        pid = faults.resume(cfg, ns, args.pod, args.container)
+    print(f"{args.action} {ns}/{args.pod} (pid {pid})")
+
+
+def _node(cluster: Cluster, args: argparse.Namespace) -> None:
+    if args.action == "down":
+        faults.node_down(cluster.config, args.node)
+    elif args.action == "up":
+        faults.node_up(cluster.config, args.node)
+    else:
+        faults.node_delete(cluster.config, cluster.admin_api(), args.node)
+    print(f"node {args.node} {args.action}")
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = Cluster()
+    if args.command == "up":
+        cluster.up(args.nodes, args.instance_type, progress=_progress)
+    elif args.command == "down":
+        cluster.down(progress=_progress)
+    elif args.command == "status":
+        for name, state in cluster.status().items():
+            print(f"{name:28} {state}")
+        print(f"kubeconfig: {cluster.kubeconfig}")
+        return 0 if cluster.is_up() else 1
+    elif args.command == "kubeconfig":
+        print(cluster.operator_kubeconfig() if args.operator else cluster.kubeconfig)
+    elif args.command == "kubectl":
+        argv = [str(kubectl_binary()), f"--kubeconfig={cluster.kubeconfig}", *args.args]
+        os.execv(argv[0], argv)
+    elif args.command == "logs":
+        sys.stdout.write(cluster.pod_log(args.namespace, args.pod, args.container))
+    elif args.command == "fault":
+        _fault(cluster, args)
+    elif args.command == "node":
+        _node(cluster, args)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    try:
+        sys.exit(run(args))
+    except (faults.FaultError, RuntimeError, ValueError) as err:
+        print(f"hlat-cluster: error: {err}", file=sys.stderr)
+        sys.exit(1)

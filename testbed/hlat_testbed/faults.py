@@ -1,0 +1,93 @@
+"""Fault injection: what goes wrong on a real training cluster, done to the local one.
+
+- ``kill``: a signal to a pod's main process (SIGKILL by default; the pod then shows the exit
+  code a container runtime would: 128 + signal);
+- ``hang`` / ``resume``: SIGSTOP / SIGCONT to the whole process group, so a worker and its
+  children freeze as a stuck collective would, without exiting;
+- ``node down`` / ``node up``: the node's kubelet goes silent and its processes die (a lost
+  instance) or comes back; ``node delete`` also removes the Node object, as the cluster
+  autoscaler does when it replaces an instance.
+
+Processes are found through the pid files the kubelet writes, never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from kubernetes import client
+
+from hlat_testbed.config import ClusterConfig
+from hlat_testbed.procs import ProcessTable, is_alive
+
+
+class FaultError(RuntimeError):
+    """The target of a fault does not exist or is not running."""
+
+
+def pod_dir(config: ClusterConfig, namespace: str, pod: str) -> Path:
+    """The newest state directory of ``namespace/pod`` (a recreated pod has a new uid)."""
+    matches = sorted(config.pods_dir.glob(f"{namespace}_{pod}_*"),
+                     key=lambda p: p.stat().st_mtime)
+    if not matches:
+        raise FaultError(f"pod {namespace}/{pod} has never run on this cluster's kubelets")
+    return matches[-1]
+
+
+def container_pid(config: ClusterConfig, namespace: str, pod: str,
+                  container: str | None = None) -> int:
+    """The live main pid of a container (the first one running if ``container`` is None)."""
+    directory = pod_dir(config, namespace, pod)
+    candidates = [directory / f"{container}.pid"] if container else sorted(
+        directory.glob("*.pid"))
+    for path in candidates:
+        try:
+            pid = int(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if is_alive(pid):
+            return pid
+    raise FaultError(f"pod {namespace}/{pod} has no running process"
+                     + (f" in container {container}" if container else ""))
+
+
+def kill(config: ClusterConfig, namespace: str, pod: str, sig: int = signal.SIGKILL,
+         container: str | None = None) -> int:
+    pid = container_pid(config, namespace, pod, container)
+    os.kill(pid, sig)
+    return pid
+
+
+def hang(config: ClusterConfig, namespace: str, pod: str, container: str | None = None) -> int:
+    pid = container_pid(config, namespace, pod, container)
+    os.killpg(pid, signal.SIGSTOP)
+    return pid
+
+
+def resume(config: ClusterConfig, namespace: str, pod: str, container: str | None = None) -> int:
+    pid = container_pid(config, namespace, pod, container)
+    os.killpg(pid, signal.SIGCONT)
+    return pid
+
+
+def _kubelet_pid(config: ClusterConfig, node: str) -> int:
+    pid = ProcessTable(config.pids_dir, config.logs_dir).pid(f"kubelet-{node}")
+    if pid is None:
+        raise FaultError(f"node {node} has no running kubelet on this cluster")
+    return pid
+
+
+def node_down(config: ClusterConfig, node: str) -> None:
+    os.kill(_kubelet_pid(config, node), signal.SIGUSR1)
+
+
+def node_up(config: ClusterConfig, node: str) -> None:
+    os.kill(_kubelet_pid(config, node), signal.SIGUSR2)
+
+
+def node_delete(config: ClusterConfig, api: client.ApiClient, node: str) -> None:
+    """Stop the node's kubelet (its processes die with it) and delete the Node object."""
+    ProcessTable(config.pids_dir, config.logs_dir).stop(f"kubelet-{node}", timeout=20)
+    client.CoreV1Api(api).delete_node(node)

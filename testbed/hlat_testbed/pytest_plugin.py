@@ -1,1 +1,68 @@
-"""pytest fixtures for the local Kubernetes control plane (filled in by the testbed work)."""
+"""pytest fixtures for the local Kubernetes control plane.
+
+- ``cluster`` (session): the running local cluster if there is one (``hlat-cluster up`` before
+  the suite makes repeated runs fast), otherwise one started for the session (building the
+  binaries first on a fresh machine) and stopped at its end. ``HLAT_TEST_NODES`` sets how many
+  nodes a started cluster gets (default 3); ``HLAT_KEEP_CLUSTER=1`` leaves it running.
+- ``namespace`` (per test): a fresh namespace, deleted after the test; teardown waits until its
+  pods are gone so the next test finds the nodes' Neuron devices free.
+- ``core``: a ``CoreV1Api`` as the cluster admin.
+
+Only tests that request these fixtures (mark them ``@pytest.mark.cluster``) start a cluster; the
+unit tests never do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from kubernetes import client
+
+from hlat_testbed.cluster import Cluster
+from hlat_testbed.testing import wait_for
+
+DEFAULT_TEST_NODES = 3
+
+
+def _progress(line: str) -> None:
+    print(f"[hlat-cluster] {line}", file=sys.stderr, flush=True)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        pytest.skip("the local cluster needs root (network namespaces, bind mounts)")
+    handle = Cluster()
+    nodes = int(os.environ.get("HLAT_TEST_NODES", DEFAULT_TEST_NODES))
+    started_here = not handle.is_up()
+    handle.up(nodes=nodes, progress=_progress)
+    yield handle
+    if started_here and not os.environ.get("HLAT_KEEP_CLUSTER"):
+        handle.down(progress=_progress)
+
+
+@pytest.fixture
+def core(cluster: Cluster) -> client.CoreV1Api:
+    return client.CoreV1Api(cluster.admin_api())
+
+
+def _namespace_name(test_name: str) -> str:
+    stem = re.sub(r"[^a-z0-9-]+", "-", test_name.lower()).strip("-")[:40].strip("-")
+    return f"{stem}-{uuid.uuid4().hex[:5]}"
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, core: client.CoreV1Api,
+              request: pytest.FixtureRequest) -> Iterator[str]:
+    name = _namespace_name(request.node.name)
+    core.create_namespace({"apiVersion": "v1", "kind": "Namespace",  # type: ignore[arg-type]
+                           "metadata": {"name": name}})
+    yield name
+    core.delete_namespace(name)
+    wait_for(lambda: not core.list_namespaced_pod(name).items, 90,
+             f"pods of namespace {name} to be gone")

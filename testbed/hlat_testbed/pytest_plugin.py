@@ -9,7 +9,9 @@
 - ``core``: a ``CoreV1Api`` as the cluster admin.
 
 Only tests that request these fixtures (mark them ``@pytest.mark.cluster``) start a cluster; the
-unit tests never do.
+unit tests never do. When such tests are collected and the binaries are not cached yet, they are
+built right after collection, outside any test, so a cold build (about 10 minutes on 2 cores)
+does not count against pytest-timeout's per-test limit.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client
 
+from hlat_testbed import build
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.testing import wait_for
 
@@ -31,6 +34,13 @@ DEFAULT_TEST_NODES = 3
 
 def _progress(line: str) -> None:
     print(f"[hlat-cluster] {line}", file=sys.stderr, flush=True)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    needs_cluster = any("cluster" in getattr(item, "fixturenames", ())
+                        for item in session.items)
+    if needs_cluster and os.geteuid() == 0 and not session.config.option.collectonly:
+        build.ensure_built(_progress)
 
 
 @pytest.fixture(scope="session")

@@ -71,7 +71,21 @@ class Cluster:
         if not self.is_up():
             self._start_control_plane(progress)
         self._ensure_nodes(nodes, instance, progress)
+        self._wait_default_namespace_usable()
         progress(f"cluster up: {len(self.nodes())} node(s); export KUBECONFIG={self.kubeconfig}")
+
+    def _wait_default_namespace_usable(self, timeout: float = 60) -> None:
+        """Pods are admitted only once the default SA and root CA exist (controllers add them)."""
+        core = client.CoreV1Api(self.admin_api())
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sas: Obj = core.list_namespaced_service_account("default")
+            cms: Obj = core.list_namespaced_config_map("default")
+            if {"default"} <= {s.metadata.name for s in sas.items} and \
+                    "kube-root-ca.crt" in {c.metadata.name for c in cms.items}:
+                return
+            time.sleep(0.3)
+        raise controlplane.StartupError("namespace default never got its service account")
 
     def _start_control_plane(self, progress: Progress) -> None:
         cfg = self.config

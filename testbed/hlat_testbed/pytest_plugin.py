@@ -72,6 +72,12 @@ def namespace(cluster: Cluster, core: client.CoreV1Api,
     name = _namespace_name(request.node.name)
     core.create_namespace({"apiVersion": "v1", "kind": "Namespace",  # type: ignore[arg-type]
                            "metadata": {"name": name}})
+    # as on any cluster, pods are only admitted once the controllers have populated the
+    # namespace with its default service account and the root CA ConfigMap
+    wait_for(lambda: core.list_namespaced_service_account(
+        name, field_selector="metadata.name=default").items, 30, f"{name}/default SA")
+    wait_for(lambda: core.list_namespaced_config_map(
+        name, field_selector="metadata.name=kube-root-ca.crt").items, 30, f"{name} root CA")
     yield name
     core.delete_namespace(name)
     wait_for(lambda: not core.list_namespaced_pod(name).items, 90,

@@ -120,3 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     except (faults.FaultError, RuntimeError, ValueError) as err:
         print(f"hlat-cluster: error: {err}", file=sys.stderr)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -144,7 +144,7 @@ ENV_AND_VOLUMES = """
 import os, socket
 from pathlib import Path
 for key in ("POD_NAME", "POD_NAMESPACE", "POD_IP", "NODE_NAME", "FROM_CM", "FROM_SECRET",
-            "GREETING", "CM_KEY"):
+            "GREETING", "CM_key"):
     print(f"{key}={os.environ.get(key)}")
 print("hostname=" + socket.gethostname())
 print("cm-file=" + Path("/run/hlat-test/cm/key").read_text())
@@ -197,7 +197,7 @@ def test_env_and_volumes_reach_the_process(
     for line in ("POD_NAME=envvol", f"POD_NAMESPACE={namespace}",
                  f"POD_IP={done.status.pod_ip}", f"NODE_NAME={done.spec.node_name}",
                  "FROM_CM=cm-value", "FROM_SECRET=s3cret", "GREETING=hi envvol",
-                 "CM_KEY=cm-value", "hostname=worker-0", "cm-file=cm-value",
+                 "CM_key=cm-value", "hostname=worker-0", "cm-file=cm-value",
                  "secret-file=s3cret", "scratch=scratch ok", "shared=from-envvol"):
         assert line in log.splitlines(), log
     assert (shared / "from-envvol").read_text() == "shared"

@@ -88,7 +88,12 @@ def _node(cluster: Cluster, args: argparse.Namespace) -> None:
     print(f"node {args.node} {args.action}")
 
 
+_NEEDS_ROOT = ("up", "down", "fault", "node")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.command in _NEEDS_ROOT and os.geteuid() != 0:
+        raise RuntimeError(f"`{args.command}` needs root (network namespaces, bind mounts)")
     cluster = Cluster()
     if args.command == "up":
         cluster.up(args.nodes, args.instance_type, progress=_progress)

@@ -91,6 +91,7 @@ class Cluster:
         cfg = self.config
         if not any(self.processes.pid(c) for c in controlplane.COMPONENTS):
             self._wipe_state()
+            self._rotate_logs()
         cfg.save()
         pki.ensure_pki(cfg)
         netns.ensure_bridge(cfg.bridge, f"{cfg.host_ip}/{cfg.network.prefixlen}")
@@ -118,7 +119,7 @@ class Cluster:
         self.processes.start(f"kubelet-{name}", [
             sys.executable, "-m", "hlat_testbed.kubelet", "--state", str(self.config.state),
             "--node", name, "--index", str(index), "--instance-type", instance,
-        ], marker="hlat_testbed.kubelet")
+        ])
 
     def wait_nodes_ready(self, names: list[str], timeout: float = 60) -> None:
         core = client.CoreV1Api(self.admin_api())
@@ -161,13 +162,21 @@ class Cluster:
                 if is_alive(pid) and os.getpgid(pid) == pid:  # still the group we started
                     os.killpg(pid, signal.SIGKILL)
 
+    def _rotate_logs(self) -> None:
+        """A fresh cluster starts with empty logs; the previous run's stay in ``logs.previous``."""
+        logs = self.config.logs_dir
+        if logs.exists():
+            previous = logs.with_name("logs.previous")
+            shutil.rmtree(previous, ignore_errors=True)
+            logs.rename(previous)
+
     def _wipe_state(self) -> None:
-        """Remove everything but logs; logs of the previous run are truncated on the next one."""
+        """Remove everything but the logs (kept for a post-mortem until the next ``up``)."""
         state = self.config.state
         if not state.exists():
             return
         for child in state.iterdir():
-            if child.name == "logs":
+            if child.name.startswith("logs"):
                 continue
             if child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)

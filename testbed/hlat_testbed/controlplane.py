@@ -35,7 +35,7 @@ from hlat_testbed.config import (
     SERVICE_CIDR,
     ClusterConfig,
 )
-from hlat_testbed.procs import ProcessTable
+from hlat_testbed.procs import ProcessTable, is_alive
 
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "coredns")
 
@@ -48,12 +48,15 @@ def processes(config: ClusterConfig) -> ProcessTable:
     return ProcessTable(config.pids_dir, config.logs_dir)
 
 
-def _wait_healthy(name: str, url: str, config: ClusterConfig, timeout: float,
+def _wait_healthy(name: str, pid: int, url: str, config: ClusterConfig, timeout: float,
                   context: ssl.SSLContext | None = None) -> None:
+    # liveness by pid, not by the pid file's cmdline check: right after fork the child still
+    # shows our own cmdline until it has exec'd
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:
-        if processes(config).pid(name) is None:
+        if not is_alive(pid):
+            last = "process exited"
             break
         try:
             with urllib.request.urlopen(url, timeout=2, context=context) as resp:
@@ -84,20 +87,20 @@ def _insecure_tls() -> ssl.SSLContext:
 def start_etcd(config: ClusterConfig) -> None:
     url = f"http://127.0.0.1:{config.etcd_port}"
     peer = f"http://127.0.0.1:{config.etcd_port + 1}"
-    processes(config).start("etcd", [
+    pid = processes(config).start("etcd", [
         str(binary("etcd")), "--name", config.name, "--data-dir", str(config.state / "etcd"),
         "--listen-client-urls", url, "--advertise-client-urls", url,
         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
         "--initial-cluster", f"{config.name}={peer}", "--log-level", "warn",
         "--quota-backend-bytes", str(2 << 30), "--unsafe-no-fsync",
     ])
-    _wait_healthy("etcd", f"{url}/health", config, 30)
+    _wait_healthy("etcd", pid, f"{url}/health", config, 30)
 
 
 def start_apiserver(config: ClusterConfig) -> None:
     p = config.pki_dir
     tol = str(config.eviction_toleration_s)
-    processes(config).start("kube-apiserver", [
+    pid = processes(config).start("kube-apiserver", [
         str(binary("kube-apiserver")),
         f"--etcd-servers=http://127.0.0.1:{config.etcd_port}",
         f"--bind-address={config.host_ip}", f"--advertise-address={config.host_ip}",
@@ -113,13 +116,13 @@ def start_apiserver(config: ClusterConfig) -> None:
         f"--default-unreachable-toleration-seconds={tol}",
         "--profiling=false", "--event-ttl=30m", "--v=1",
     ])
-    _wait_healthy("kube-apiserver", f"{config.api_url}/readyz", config, 120, _admin_tls(config))
+    _wait_healthy("kube-apiserver", pid, f"{config.api_url}/readyz", config, 120, _admin_tls(config))
 
 
 def start_controller_manager(config: ClusterConfig) -> None:
     p = config.pki_dir
     kubeconfig = str(config.kubeconfig(pki.CONTROLLER_MANAGER.name))
-    processes(config).start("kube-controller-manager", [
+    pid = processes(config).start("kube-controller-manager", [
         str(binary("kube-controller-manager")),
         f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
         f"--authorization-kubeconfig={kubeconfig}",
@@ -134,12 +137,12 @@ def start_controller_manager(config: ClusterConfig) -> None:
         "--v=1",
     ])
     url = f"https://{config.host_ip}:{CONTROLLER_MANAGER_PORT}/healthz"
-    _wait_healthy("kube-controller-manager", url, config, 60, _insecure_tls())
+    _wait_healthy("kube-controller-manager", pid, url, config, 60, _insecure_tls())
 
 
 def start_scheduler(config: ClusterConfig) -> None:
     kubeconfig = str(config.kubeconfig(pki.SCHEDULER.name))
-    processes(config).start("kube-scheduler", [
+    pid = processes(config).start("kube-scheduler", [
         str(binary("kube-scheduler")),
         f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
         f"--authorization-kubeconfig={kubeconfig}",
@@ -147,7 +150,7 @@ def start_scheduler(config: ClusterConfig) -> None:
         "--leader-elect=false", "--v=1",
     ])
     url = f"https://{config.host_ip}:{SCHEDULER_PORT}/healthz"
-    _wait_healthy("kube-scheduler", url, config, 60, _insecure_tls())
+    _wait_healthy("kube-scheduler", pid, url, config, 60, _insecure_tls())
 
 
 def corefile(config: ClusterConfig) -> str:
@@ -176,9 +179,9 @@ def corefile(config: ClusterConfig) -> str:
 def start_coredns(config: ClusterConfig) -> None:
     path = config.state / "Corefile"
     path.write_text(corefile(config))
-    processes(config).start("coredns", [str(binary("coredns")), "-conf", str(path)])
+    pid = processes(config).start("coredns", [str(binary("coredns")), "-conf", str(path)])
     url = f"http://{config.host_ip}:{DNS_READY_PORT}/ready"
-    _wait_healthy("coredns", url, config, 60)
+    _wait_healthy("coredns", pid, url, config, 60)
 
 
 STARTERS: dict[str, Callable[[ClusterConfig], None]] = {

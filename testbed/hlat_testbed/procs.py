@@ -4,8 +4,9 @@
 kubelets keep running, so each is started in its own session (no terminal signal reaches it),
 with stdout/stderr in ``logs/<name>.log`` and its pid in ``pids/<name>.pid``. Stopping is
 bounded: SIGTERM, wait, SIGKILL, and the whole process group goes so no child is left behind.
-A pid file is trusted only while ``/proc/<pid>/cmdline`` still names the expected program,
-which guards against pid reuse after a reboot or a crash.
+A pid file records the process's start time as well (``/proc/<pid>/stat``), and is trusted only
+while that still matches, which guards against pid reuse after a crash or a reboot (a cmdline
+check would not do: right after fork the child still shows its parent's cmdline).
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ def is_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None if it does not exist."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
 def cmdline(pid: int) -> list[str]:
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -51,11 +61,11 @@ class ProcessTable:
         """The live pid of ``name``, or None if it is not running."""
         path = self.pids_dir / f"{name}.pid"
         try:
-            pid_str, marker = path.read_text().split("\n", 1)
+            pid_str, ticks = path.read_text().split()[:2]
             pid = int(pid_str)
         except (OSError, ValueError):
             return None
-        if not is_alive(pid) or marker.strip() not in " ".join(cmdline(pid)):
+        if not is_alive(pid) or str(start_ticks(pid)) != ticks:
             return None
         return pid
 
@@ -64,9 +74,8 @@ class ProcessTable:
             return []
         return sorted(p.stem for p in self.pids_dir.glob("*.pid"))
 
-    def start(self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None,
-              marker: str | None = None) -> int:
-        """Start ``argv`` detached; ``marker`` (default argv[0]) must appear in its cmdline."""
+    def start(self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None) -> int:
+        """Start ``argv`` detached, unless ``name`` already runs; return its pid."""
         running = self.pid(name)
         if running is not None:
             return running
@@ -77,7 +86,7 @@ class ProcessTable:
                 list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, env=env, close_fds=True,
             )
-        (self.pids_dir / f"{name}.pid").write_text(f"{proc.pid}\n{marker or argv[0]}\n")
+        (self.pids_dir / f"{name}.pid").write_text(f"{proc.pid}\n{start_ticks(proc.pid)}\n")
         return proc.pid
 
     def stop(self, name: str, timeout: float = 10.0) -> None:

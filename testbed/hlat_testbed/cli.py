@@ -8,6 +8,7 @@
     hlat-cluster logs POD [-n NS] [-c CONTAINER]      a pod process's stdout/stderr
     hlat-cluster fault kill|hang|resume POD [-n NS] [-c C] [--signal SIG]
     hlat-cluster node down|up|delete NODE
+    hlat-cluster volume CLAIM --path DIR [-n NS]     a ReadWriteMany PVC backed by DIR ("FSx")
 
 Must run as root (network namespaces, bind mounts). ``HLAT_CLUSTER_DIR`` selects the state
 directory, ``HLAT_CACHE`` the build cache.
@@ -19,6 +20,7 @@ import argparse
 import os
 import signal
 import sys
+from pathlib import Path
 
 from hlat_testbed import faults
 from hlat_testbed.cluster import Cluster, kubectl_binary
@@ -64,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     node = sub.add_parser("node", help="take a node down, bring it up, or delete it")
     node.add_argument("action", choices=["down", "up", "delete"])
     node.add_argument("node")
+    volume = sub.add_parser("volume", help="create a PVC backed by a host directory")
+    volume.add_argument("claim")
+    volume.add_argument("--path", required=True, type=Path)
+    volume.add_argument("-n", "--namespace", default="default")
+    volume.add_argument("--size", default="1200Gi")
     return parser
 
 
@@ -88,7 +95,7 @@ def _node(cluster: Cluster, args: argparse.Namespace) -> None:
     print(f"node {args.node} {args.action}")
 
 
-_NEEDS_ROOT = ("up", "down", "fault", "node")
+_NEEDS_ROOT = ("up", "down", "fault", "node", "volume")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
         _fault(cluster, args)
     elif args.command == "node":
         _node(cluster, args)
+    elif args.command == "volume":
+        cluster.create_shared_volume(args.namespace, args.claim, args.path.resolve(), args.size)
+        print(f"pvc {args.namespace}/{args.claim} -> {args.path.resolve()}")
     return 0
 
 

@@ -79,6 +79,9 @@ def namespace(cluster: Cluster, core: client.CoreV1Api,
     wait_for(lambda: core.list_namespaced_config_map(
         name, field_selector="metadata.name=kube-root-ca.crt").items, 30, f"{name} root CA")
     yield name
+    # deleting the pods first is what an operator's cleanup would do, and it avoids the
+    # namespace controller's back-off (it re-checks only after the pods' grace period)
+    core.delete_collection_namespaced_pod(name)
     core.delete_namespace(name)
     wait_for(lambda: not core.list_namespaced_pod(name).items, 90,
              f"pods of namespace {name} to be gone")

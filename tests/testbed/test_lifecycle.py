@@ -18,7 +18,7 @@ from hlat_testbed import netns
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.config import ClusterConfig
 from hlat_testbed.procs import cmdline, is_alive
-from hlat_testbed.testing import python_pod, wait_pod_running
+from hlat_testbed.testing import python_pod, wait_pod_phase, wait_pod_running
 
 pytestmark = pytest.mark.cluster
 
@@ -71,3 +71,21 @@ def test_up_is_idempotent(cluster: Cluster) -> None:
     up = _cli(cluster, "up", "--nodes", str(len(cluster.nodes())))
     assert up.returncode == 0, up.stderr
     assert cluster.status() == before
+
+
+def test_cli_shared_volume_and_pod_logs(cluster: Cluster, core: client.CoreV1Api,
+                                        namespace: str, tmp_path: Path) -> None:
+    shared = tmp_path / "fsx"
+    made = _cli(cluster, "volume", "fsx", "--path", str(shared), "-n", namespace)
+    assert made.returncode == 0, made.stderr
+    pod = python_pod("writer", "open('/run/hlat-test/fsx-cli/ckpt', 'w').write('step 7')\n"
+                               "print('wrote checkpoint')",
+                     volumes=[{"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx"}}],
+                     container={"volumeMounts": [{"name": "fsx",
+                                                  "mountPath": "/run/hlat-test/fsx-cli"}]})
+    core.create_namespaced_pod(namespace, pod)  # type: ignore[arg-type]
+    done = wait_pod_phase(core, namespace, "writer", {"Succeeded", "Failed"})
+    assert done.status.phase == "Succeeded", cluster.pod_log(namespace, "writer")
+    assert (shared / "ckpt").read_text() == "step 7"
+    logs = _cli(cluster, "logs", "writer", "-n", namespace)
+    assert logs.stdout == "wrote checkpoint\n"

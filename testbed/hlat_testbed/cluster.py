@@ -12,7 +12,10 @@ API clients for the admin, the operator and any service account, and pod logs.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -113,8 +116,6 @@ class Cluster:
         self.wait_nodes_ready([f"node-{i}" for i in range(count)])
 
     def start_kubelet(self, name: str, index: int, instance: str) -> None:
-        import sys
-
         pki.client_kubeconfig(self.config, pki.node_identity(name))
         self.processes.start(f"kubelet-{name}", [
             sys.executable, "-m", "hlat_testbed.kubelet", "--state", str(self.config.state),
@@ -151,9 +152,6 @@ class Cluster:
 
     def _kill_pod_leftovers(self) -> None:
         """Pod processes whose kubelet died without cleaning up (pid files tell us)."""
-        import os
-        import signal
-
         if not self.config.pods_dir.exists():
             return
         for pid_file in self.config.pods_dir.glob("*/*.pid"):

@@ -181,14 +181,18 @@ class NodeAgent:
         """Final step of deletion: the processes are gone, so remove the API object."""
         with self.lock:
             self.workers.pop(worker.uid, None)
-        meta: Obj = worker.pod.metadata
+        self.delete_pod(worker.pod)
+
+    def delete_pod(self, pod: Pod) -> None:
+        """Delete with grace 0 and a UID precondition: the kubelet's confirmation of deletion."""
+        meta: Obj = pod.metadata
         body = client.V1DeleteOptions(grace_period_seconds=0,
-                                      preconditions=client.V1Preconditions(uid=worker.uid))
+                                      preconditions=client.V1Preconditions(uid=meta.uid))
         try:
             self.core.delete_namespaced_pod(meta.name, meta.namespace, body=body)
         except ApiException as err:
             if err.status not in (404, 409):
-                self.log(f"delete {worker.key}: {err.status} {err.reason}")
+                self.log(f"delete {meta.namespace}/{meta.name}: {err.status} {err.reason}")
 
     def sync_pod(self, event: str, pod: Pod) -> None:
         uid = pod.metadata.uid
@@ -202,7 +206,7 @@ class NodeAgent:
             if worker:
                 worker.terminate(float(grace))
             else:
-                self.pod_gone(PodWorker(self, pod))
+                self.delete_pod(pod)
         elif worker is None and (pod.status.phase or "Pending") not in ("Succeeded", "Failed"):
             worker = PodWorker(self, pod)
             with self.lock:

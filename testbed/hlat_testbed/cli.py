@@ -22,8 +22,8 @@ import signal
 import sys
 from pathlib import Path
 
-from hlat_testbed import faults
-from hlat_testbed.cluster import Cluster, kubectl_binary
+from hlat_testbed import build, controlplane, faults, podfiles
+from hlat_testbed.config import ClusterConfig
 from hlat_testbed.instancetypes import DEFAULT_INSTANCE_TYPE, INSTANCE_TYPES
 
 
@@ -74,8 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _fault(cluster: Cluster, args: argparse.Namespace) -> None:
-    cfg, ns = cluster.config, args.namespace
+def _fault(cfg: ClusterConfig, args: argparse.Namespace) -> None:
+    ns = args.namespace
     if args.action == "kill":
         pid = faults.kill(cfg, ns, args.pod, _signal(args.signal), args.container)
     elif args.action == "hang":
@@ -85,43 +85,55 @@ def _fault(cluster: Cluster, args: argparse.Namespace) -> None:
     print(f"{args.action} {ns}/{args.pod} (pid {pid})")
 
 
-def _node(cluster: Cluster, args: argparse.Namespace) -> None:
-    if args.action == "down":
-        faults.node_down(cluster.config, args.node)
-    elif args.action == "up":
-        faults.node_up(cluster.config, args.node)
-    else:
-        faults.node_delete(cluster.config, cluster.admin_api(), args.node)
-    print(f"node {args.node} {args.action}")
-
-
 _NEEDS_ROOT = ("up", "down", "fault", "node", "volume")
+
+
+def _light(cfg: ClusterConfig, args: argparse.Namespace) -> int | None:
+    """Commands that need no API client (importing the kubernetes client costs seconds)."""
+    if args.command == "kubectl":
+        argv = [str(build.binary("kubectl")), f"--kubeconfig={cfg.admin_kubeconfig}", *args.args]
+        os.execv(argv[0], argv)
+    if args.command == "kubeconfig" and not args.operator:
+        print(cfg.admin_kubeconfig)
+    elif args.command == "status":
+        table = controlplane.processes(cfg)
+        names = [*controlplane.COMPONENTS, *[n for n in table.names() if n.startswith("kubelet-")]]
+        pids = {n: table.pid(n) for n in names}
+        for name, pid in pids.items():
+            print(f"{name:28} {pid or 'stopped'}")
+        print(f"kubeconfig: {cfg.admin_kubeconfig}")
+        return 0 if all(pids[c] for c in controlplane.COMPONENTS) else 1
+    elif args.command == "logs":
+        sys.stdout.write(podfiles.pod_log(cfg, args.namespace, args.pod, args.container))
+    elif args.command == "fault":
+        _fault(cfg, args)
+    elif args.command == "node" and args.action != "delete":
+        (faults.node_down if args.action == "down" else faults.node_up)(cfg, args.node)
+        print(f"node {args.node} {args.action}")
+    else:
+        return None
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     if args.command in _NEEDS_ROOT and os.geteuid() != 0:
         raise RuntimeError(f"`{args.command}` needs root (network namespaces, bind mounts)")
-    cluster = Cluster()
+    cfg = ClusterConfig.default()
+    done = _light(cfg, args)
+    if done is not None:
+        return done
+    from hlat_testbed.cluster import Cluster
+
+    cluster = Cluster(cfg)
     if args.command == "up":
         cluster.up(args.nodes, args.instance_type, progress=_progress)
     elif args.command == "down":
         cluster.down(progress=_progress)
-    elif args.command == "status":
-        for name, state in cluster.status().items():
-            print(f"{name:28} {state}")
-        print(f"kubeconfig: {cluster.kubeconfig}")
-        return 0 if cluster.is_up() else 1
     elif args.command == "kubeconfig":
-        print(cluster.operator_kubeconfig() if args.operator else cluster.kubeconfig)
-    elif args.command == "kubectl":
-        argv = [str(kubectl_binary()), f"--kubeconfig={cluster.kubeconfig}", *args.args]
-        os.execv(argv[0], argv)
-    elif args.command == "logs":
-        sys.stdout.write(cluster.pod_log(args.namespace, args.pod, args.container))
-    elif args.command == "fault":
-        _fault(cluster, args)
+        print(cluster.operator_kubeconfig())
     elif args.command == "node":
-        _node(cluster, args)
+        faults.node_delete(cfg, cluster.admin_api(), args.node)
+        print(f"node {args.node} deleted")
     elif args.command == "volume":
         cluster.create_shared_volume(args.namespace, args.claim, args.path.resolve(), args.size)
         print(f"pvc {args.namespace}/{args.claim} -> {args.path.resolve()}")
@@ -132,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     try:
         sys.exit(run(args))
-    except (faults.FaultError, RuntimeError, ValueError) as err:
+    except (RuntimeError, ValueError) as err:
         print(f"hlat-cluster: error: {err}", file=sys.stderr)
         sys.exit(1)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kubernetes import client
 
-from hlat_testbed import bootstrap, build, controlplane, netns, pki
+from hlat_testbed import bootstrap, build, controlplane, netns, pki, podfiles
 from hlat_testbed.config import ClusterConfig
 from hlat_testbed.instancetypes import DEFAULT_INSTANCE_TYPE, instance_type
 from hlat_testbed.kube import Obj, api_client
@@ -202,12 +202,8 @@ class Cluster:
 
     # --- pods and shared storage ---------------------------------------------------------
     def pod_log(self, namespace: str, pod: str, container: str | None = None) -> str:
-        """stdout+stderr of a pod's container (its first container by default)."""
-        from hlat_testbed.faults import pod_dir
-
-        directory = pod_dir(self.config, namespace, pod)
-        logs = [directory / f"{container}.log"] if container else sorted(directory.glob("*.log"))
-        return "".join(p.read_text(errors="replace") for p in logs if p.exists())
+        """stdout+stderr of a pod's container (all its containers by default)."""
+        return podfiles.pod_log(self.config, namespace, pod, container)
 
     def create_shared_volume(self, namespace: str, claim: str, host_dir: Path,
                              size: str = "100Gi") -> None:

@@ -15,42 +15,18 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
-
-from kubernetes import client
+from typing import TYPE_CHECKING
 
 from hlat_testbed.config import ClusterConfig
-from hlat_testbed.procs import ProcessTable, is_alive
+from hlat_testbed.podfiles import container_pid
+from hlat_testbed.procs import ProcessTable
+
+if TYPE_CHECKING:
+    from kubernetes import client
 
 
 class FaultError(RuntimeError):
-    """The target of a fault does not exist or is not running."""
-
-
-def pod_dir(config: ClusterConfig, namespace: str, pod: str) -> Path:
-    """The newest state directory of ``namespace/pod`` (a recreated pod has a new uid)."""
-    matches = sorted(config.pods_dir.glob(f"{namespace}_{pod}_*"),
-                     key=lambda p: p.stat().st_mtime)
-    if not matches:
-        raise FaultError(f"pod {namespace}/{pod} has never run on this cluster's kubelets")
-    return matches[-1]
-
-
-def container_pid(config: ClusterConfig, namespace: str, pod: str,
-                  container: str | None = None) -> int:
-    """The live main pid of a container (the first one running if ``container`` is None)."""
-    directory = pod_dir(config, namespace, pod)
-    candidates = [directory / f"{container}.pid"] if container else sorted(
-        directory.glob("*.pid"))
-    for path in candidates:
-        try:
-            pid = int(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if is_alive(pid):
-            return pid
-    raise FaultError(f"pod {namespace}/{pod} has no running process"
-                     + (f" in container {container}" if container else ""))
+    """The node to fault has no running kubelet (pods that cannot be found: PodNotFound)."""
 
 
 def kill(config: ClusterConfig, namespace: str, pod: str, sig: int = signal.SIGKILL,
@@ -89,5 +65,7 @@ def node_up(config: ClusterConfig, node: str) -> None:
 
 def node_delete(config: ClusterConfig, api: client.ApiClient, node: str) -> None:
     """Stop the node's kubelet (its processes die with it) and delete the Node object."""
+    from kubernetes import client
+
     ProcessTable(config.pids_dir, config.logs_dir).stop(f"kubelet-{node}", timeout=20)
     client.CoreV1Api(api).delete_node(node)

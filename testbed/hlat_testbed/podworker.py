@@ -29,10 +29,9 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hlat_testbed import netns, podrun, podspec
+from hlat_testbed import netns, podfiles, podrun, podspec
 from hlat_testbed.config import API_PORT, K8S_CLUSTER_DOMAIN
 from hlat_testbed.kube import Obj, Pod
 
@@ -44,11 +43,6 @@ Status = dict[str, Any]
 
 def now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def pod_dir(pods_dir: Path, pod: Pod) -> Path:
-    meta = pod.metadata
-    return pods_dir / f"{meta.namespace}_{meta.name}_{meta.uid}"
 
 
 @dataclass
@@ -110,7 +104,8 @@ class PodWorker:
         self.pod = pod
         self.uid: str = pod.metadata.uid
         self.key = f"{pod.metadata.namespace}/{pod.metadata.name}"
-        self.dir = pod_dir(agent.config.pods_dir, pod)
+        self.dir = podfiles.directory_for(agent.config, pod.metadata.namespace,
+                                          pod.metadata.name, self.uid)
         self.pod_ip = ""
         self.start_time = now()
         self.phase = "Pending"

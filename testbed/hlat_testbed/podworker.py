@@ -253,17 +253,17 @@ class PodWorker:
 
     def _stop_all(self) -> str:
         """SIGTERM every main process, SIGKILL the groups after the grace period."""
-        live = [r for r in [*self.init_runs, *self.runs] if r.running and r.proc is not None]
-        for run in live:
+        live = [(r, r.proc) for r in [*self.init_runs, *self.runs]
+                if r.running and r.proc is not None]
+        for _, proc in live:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(run.proc.pid, signal.SIGTERM)  # type: ignore[union-attr]
+                os.kill(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
-        while time.monotonic() < deadline and any(r.proc.poll() is None for r in live  # type: ignore[union-attr]
-                                                  ):
+        while time.monotonic() < deadline and any(p.poll() is None for _, p in live):
             time.sleep(0.05)
-        for run in live:
-            _killpg(run.proc.pid, signal.SIGKILL)  # type: ignore[union-attr]
-            run.proc.wait()  # type: ignore[union-attr]
+        for run, proc in live:
+            _killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             self._reap(run)
         return "Succeeded" if all(r.exit_code == 0 for r in self.runs) else "Failed"
 

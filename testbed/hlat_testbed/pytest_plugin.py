@@ -16,6 +16,7 @@ does not count against pytest-timeout's per-test limit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -39,7 +40,13 @@ def _progress(line: str) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     needs_cluster = any("cluster" in getattr(item, "fixturenames", ())
                         for item in session.items)
-    if needs_cluster and os.geteuid() == 0 and not session.config.option.collectonly:
+    if not needs_cluster or os.geteuid() != 0 or session.config.option.collectonly:
+        return
+    if all(c.is_built() for c in build.COMPONENTS):
+        return
+    capture = session.config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        _progress("building the control plane's binaries (once per version; see docs/testbed.md)")
         build.ensure_built(_progress)
 
 

@@ -93,6 +93,10 @@ class Cluster:
     def _start_control_plane(self, progress: Progress) -> None:
         cfg = self.config
         if not any(self.processes.pid(c) for c in controlplane.COMPONENTS):
+            # a fresh cluster: whatever a crashed one left (kubelets with old credentials,
+            # pod processes, network namespaces) must not leak into it
+            self._stop_nodes(progress)
+            netns.cleanup(cfg.bridge)
             self._wipe_state()
             self._rotate_logs()
         cfg.save()
@@ -138,17 +142,21 @@ class Cluster:
 
     # --- down ----------------------------------------------------------------------------
     def down(self, progress: Progress = _quiet) -> None:
+        self._stop_nodes(progress)
+        progress("stopping control plane")
+        controlplane.stop(self.config)
+        netns.cleanup(self.config.bridge)
+        self._wipe_state()
+        progress("cluster down")
+
+    def _stop_nodes(self, progress: Progress) -> None:
+        """Stop every kubelet (each kills its pods), then any pod process left without one."""
         table = self.processes
         for name in table.names():
             if name.startswith("kubelet-"):
                 progress(f"stopping {name}")
                 table.stop(name, timeout=30)
         self._kill_pod_leftovers()
-        progress("stopping control plane")
-        controlplane.stop(self.config)
-        netns.cleanup(self.config.bridge)
-        self._wipe_state()
-        progress("cluster down")
 
     def _kill_pod_leftovers(self) -> None:
         """Pod processes whose kubelet died without cleaning up (pid files tell us)."""

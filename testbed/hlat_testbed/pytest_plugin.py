@@ -1,1 +1,94 @@
-"""pytest fixtures for the local Kubernetes control plane (filled in by the testbed work)."""
+"""pytest fixtures for the local Kubernetes control plane.
+
+- ``cluster`` (session): the running local cluster if there is one (``hlat-cluster up`` before
+  the suite makes repeated runs fast), otherwise one started for the session (building the
+  binaries first on a fresh machine) and stopped at its end. ``HLAT_TEST_NODES`` sets how many
+  nodes a started cluster gets (default 3); ``HLAT_KEEP_CLUSTER=1`` leaves it running.
+- ``namespace`` (per test): a fresh namespace, deleted after the test; teardown waits until its
+  pods are gone so the next test finds the nodes' Neuron devices free.
+- ``core``: a ``CoreV1Api`` as the cluster admin.
+
+Only tests that request these fixtures (mark them ``@pytest.mark.cluster``) start a cluster; the
+unit tests never do. When such tests are collected and the binaries are not cached yet, they are
+built right after collection, outside any test, so a cold build (about 10 minutes on 2 cores)
+does not count against pytest-timeout's per-test limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from kubernetes import client
+
+from hlat_testbed import build
+from hlat_testbed.cluster import Cluster
+from hlat_testbed.testing import wait_for
+
+DEFAULT_TEST_NODES = 3
+
+
+def _progress(line: str) -> None:
+    print(f"[hlat-cluster] {line}", file=sys.stderr, flush=True)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    needs_cluster = any("cluster" in getattr(item, "fixturenames", ())
+                        for item in session.items)
+    if not needs_cluster or os.geteuid() != 0 or session.config.option.collectonly:
+        return
+    if all(c.is_built() for c in build.COMPONENTS):
+        return
+    capture = session.config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        _progress("building the control plane's binaries (once per version; see docs/testbed.md)")
+        build.ensure_built(_progress)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        pytest.skip("the local cluster needs root (network namespaces, bind mounts)")
+    handle = Cluster()
+    nodes = int(os.environ.get("HLAT_TEST_NODES", DEFAULT_TEST_NODES))
+    started_here = not handle.is_up()
+    handle.up(nodes=nodes, progress=_progress)
+    yield handle
+    if started_here and not os.environ.get("HLAT_KEEP_CLUSTER"):
+        handle.down(progress=_progress)
+
+
+@pytest.fixture
+def core(cluster: Cluster) -> client.CoreV1Api:
+    return client.CoreV1Api(cluster.admin_api())
+
+
+def _namespace_name(test_name: str) -> str:
+    stem = re.sub(r"[^a-z0-9-]+", "-", test_name.lower()).strip("-")[:40].strip("-")
+    return f"{stem}-{uuid.uuid4().hex[:5]}"
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, core: client.CoreV1Api,
+              request: pytest.FixtureRequest) -> Iterator[str]:
+    name = _namespace_name(request.node.name)
+    core.create_namespace({"apiVersion": "v1", "kind": "Namespace",  # type: ignore[arg-type]
+                           "metadata": {"name": name}})
+    # as on any cluster, pods are only admitted once the controllers have populated the
+    # namespace with its default service account and the root CA ConfigMap
+    wait_for(lambda: core.list_namespaced_service_account(
+        name, field_selector="metadata.name=default").items, 30, f"{name}/default SA")
+    wait_for(lambda: core.list_namespaced_config_map(
+        name, field_selector="metadata.name=kube-root-ca.crt").items, 30, f"{name} root CA")
+    yield name
+    # deleting the pods first is what an operator's cleanup would do, and it avoids the
+    # namespace controller's back-off (it re-checks only after the pods' grace period)
+    core.delete_collection_namespaced_pod(name)
+    core.delete_namespace(name)
+    wait_for(lambda: not core.list_namespaced_pod(name).items, 90,
+             f"pods of namespace {name} to be gone")

@@ -1,0 +1,71 @@
+"""Fault injection: what goes wrong on a real training cluster, done to the local one.
+
+- ``kill``: a signal to a pod's main process (SIGKILL by default; the pod then shows the exit
+  code a container runtime would: 128 + signal);
+- ``hang`` / ``resume``: SIGSTOP / SIGCONT to the whole process group, so a worker and its
+  children freeze as a stuck collective would, without exiting;
+- ``node down`` / ``node up``: the node's kubelet goes silent and its processes die (a lost
+  instance) or comes back; ``node delete`` also removes the Node object, as the cluster
+  autoscaler does when it replaces an instance.
+
+Processes are found through the pid files the kubelet writes, never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import TYPE_CHECKING
+
+from hlat_testbed.config import ClusterConfig
+from hlat_testbed.podfiles import container_pid
+from hlat_testbed.procs import ProcessTable
+
+if TYPE_CHECKING:
+    from kubernetes import client
+
+
+class FaultError(RuntimeError):
+    """The node to fault has no running kubelet (pods that cannot be found: PodNotFound)."""
+
+
+def kill(config: ClusterConfig, namespace: str, pod: str, sig: int = signal.SIGKILL,
+         container: str | None = None) -> int:
+    pid = container_pid(config, namespace, pod, container)
+    os.kill(pid, sig)
+    return pid
+
+
+def hang(config: ClusterConfig, namespace: str, pod: str, container: str | None = None) -> int:
+    pid = container_pid(config, namespace, pod, container)
+    os.killpg(pid, signal.SIGSTOP)
+    return pid
+
+
+def resume(config: ClusterConfig, namespace: str, pod: str, container: str | None = None) -> int:
+    pid = container_pid(config, namespace, pod, container)
+    os.killpg(pid, signal.SIGCONT)
+    return pid
+
+
+def _kubelet_pid(config: ClusterConfig, node: str) -> int:
+    pid = ProcessTable(config.pids_dir, config.logs_dir).pid(f"kubelet-{node}")
+    if pid is None:
+        raise FaultError(f"node {node} has no running kubelet on this cluster")
+    return pid
+
+
+def node_down(config: ClusterConfig, node: str) -> None:
+    os.kill(_kubelet_pid(config, node), signal.SIGUSR1)
+
+
+def node_up(config: ClusterConfig, node: str) -> None:
+    os.kill(_kubelet_pid(config, node), signal.SIGUSR2)
+
+
+def node_delete(config: ClusterConfig, api: client.ApiClient, node: str) -> None:
+    """Stop the node's kubelet (its processes die with it) and delete the Node object."""
+    from kubernetes import client
+
+    ProcessTable(config.pids_dir, config.logs_dir).stop(f"kubelet-{node}", timeout=20)
+    client.CoreV1Api(api).delete_node(node)

@@ -1,0 +1,119 @@
+"""Pod networking: one Linux bridge per cluster, one network namespace and veth per pod.
+
+EndpointSlices reject loopback addresses, so pods need real, distinct IPs for headless Services
+and DNS to work as on EKS. Each pod gets a network namespace with ``eth0`` (a veth whose host
+end sits on the cluster's bridge) in the cluster's private /16; the bridge's own address is the
+host, where the API server and CoreDNS listen. All pods share one L2 segment, so no routes or
+forwarding are needed and no packet leaves this machine.
+
+``ip netns exec`` bind-mounts the files in ``/etc/netns/<ns>/`` over ``/etc/``; that is how each
+pod gets its own resolv.conf (pointing at CoreDNS) and hosts file. Names are derived from the
+bridge name, so ``cleanup`` can find and remove everything a cluster created, even after a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+NETNS_RUN = Path("/var/run/netns")
+NETNS_ETC = Path("/etc/netns")
+
+
+class NetError(RuntimeError):
+    """An ``ip`` command failed."""
+
+
+def ip(*args: str, check: bool = True) -> str:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise NetError(f"ip {' '.join(args)}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def link_exists(name: str) -> bool:
+    return Path(f"/sys/class/net/{name}").exists()
+
+
+def ensure_bridge(bridge: str, host_cidr: str) -> None:
+    """Create the bridge with the host's address (e.g. ``10.244.0.1/16``) if missing."""
+    if not link_exists(bridge):
+        ip("link", "add", bridge, "type", "bridge")
+    if host_cidr.split("/")[0] not in ip("-4", "addr", "show", "dev", bridge):
+        ip("addr", "add", host_cidr, "dev", bridge)
+    ip("link", "set", bridge, "up")
+
+
+def pod_netns_name(bridge: str, pod_uid: str) -> str:
+    return f"{bridge}-{pod_uid}"
+
+
+def _veth_names(bridge: str, pod_uid: str) -> tuple[str, str]:
+    digest = hashlib.sha1(pod_uid.encode()).hexdigest()[:8]
+    return f"{bridge[:6]}{digest}", f"tmp{digest}"
+
+
+def create_pod_network(bridge: str, pod_uid: str, pod_cidr: str, gateway: str,
+                       resolv_conf: str, hosts: str) -> str:
+    """Create the pod's netns with ``eth0`` at ``pod_cidr`` (e.g. ``10.244.1.5/16``)."""
+    ns = pod_netns_name(bridge, pod_uid)
+    host_end, peer = _veth_names(bridge, pod_uid)
+    delete_pod_network(bridge, pod_uid)
+    etc = NETNS_ETC / ns
+    etc.mkdir(parents=True, exist_ok=True)
+    (etc / "resolv.conf").write_text(resolv_conf)
+    (etc / "hosts").write_text(hosts)
+    ip("netns", "add", ns)
+    ip("link", "add", host_end, "type", "veth", "peer", "name", peer)
+    ip("link", "set", peer, "netns", ns)
+    ip("-n", ns, "link", "set", peer, "name", "eth0")
+    ip("-n", ns, "addr", "add", pod_cidr, "dev", "eth0")
+    ip("-n", ns, "link", "set", "eth0", "up")
+    ip("-n", ns, "link", "set", "lo", "up")
+    ip("-n", ns, "route", "add", "default", "via", gateway)
+    ip("link", "set", host_end, "master", bridge, "up")
+    return ns
+
+
+def delete_pod_network(bridge: str, pod_uid: str) -> None:
+    """Remove the pod's netns, veth and /etc/netns files; absent parts are fine."""
+    ns = pod_netns_name(bridge, pod_uid)
+    host_end, _ = _veth_names(bridge, pod_uid)
+    _delete_netns(ns)
+    if link_exists(host_end):
+        ip("link", "del", host_end, check=False)
+
+
+def _delete_netns(ns: str) -> None:
+    if (NETNS_RUN / ns).exists():
+        ip("netns", "del", ns, check=False)
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(NETNS_ETC / ns)
+
+
+def cluster_netns(bridge: str) -> list[str]:
+    """Every pod network namespace of the cluster on ``bridge``."""
+    if not NETNS_RUN.exists():
+        return []
+    return sorted(p.name for p in NETNS_RUN.iterdir() if p.name.startswith(f"{bridge}-"))
+
+
+def cluster_links(bridge: str) -> list[str]:
+    """The bridge and every host-side veth of its pods."""
+    prefix = bridge[:6]
+    return sorted(p.name for p in Path("/sys/class/net").iterdir()
+                  if p.name == bridge or (p.name.startswith(prefix) and len(p.name) == len(prefix) + 8))
+
+
+def cleanup(bridge: str) -> None:
+    """Remove every netns, veth and the bridge of one cluster."""
+    for ns in cluster_netns(bridge):
+        _delete_netns(ns)
+    if NETNS_ETC.exists():
+        for stale in NETNS_ETC.glob(f"{bridge}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    for link in cluster_links(bridge):
+        ip("link", "del", link, check=False)

@@ -1,0 +1,330 @@
+"""One pod on one node: its network, volumes, processes and the status the kubelet reports.
+
+A ``PodWorker`` thread owns a pod from the moment it is bound to the node until it is deleted:
+it creates the pod's netns and volumes, runs init containers in order and then the containers
+as local processes (each the leader of its own process group, like a container's pid 1), applies
+the restart policy, and reports status after every change: Pending, then Running with podIP and
+Ready, then Succeeded or Failed with each container's exit code and reason (a signal ``n`` is
+exit code ``128+n``, as container runtimes report it).
+
+Deletion follows the kubelet's contract: SIGTERM to each main process, SIGKILL to the whole group
+after the grace period, a final status, then the pod object is deleted with grace 0 and a UID
+precondition. When the main process exits, whatever it left in its group is killed, as a
+container's pid namespace would be.
+
+Each container's stdout and stderr go to ``<pods_dir>/<ns>_<pod>_<uid>/<container>.log`` and its
+pid to ``<container>.pid``, which is how ``hlat-cluster logs`` and fault injection find it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hlat_testbed import netns, podfiles, podrun, podspec
+from hlat_testbed.config import API_PORT, K8S_CLUSTER_DOMAIN
+from hlat_testbed.kube import Obj, Pod
+
+if TYPE_CHECKING:
+    from hlat_testbed.kubelet import NodeAgent
+
+Status = dict[str, Any]
+
+
+def now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class ContainerRun:
+    """What the kubelet knows about one container of the pod."""
+
+    spec: Obj
+    init: bool = False
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+    exit_code: int | None = None
+    reason: str = "ContainerCreating"
+    message: str | None = None
+    restarts: int = 0
+    last_state: Status | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.exit_code is None
+
+    def state(self) -> Status:
+        if self.running:
+            return {"running": {"startedAt": self.started_at}}
+        if self.exit_code is not None:
+            term: Status = {"exitCode": self.exit_code, "reason": self.reason,
+                            "startedAt": self.started_at, "finishedAt": self.finished_at}
+            if self.exit_code >= 128:
+                term["signal"] = self.exit_code - 128
+            if self.message:
+                term["message"] = self.message
+            return {"terminated": term}
+        waiting: Status = {"reason": self.reason}
+        if self.message:
+            waiting["message"] = self.message
+        return {"waiting": waiting}
+
+    def status(self, pod_uid: str) -> Status:
+        out: Status = {
+            "name": self.spec.name, "image": self.spec.image or "host",
+            "imageID": "", "containerID": f"hlat://{pod_uid}/{self.spec.name}",
+            "ready": self.running and not self.init, "started": self.running,
+            "restartCount": self.restarts, "state": self.state(),
+        }
+        if self.last_state:
+            out["lastState"] = self.last_state
+        return out
+
+
+def exit_code_of(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class PodWorker:
+    """Runs one pod; ``terminate`` and ``kill_silently`` may be called from other threads."""
+
+    def __init__(self, agent: NodeAgent, pod: Pod) -> None:
+        self.agent = agent
+        self.pod = pod
+        self.uid: str = pod.metadata.uid
+        self.key = f"{pod.metadata.namespace}/{pod.metadata.name}"
+        self.dir = podfiles.directory_for(agent.config, pod.metadata.namespace,
+                                          pod.metadata.name, self.uid)
+        self.pod_ip = ""
+        self.start_time = now()
+        self.phase = "Pending"
+        self.init_runs = [ContainerRun(c, init=True) for c in pod.spec.init_containers or []]
+        self.runs = [ContainerRun(c) for c in pod.spec.containers]
+        self.deleting = threading.Event()
+        self.grace_s: float = 30
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name=f"pod-{self.key}", daemon=True)
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+
+    def terminate(self, grace_s: float) -> None:
+        """The pod was deleted: stop its processes within ``grace_s``, then remove it."""
+        self.grace_s = grace_s
+        self.deleting.set()
+
+    def kill_silently(self) -> None:
+        """The node went down: every process dies at once (reported when the node is back)."""
+        for run in [*self.init_runs, *self.runs]:
+            if run.running and run.proc is not None:
+                _killpg(run.proc.pid, signal.SIGKILL)
+
+    def _run(self) -> None:
+        try:
+            self._setup()
+            self.phase = self._run_containers()
+        except podspec.PodConfigError as err:
+            self._config_error(str(err))
+        except Exception as err:
+            self.agent.log(f"pod {self.key}: {err!r}")
+            self._config_error(f"process kubelet: {err}")
+        self.report()
+        self.deleting.wait()
+        self._teardown()
+
+    def _config_error(self, message: str) -> None:
+        for run in self.runs:
+            if run.exit_code is None:
+                run.reason, run.message = "CreateContainerConfigError", message
+        self.report()
+        self.deleting.wait()
+
+    # --- setup ---------------------------------------------------------------------------
+    def _setup(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.pod_ip = self.agent.allocate_ip(self.uid)
+        self.report()
+        spec, meta = self.pod.spec, self.pod.metadata
+        hostname = spec.hostname or meta.name
+        fqdn = (f"{hostname}.{spec.subdomain}.{meta.namespace}.svc.{K8S_CLUSTER_DOMAIN}"
+                if spec.subdomain else hostname)
+        host = self.agent.config.host_ip
+        netns.create_pod_network(
+            self.agent.config.bridge, self.uid, f"{self.pod_ip}/{self.agent.config.network.prefixlen}",
+            host, _resolv_conf(meta.namespace, host),
+            f"127.0.0.1\tlocalhost\n{self.pod_ip}\t{fqdn} {hostname}\n")
+        resolver = podspec.PodResolver(self.agent.api, self.pod, self.pod_ip, host,
+                                       self.agent.allocatable)
+        self.volumes = {v.name: podspec.materialize_volume(resolver, v, self.dir / "volumes")
+                        for v in spec.volumes or []}
+        base = podspec.base_env(hostname, host, API_PORT)
+        for run in [*self.init_runs, *self.runs]:
+            env = podspec.container_env(resolver, run.spec, base)
+            self._write_launch_spec(run, env, hostname)
+
+    def _write_launch_spec(self, run: ContainerRun, env: dict[str, str], hostname: str) -> None:
+        mounts = []
+        for m in run.spec.volume_mounts or []:
+            source = self.volumes[m.name]
+            if m.sub_path:
+                source = source / m.sub_path
+                if not source.exists():
+                    source.mkdir(parents=True)
+            mounts.append({"source": str(source), "target": m.mount_path,
+                           "readOnly": bool(m.read_only)})
+        launch = {"argv": podspec.container_argv(run.spec, env), "env": env, "mounts": mounts,
+                  "hostname": hostname, "workingDir": run.spec.working_dir or "/"}
+        (self.dir / f"{run.spec.name}.json").write_text(json.dumps(launch))
+
+    # --- processes -----------------------------------------------------------------------
+    def _spawn(self, run: ContainerRun) -> None:
+        name = run.spec.name
+        argv = ["ip", "netns", "exec", netns.pod_netns_name(self.agent.config.bridge, self.uid),
+                "unshare", "--mount", "--uts", "--propagation", "private",
+                sys.executable, podrun.__file__, str(self.dir / f"{name}.json")]
+        with (self.dir / f"{name}.log").open("ab") as log:
+            run.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        (self.dir / f"{name}.pid").write_text(str(run.proc.pid))
+        run.started_at, run.exit_code, run.finished_at, run.message = now(), None, None, None
+
+    def _reap(self, run: ContainerRun) -> bool:
+        """Record ``run``'s exit if its main process ended; True if it did."""
+        if run.proc is None or run.exit_code is not None or run.proc.poll() is None:
+            return False
+        _killpg(run.proc.pid, signal.SIGKILL)  # whatever the main process left behind
+        code = exit_code_of(run.proc.returncode)
+        run.exit_code, run.finished_at = code, now()
+        run.reason = "Completed" if code == 0 else "Error"
+        with contextlib.suppress(FileNotFoundError):
+            (self.dir / f"{run.spec.name}.pid").unlink()
+        return True
+
+    def _run_containers(self) -> str:
+        for run in self.init_runs:
+            if self.deleting.is_set():
+                return "Failed"
+            self._spawn(run)
+            self.report()
+            while not self._reap(run):
+                if self.deleting.wait(0.1):
+                    return self._stop_all()
+            if run.exit_code != 0:
+                return "Failed"
+        for run in self.runs:
+            self._spawn(run)
+        self.phase = "Running"
+        self.report()
+        return self._supervise()
+
+    def _supervise(self) -> str:
+        policy = self.pod.spec.restart_policy or "Always"
+        while True:
+            if self.deleting.wait(0.1):
+                return self._stop_all()
+            changed = [run for run in self.runs if self._reap(run)]
+            if self.agent.online.is_set():  # a node that is down restarts nothing
+                for run in self.runs:
+                    if run.exit_code is not None and _should_restart(policy, run):
+                        self._restart(run)
+                        changed.append(run)
+                if all(r.exit_code is not None for r in self.runs):
+                    return "Succeeded" if all(r.exit_code == 0 for r in self.runs) else "Failed"
+            if changed:
+                self.report()
+
+    def _restart(self, run: ContainerRun) -> None:
+        run.last_state = run.state()
+        time.sleep(min(10.0, 0.5 * 2 ** run.restarts))
+        run.restarts += 1
+        self._spawn(run)
+
+    def _stop_all(self) -> str:
+        """SIGTERM every main process, SIGKILL the groups after the grace period."""
+        live = [(r, r.proc) for r in [*self.init_runs, *self.runs]
+                if r.running and r.proc is not None]
+        for _, proc in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for _, p in live):
+            time.sleep(0.05)
+        for run, proc in live:
+            _killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            self._reap(run)
+        return "Succeeded" if all(r.exit_code == 0 for r in self.runs) else "Failed"
+
+    def _teardown(self) -> None:
+        self.report()
+        netns.delete_pod_network(self.agent.config.bridge, self.uid)
+        self.agent.release_ip(self.uid)
+        self.agent.pod_gone(self)
+        shutil.rmtree(self.dir / "volumes", ignore_errors=True)
+
+    def shutdown(self) -> None:
+        """Kubelet exit: kill everything and remove the network, report nothing."""
+        self.kill_silently()
+        for run in [*self.init_runs, *self.runs]:
+            if run.proc is not None:
+                run.proc.wait()
+        netns.delete_pod_network(self.agent.config.bridge, self.uid)
+
+    # --- status --------------------------------------------------------------------------
+    def report(self) -> None:
+        self.agent.report_status(self, self.status())
+
+    def status(self) -> Status:
+        with self.lock:
+            runs_ready = all(r.running for r in self.runs)
+            initialized = all(r.exit_code == 0 for r in self.init_runs)
+            ready = self.phase == "Running" and runs_ready
+            status: Status = {
+                "phase": self.phase,
+                "hostIP": self.agent.config.host_ip,
+                "hostIPs": [{"ip": self.agent.config.host_ip}],
+                "startTime": self.start_time,
+                "conditions": [
+                    _condition("PodReadyToStartContainers", bool(self.pod_ip)),
+                    _condition("Initialized", initialized),
+                    _condition("ContainersReady", ready),
+                    _condition("Ready", ready),
+                ],
+                "containerStatuses": [r.status(self.uid) for r in self.runs],
+            }
+            if self.init_runs:
+                status["initContainerStatuses"] = [r.status(self.uid) for r in self.init_runs]
+            if self.pod_ip:
+                status["podIP"], status["podIPs"] = self.pod_ip, [{"ip": self.pod_ip}]
+            return status
+
+
+def _condition(kind: str, ok: bool) -> Status:
+    return {"type": kind, "status": "True" if ok else "False", "lastTransitionTime": now()}
+
+
+def _should_restart(policy: str, run: ContainerRun) -> bool:
+    return policy == "Always" or (policy == "OnFailure" and run.exit_code != 0)
+
+
+def _resolv_conf(namespace: str, dns_ip: str) -> str:
+    d = K8S_CLUSTER_DOMAIN
+    return (f"search {namespace}.svc.{d} svc.{d} {d}\nnameserver {dns_ip}\n"
+            "options ndots:5\n")
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)

@@ -1,0 +1,203 @@
+"""The process kubelet runs pods faithfully: status, exit codes, env, volumes, deletion, faults."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from hlat_testbed import faults
+from hlat_testbed.cluster import Cluster
+from hlat_testbed.testing import (
+    python_pod,
+    read_pod,
+    terminated,
+    wait_for,
+    wait_pod_gone,
+    wait_pod_phase,
+    wait_pod_running,
+)
+
+pytestmark = pytest.mark.cluster
+
+TERMINAL = {"Succeeded", "Failed"}
+
+
+def test_pod_runs_to_completion_with_its_exit_code(
+        cluster: Cluster, core: client.CoreV1Api, namespace: str) -> None:
+    core.create_namespaced_pod(namespace, python_pod("ok", "print('hello from a pod')"))  # type: ignore[arg-type]
+    core.create_namespaced_pod(namespace, python_pod("bad", "import sys; sys.exit(3)"))  # type: ignore[arg-type]
+    ok = wait_pod_phase(core, namespace, "ok", TERMINAL)
+    bad = wait_pod_phase(core, namespace, "bad", TERMINAL)
+    assert ok.status.phase == "Succeeded"
+    assert (terminated(ok).exit_code, terminated(ok).reason) == (0, "Completed")
+    assert bad.status.phase == "Failed"
+    assert (terminated(bad).exit_code, terminated(bad).reason) == (3, "Error")
+    assert "hello from a pod" in cluster.pod_log(namespace, "ok")
+
+
+def test_running_pod_has_an_ip_on_the_pod_network_and_is_ready(
+        cluster: Cluster, core: client.CoreV1Api, namespace: str) -> None:
+    core.create_namespaced_pod(namespace, python_pod("sleeper", "import time; time.sleep(600)"))  # type: ignore[arg-type]
+    pod = wait_pod_running(core, namespace, "sleeper")
+    assert pod.status.pod_ip.startswith("10.244.")
+    assert pod.status.container_statuses[0].state.running is not None
+    assert pod.status.host_ip == cluster.config.host_ip
+
+
+def test_sigkilled_pod_shows_failed_137(
+        cluster: Cluster, core: client.CoreV1Api, namespace: str) -> None:
+    core.create_namespaced_pod(namespace, python_pod("victim", "import time; time.sleep(600)"))  # type: ignore[arg-type]
+    wait_pod_running(core, namespace, "victim")
+    faults.kill(cluster.config, namespace, "victim", signal.SIGKILL)
+    pod = wait_pod_phase(core, namespace, "victim", TERMINAL)
+    assert pod.status.phase == "Failed"
+    assert terminated(pod).exit_code == 137
+
+
+def test_cli_fault_kill_with_a_signal(
+        cluster: Cluster, core: client.CoreV1Api, namespace: str) -> None:
+    core.create_namespaced_pod(namespace, python_pod("victim", "import time; time.sleep(600)"))  # type: ignore[arg-type]
+    wait_pod_running(core, namespace, "victim")
+    subprocess.run([sys.executable, "-m", "hlat_testbed.cli", "fault", "kill", "victim", "-n",
+                    namespace, "--signal", "SIGTERM"], check=True, env=_cli_env(cluster))
+    pod = wait_pod_phase(core, namespace, "victim", TERMINAL)
+    assert terminated(pod).exit_code == 128 + signal.SIGTERM
+
+
+def _cli_env(cluster: Cluster) -> dict[str, str]:
+    import os
+    return {**os.environ, "HLAT_CLUSTER_DIR": str(cluster.config.state)}
+
+
+COUNTER = """
+import time, itertools
+for i in itertools.count():
+    print(i, flush=True)
+    time.sleep(0.1)
+"""
+
+
+def _last_count(cluster: Cluster, namespace: str) -> int:
+    lines = cluster.pod_log(namespace, "counter").split()
+    return int(lines[-1]) if lines else -1
+
+
+def test_hung_pod_makes_no_progress_until_resumed(
+        cluster: Cluster, core: client.CoreV1Api, namespace: str) -> None:
+    core.create_namespaced_pod(namespace, python_pod("counter", COUNTER))  # type: ignore[arg-type]
+    wait_pod_running(core, namespace, "counter")
+    wait_for(lambda: _last_count(cluster, namespace) > 3, 20, "the counter to count")
+    faults.hang(cluster.config, namespace, "counter")
+    time.sleep(0.5)
+    frozen = _last_count(cluster, namespace)
+    time.sleep(1.5)
+    assert _last_count(cluster, namespace) == frozen
+    assert read_pod(core, namespace, "counter").status.phase == "Running"
+    faults.resume(cluster.config, namespace, "counter")
+    wait_for(lambda: _last_count(cluster, namespace) > frozen + 3, 20, "counting to resume")
+
+
+GRACEFUL = """
+import signal, sys, time
+def bye(*_):
+    print("got SIGTERM, saving", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+STUBBORN = """
+import signal, time
+signal.signal(signal.SIGTERM, lambda *_: print("ignoring SIGTERM", flush=True))
+print("ready", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_deletion_sends_sigterm_then_sigkill_after_the_grace_period(
+        cluster: Cluster, core: client.CoreV1Api, namespace: str) -> None:
+    core.create_namespaced_pod(namespace, python_pod("graceful", GRACEFUL))  # type: ignore[arg-type]
+    core.create_namespaced_pod(namespace, python_pod("stubborn", STUBBORN,  # type: ignore[arg-type]
+                                                     terminationGracePeriodSeconds=3))
+    for name in ("graceful", "stubborn"):
+        wait_pod_running(core, namespace, name)
+        wait_for(lambda n=name: "ready" in cluster.pod_log(namespace, n), 20, f"{name} ready")
+    started = time.monotonic()
+    core.delete_namespaced_pod("graceful", namespace)
+    core.delete_namespaced_pod("stubborn", namespace)
+    wait_pod_gone(core, namespace, "graceful", timeout=20)
+    assert "got SIGTERM, saving" in cluster.pod_log(namespace, "graceful")
+    wait_pod_gone(core, namespace, "stubborn", timeout=20)
+    assert time.monotonic() - started >= 2.5  # it was given its grace period
+    assert "ignoring SIGTERM" in cluster.pod_log(namespace, "stubborn")
+
+
+ENV_AND_VOLUMES = """
+import os, socket
+from pathlib import Path
+for key in ("POD_NAME", "POD_NAMESPACE", "POD_IP", "NODE_NAME", "FROM_CM", "FROM_SECRET",
+            "GREETING", "CM_key"):
+    print(f"{key}={os.environ.get(key)}")
+print("hostname=" + socket.gethostname())
+print("cm-file=" + Path("/run/hlat-test/cm/key").read_text())
+print("secret-file=" + Path("/run/hlat-test/secret/password").read_text())
+Path("/run/hlat-test/scratch/x").write_text("scratch ok")
+print("scratch=" + Path("/run/hlat-test/scratch/x").read_text())
+Path("/run/hlat-test/fsx/from-" + os.environ["POD_NAME"]).write_text("shared")
+print("shared=" + ",".join(sorted(os.listdir("/run/hlat-test/fsx"))))
+"""
+
+
+def test_env_and_volumes_reach_the_process(
+        cluster: Cluster, core: client.CoreV1Api, namespace: str, tmp_path: Path) -> None:
+    core.create_namespaced_config_map(namespace, {  # type: ignore[arg-type]
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"},
+        "data": {"key": "cm-value"}})
+    core.create_namespaced_secret(namespace, {  # type: ignore[arg-type]
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "creds"},
+        "stringData": {"password": "s3cret"}})
+    shared = tmp_path / "fsx"
+    cluster.create_shared_volume(namespace, "fsx", shared)
+
+    def field(path: str) -> dict[str, object]:
+        return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    env = [{"name": "POD_NAME", **field("metadata.name")},
+           {"name": "POD_NAMESPACE", **field("metadata.namespace")},
+           {"name": "POD_IP", **field("status.podIP")},
+           {"name": "NODE_NAME", **field("spec.nodeName")},
+           {"name": "FROM_CM", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "key"}}},
+           {"name": "FROM_SECRET",
+            "valueFrom": {"secretKeyRef": {"name": "creds", "key": "password"}}},
+           {"name": "GREETING", "value": "hi $(POD_NAME)"}]
+    mounts = [{"name": "cm", "mountPath": "/run/hlat-test/cm"},
+              {"name": "secret", "mountPath": "/run/hlat-test/secret", "readOnly": True},
+              {"name": "scratch", "mountPath": "/run/hlat-test/scratch"},
+              {"name": "fsx", "mountPath": "/run/hlat-test/fsx"}]
+    volumes = [{"name": "cm", "configMap": {"name": "cfg"}},
+               {"name": "secret", "secret": {"secretName": "creds"}},
+               {"name": "scratch", "emptyDir": {"medium": "Memory"}},
+               {"name": "fsx", "persistentVolumeClaim": {"claimName": "fsx"}}]
+    pod = python_pod("envvol", ENV_AND_VOLUMES, hostname="worker-0", volumes=volumes,
+                     container={"env": env, "volumeMounts": mounts,
+                                "envFrom": [{"configMapRef": {"name": "cfg"},
+                                             "prefix": "CM_"}]})
+    core.create_namespaced_pod(namespace, pod)  # type: ignore[arg-type]
+    done = wait_pod_phase(core, namespace, "envvol", TERMINAL)
+    log = cluster.pod_log(namespace, "envvol")
+    assert done.status.phase == "Succeeded", log
+    for line in ("POD_NAME=envvol", f"POD_NAMESPACE={namespace}",
+                 f"POD_IP={done.status.pod_ip}", f"NODE_NAME={done.spec.node_name}",
+                 "FROM_CM=cm-value", "FROM_SECRET=s3cret", "GREETING=hi envvol",
+                 "CM_key=cm-value", "hostname=worker-0", "cm-file=cm-value",
+                 "secret-file=s3cret", "scratch=scratch ok", "shared=from-envvol"):
+        assert line in log.splitlines(), log
+    assert (shared / "from-envvol").read_text() == "shared"

@@ -1,0 +1,101 @@
+"""Heartbeats on the real local API server: a trainer in a rig pod renews its own Lease with
+its pod's service-account token, and that token cannot touch another pod's Lease."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from hlat_api import Heartbeat
+from hlat_testbed.cluster import Cluster
+from hlat_testbed.testing import python_pod, terminated, wait_for, wait_pod_phase
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+def grant_own_lease(cluster: Cluster, namespace: str, lease: str) -> None:
+    """What the operator sets up per job: the pod may get/update/patch only its Lease."""
+    api = cluster.admin_api()
+    core, rbac = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api)
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "trainer"}})
+    rbac.create_namespaced_role(namespace, {
+        "metadata": {"name": "own-lease"},
+        "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                   "resourceNames": [lease], "verbs": ["get", "update", "patch"]}]})
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": "own-lease"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "own-lease"},
+        "subjects": [{"kind": "ServiceAccount", "name": "trainer", "namespace": namespace}]})
+    coord = client.CoordinationV1Api(api)
+    for name in ("w-0", "w-1"):
+        coord.create_namespaced_lease(namespace, {"metadata": {"name": name}, "spec": {}})
+
+
+def read_beat(cluster: Cluster, namespace: str, name: str) -> tuple[Heartbeat | None, Any]:
+    lease: Any = client.CoordinationV1Api(cluster.admin_api()).read_namespaced_lease(name, namespace)
+    return Heartbeat.from_annotations(lease.metadata.annotations), lease.spec.renew_time
+
+
+def test_trainer_renews_its_lease_with_progress(
+    cluster: Cluster, namespace: str, write_config: Callable[..., Path]
+) -> None:
+    grant_own_lease(cluster, namespace, "w-0")
+    config = write_config(train__steps=30, checkpoint__interval=10)
+    env = [{"name": k, "value": v} for k, v in {
+        "HLAT_HEARTBEAT_LEASE": "w-0", "HLAT_NAMESPACE": namespace, "HLAT_POD_NAME": "w-0",
+        "HLAT_HEARTBEAT_PERIOD_SECONDS": "0.5", "HLAT_ATTEMPT": "0", "OMP_NUM_THREADS": "1"}.items()]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "w-0"}, "spec": {
+        "restartPolicy": "Never", "serviceAccountName": "trainer",
+        "containers": [{"name": "trainer", "image": "host", "env": env,
+                        "command": [sys.executable, "-m", "hlat_trainer", "--config", str(config)]}]}}
+    client.CoreV1Api(cluster.admin_api()).create_namespaced_pod(namespace, pod)
+
+    renewals = set()
+
+    def training() -> Heartbeat | None:
+        beat, renewed = read_beat(cluster, namespace, "w-0")
+        renewals.add(renewed)
+        return beat if beat and beat.phase == "training" and beat.step >= 3 else None
+
+    beat = wait_for(training, 240, "a training heartbeat past step 3", interval=0.2)
+    assert beat.loss is not None and beat.tokens > 0 and beat.step_seconds and beat.attempt == 0
+    done = wait_pod_phase(client.CoreV1Api(cluster.admin_api()), namespace, "w-0",
+                          {"Succeeded", "Failed"}, timeout=300)
+    assert terminated(done).exit_code == 0, cluster.pod_log(namespace, "w-0")[-3000:]
+    final, _ = read_beat(cluster, namespace, "w-0")
+    assert final is not None and final.phase == "finished"
+    assert (final.step, final.checkpoint_step) == (30, 30)
+    assert len(renewals - {None}) >= 2, "renewTime advances"
+
+
+def test_a_pod_token_cannot_touch_another_pods_lease(cluster: Cluster, namespace: str) -> None:
+    grant_own_lease(cluster, namespace, "w-0")
+    script = """
+        from kubernetes import client, config
+        from kubernetes.client.exceptions import ApiException
+        config.load_incluster_config()
+        api = client.CoordinationV1Api()
+        body = {"metadata": {"annotations": {"hlat.dev/step": "7"}}}
+        api.patch_namespaced_lease("w-0", "NAMESPACE", body)
+        try:
+            api.patch_namespaced_lease("w-1", "NAMESPACE", body)
+            print("OTHER-LEASE-PATCHED")
+        except ApiException as err:
+            print("OTHER-LEASE-DENIED", err.status)
+    """.replace("NAMESPACE", namespace)
+    pod = python_pod("prober", script, serviceAccountName="trainer")
+    core = client.CoreV1Api(cluster.admin_api())
+    core.create_namespaced_pod(namespace, pod)
+    done = wait_pod_phase(core, namespace, "prober", {"Succeeded", "Failed"}, timeout=120)
+    log = cluster.pod_log(namespace, "prober")
+    assert terminated(done).exit_code == 0, log
+    assert "OTHER-LEASE-DENIED 403" in log
+    own, _ = read_beat(cluster, namespace, "w-0")
+    other, _ = read_beat(cluster, namespace, "w-1")
+    assert own is not None and own.step == 7
+    assert other is None

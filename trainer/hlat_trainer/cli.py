@@ -30,7 +30,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="per-step output (default: bar on a terminal, json otherwise)")
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get(Env.METRICS_PORT) or 0),
                    help="serve Prometheus metrics on this port (0: off)")
-    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     args = p.parse_args(argv)
     if not args.config:
         p.error(f"--config is required (or set ${Env.CONFIG})")
@@ -60,7 +59,7 @@ def _run(args: argparse.Namespace) -> int:
     from hlat_trainer.train import Trainer
 
     fmt = args.log_format or ("bar" if sys.stdout.isatty() else "json")
-    trainer = Trainer(job, device=args.device)
+    trainer = Trainer(job)
     metrics = TrainMetrics()
     if args.metrics_port and trainer.world.local_rank == 0:
         port = metrics.serve(args.metrics_port)

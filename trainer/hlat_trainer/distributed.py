@@ -84,7 +84,7 @@ def init_distributed(spec: PretrainJobSpec, backend: str = "gloo") -> World:
                                     timeout=timeout)
     size, tp = dist.get_world_size(), spec.parallelism.tensor
     check_world(spec, size)
-    device_type = "cuda" if backend == "nccl" else "cpu"
+    device_type = {"nccl": "cuda", "neuron": "neuron"}.get(backend, "cpu")
     mesh = init_device_mesh(device_type, (size // tp, tp), mesh_dim_names=("dp", "tp"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from hlat_api import INSTANCE_TYPES, Job
+from hlat_trainer.backends import select_backend
 from hlat_trainer.checkpoint import Checkpointer
 from hlat_trainer.data import PackedLoader, load_tokenizer
 from hlat_trainer.distributed import World, init_distributed
@@ -80,12 +80,18 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 
 class Trainer:
-    def __init__(self, job: Job, *, device: str = "cpu", sinks: list[Sink] | None = None) -> None:
+    def __init__(self, job: Job, *, sinks: list[Sink] | None = None) -> None:
         spec = job.spec
         self.job, self.spec = job, spec
-        self.world: World = init_distributed(spec, "nccl" if device == "cuda" else "gloo")
-        self.device = (torch.device(device, self.world.local_rank) if device == "cuda"
-                       else torch.device(device))
+        self.backend = select_backend(spec)
+        if self.backend.parallelizes_model:
+            raise UserError(
+                f"backend {self.backend.name}: the NxD model, optimizer and checkpoint hooks exist "
+                "(hlat_trainer.backends.neuron_xla) but this training loop drives only the "
+                "torch-native backends so far; set backend: neuron-native (see docs/neuron.md)"
+            )
+        self.world: World = init_distributed(spec, self.backend.dist_backend)
+        self.device = self.backend.device(self.world.local_rank)
         self.sinks = sinks or []
         self.dims = spec.model.dims()
         self.tokenizer = load_tokenizer(spec.data.tokenizer)
@@ -204,14 +210,15 @@ class Trainer:
             t0 = time.perf_counter()
             inputs, targets = next(batches)
             data_wait += time.perf_counter() - t0
-            with self.policy.autocast(self.device.type):
+            with self.backend.autocast():
                 logits = self.model(inputs)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
+            loss = self.backend.loss(logits, targets) / accum
             loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach()
         self.dp.sync_grads()
         grad_norm = self.dp.clip(spec.optimizer.grad_clip)
         self.dp.step()
+        self.backend.step_end()
         param_norm = self.dp.param_norm()
         if self.world.dp > 1:
             dist.all_reduce(loss_sum, group=self.world.dp_group)

@@ -130,7 +130,7 @@ def start_controller_manager(config: ClusterConfig) -> None:
         "--leader-elect=false", "--use-service-account-credentials=true",
         f"--service-account-private-key-file={p / 'sa.key'}", f"--root-ca-file={p / 'ca.crt'}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
-        "--node-monitor-period=2s",
+        "--node-monitor-period=2s", "--pvclaimbinder-sync-period=2s",
         f"--node-monitor-grace-period={config.node_monitor_grace_s}s",
         "--controllers=*,-bootstrapsigner,-tokencleaner,-service-lb-controller,"
         "-node-route-controller,-cloud-node-lifecycle-controller",

@@ -17,6 +17,7 @@ Flags worth knowing:
 
 from __future__ import annotations
 
+import socket
 import ssl
 import time
 import urllib.error
@@ -84,7 +85,23 @@ def _insecure_tls() -> ssl.SSLContext:
     return ctx
 
 
+def _require_free_port(port: int, owner: str) -> None:
+    """Fail before starting a server whose port is taken: a health check would otherwise be
+    answered by the other process (e.g. another cluster's etcd) and we would use its data."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as err:
+            raise StartupError(f"{owner}: port 127.0.0.1:{port} is in use ({err}); another "
+                               "cluster? give this one other ports (ClusterConfig.etcd_port)"
+                               ) from err
+
+
 def start_etcd(config: ClusterConfig) -> None:
+    if processes(config).pid("etcd") is None:
+        _require_free_port(config.etcd_port, "etcd")
+        _require_free_port(config.etcd_port + 1, "etcd")
     url = f"http://127.0.0.1:{config.etcd_port}"
     peer = f"http://127.0.0.1:{config.etcd_port + 1}"
     pid = processes(config).start("etcd", [
@@ -130,7 +147,7 @@ def start_controller_manager(config: ClusterConfig) -> None:
         "--leader-elect=false", "--use-service-account-credentials=true",
         f"--service-account-private-key-file={p / 'sa.key'}", f"--root-ca-file={p / 'ca.crt'}",
         f"--service-cluster-ip-range={SERVICE_CIDR}",
-        "--node-monitor-period=2s",
+        "--node-monitor-period=2s", "--pvclaimbinder-sync-period=2s",
         f"--node-monitor-grace-period={config.node_monitor_grace_s}s",
         "--controllers=*,-bootstrapsigner,-tokencleaner,-service-lb-controller,"
         "-node-route-controller,-cloud-node-lifecycle-controller",

@@ -102,10 +102,12 @@ def cluster_netns(bridge: str) -> list[str]:
 
 
 def cluster_links(bridge: str) -> list[str]:
-    """The bridge and every host-side veth of its pods."""
-    prefix = bridge[:6]
-    return sorted(p.name for p in Path("/sys/class/net").iterdir()
-                  if p.name == bridge or (p.name.startswith(prefix) and len(p.name) == len(prefix) + 8))
+    """The bridge and every link enslaved to it (the host ends of its pods' veths)."""
+    if not link_exists(bridge):
+        return []
+    lines = ip("-o", "link", "show", "master", bridge, check=False).splitlines()
+    ports = [line.split(":")[1].strip().split("@")[0] for line in lines if ":" in line]
+    return sorted([bridge, *ports])
 
 
 def cleanup(bridge: str) -> None:
@@ -116,4 +118,7 @@ def cleanup(bridge: str) -> None:
         for stale in NETNS_ETC.glob(f"{bridge}-*"):
             shutil.rmtree(stale, ignore_errors=True)
     for link in cluster_links(bridge):
-        ip("link", "del", link, check=False)
+        if link != bridge:
+            ip("link", "del", link, check=False)
+    if link_exists(bridge):
+        ip("link", "del", bridge, check=False)

@@ -6,14 +6,19 @@ failing test tells you where the cluster got stuck rather than only that it did.
 
 from __future__ import annotations
 
+import socket
 import sys
 import textwrap
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
+from hlat_testbed import netns
+from hlat_testbed.config import ClusterConfig
 
 T = TypeVar("T")
 
@@ -89,3 +94,27 @@ def terminated(pod: Any, container: int = 0) -> Any:
     """The ``terminated`` state of a pod's container (None if it has not terminated)."""
     statuses = pod.status.container_statuses or []
     return statuses[container].state.terminated if len(statuses) > container else None
+
+
+def spare_cluster_config(state_dir: str) -> ClusterConfig:
+    """A config for a throwaway cluster beside any others on this machine (other sessions'
+    included): a random bridge, a /16 no interface uses, and free etcd ports."""
+    used = netns.ip("-4", "-o", "addr", "show")
+    subnet = next(f"10.{b}.0.0/16" for b in range(200, 240) if f" 10.{b}." not in used)
+    tag = uuid.uuid4().hex[:6]
+    return ClusterConfig(name=f"spare-{tag}", state_dir=state_dir, bridge=f"hls{tag}",
+                         subnet=subnet, etcd_port=_free_port_pair())
+
+
+def _free_port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        with socket.socket() as second:
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")

@@ -1,7 +1,8 @@
 """``up``/``down`` of a second, throwaway cluster, and the CLI against the session's cluster.
 
 The throwaway cluster runs beside the session's one (its own state dir, bridge, subnet and etcd
-ports), so proving that ``down`` leaves nothing behind does not disturb other tests.
+ports, chosen free at run time because other clusters may share the machine), so proving that
+``down`` leaves nothing behind does not disturb other tests.
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ from kubernetes import client
 
 from hlat_testbed import netns
 from hlat_testbed.cluster import Cluster
-from hlat_testbed.config import ClusterConfig
 from hlat_testbed.procs import cmdline, is_alive
-from hlat_testbed.testing import python_pod, wait_pod_phase, wait_pod_running
+from hlat_testbed.testing import (
+    python_pod,
+    spare_cluster_config,
+    wait_pod_phase,
+    wait_pod_running,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -29,8 +34,7 @@ def _processes_mentioning(text: str) -> list[int]:
 
 
 def test_down_leaves_no_process_netns_or_veth(cluster: Cluster, tmp_path: Path) -> None:
-    cfg = ClusterConfig(name="hlat-throwaway", state_dir=str(tmp_path / "state"),
-                        bridge="hlatx", subnet="10.245.0.0/16", etcd_port=2479)
+    cfg = spare_cluster_config(str(tmp_path / "state"))
     spare = Cluster(cfg)
     spare.up(nodes=1)
     try:

@@ -7,7 +7,7 @@ UV_VERSION := 0.13.9
 DATA  := data/sample
 RUNS  := runs
 
-.PHONY: setup lint test test-fast demo bench generate clean
+.PHONY: setup lint test test-fast demo bench generate cluster-build cluster-up cluster-down clean
 
 $(UV):
 	python3 -m venv .tools
@@ -42,6 +42,16 @@ demo: setup $(DATA)/tokenizer.json
 
 bench: setup $(DATA)/tokenizer.json
 	$(PY) bench/run_all.py --data $(DATA)
+
+# the local Kubernetes control plane (built once per version into ~/.cache/hlat, needs root)
+cluster-build: setup
+	$(PY) -m hlat_testbed.build
+
+cluster-up: setup
+	.venv/bin/hlat-cluster up --nodes 3
+
+cluster-down: setup
+	.venv/bin/hlat-cluster down
 
 # regenerate the files derived from the code (tests fail when they are stale)
 generate: setup

@@ -7,7 +7,7 @@ UV_VERSION := 0.13.9
 DATA  := data/sample
 RUNS  := runs
 
-.PHONY: setup lint test test-fast demo bench generate cluster-build cluster-up cluster-down clean
+.PHONY: setup lint test test-fast demo demo-local bench generate cluster-build cluster-up cluster-down clean
 
 $(UV):
 	python3 -m venv .tools
@@ -34,8 +34,13 @@ test-fast: setup
 $(DATA)/tokenizer.json: | setup
 	.venv/bin/hlat-data sample --out $(DATA)
 
-demo: setup $(DATA)/tokenizer.json
-	.venv/bin/hlat-train --config examples/pretrainjob-tiny.yaml \
+# the main job: a PretrainJob on the local Kubernetes cluster, a worker killed and recovered
+demo: setup
+	$(PY) -m hlat_testbed.demo
+
+# the same tiny model trained in one local process
+demo-local: setup $(DATA)/tokenizer.json
+	.venv/bin/hlat-train --config examples/pretrainjob-tiny.yaml --set nodes=1 \
 	  --set data.path=$(DATA) --set data.tokenizer=$(DATA)/tokenizer.json \
 	  --set checkpoint.dir=$(RUNS)/checkpoints
 	@echo "checkpoints: $(RUNS)/checkpoints/tiny/ (run again to resume from the latest)"

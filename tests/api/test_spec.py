@@ -113,4 +113,4 @@ def test_memory_estimate_shrinks_with_tp_and_zero1() -> None:
 def test_example_manifest_is_valid() -> None:
     job = load_job(EXAMPLES / "pretrainjob-tiny.yaml")
     assert job.name == "tiny"
-    assert job.spec.world_size == 1 and job.spec.model.preset == "tiny"
+    assert job.spec.world_size == 2 and job.spec.model.preset == "tiny"  # 2 CPU nodes

@@ -220,7 +220,8 @@ ROOT_RULES = [
         f"size(self.metadata.name) <= {labels.MAX_JOB_NAME}",
         f"a PretrainJob name must be at most {labels.MAX_JOB_NAME} characters "
         "(worker hostnames <name>-<rank> must fit a DNS label)",
-        ".metadata.name",
+        # no fieldPath: the API server accepts only paths into the declared schema, and
+        # metadata.name is not declared in it (the message names the field)
     ),
 ]
 

@@ -14,6 +14,7 @@ real node lifecycle and taint-eviction controllers either way.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -53,8 +54,13 @@ class ClusterConfig:
 
     @staticmethod
     def default() -> ClusterConfig:
-        """The shared cluster; ``HLAT_CLUSTER_DIR`` overrides its state directory."""
+        """The shared cluster; ``HLAT_CLUSTER_DIR`` overrides its state directory. A
+        ``config.json`` already there (another bridge/subnet/etcd port: a second cluster
+        beside the shared one) is honored."""
         state = os.environ.get("HLAT_CLUSTER_DIR", str(cache_root() / "cluster"))
+        if (Path(state) / "config.json").exists():
+            with contextlib.suppress(ValueError, TypeError):
+                return ClusterConfig.load(Path(state))
         return ClusterConfig(state_dir=state)
 
     @property

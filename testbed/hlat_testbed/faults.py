@@ -2,8 +2,8 @@
 
 - ``kill``: a signal to a pod's main process (SIGKILL by default; the pod then shows the exit
   code a container runtime would: 128 + signal);
-- ``hang`` / ``resume``: SIGSTOP / SIGCONT to the whole process group, so a worker and its
-  children freeze as a stuck collective would, without exiting;
+- ``hang`` / ``resume``: SIGSTOP / SIGCONT to the whole process group and every descendant
+  (torchrun's workers run in their own sessions), so a worker and its children freeze as a stuck collective would, without exiting;
 - ``node down`` / ``node up``: the node's kubelet goes silent and its processes die (a lost
   instance) or comes back; ``node delete`` also removes the Node object, as the cluster
   autoscaler does when it replaces an instance.
@@ -13,8 +13,10 @@ Processes are found through the pid files the kubelet writes, never by name.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hlat_testbed.config import ClusterConfig
@@ -36,15 +38,41 @@ def kill(config: ClusterConfig, namespace: str, pod: str, sig: int = signal.SIGK
     return pid
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc), whatever session or group it is in:
+    torchrun starts its workers in new sessions, so signalling the group misses them."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _signal_tree(pid: int, sig: int) -> None:
+    """The process group of ``pid`` and every descendant, as a container freezer would."""
+    os.killpg(pid, sig)
+    for child in _descendants(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, sig)
+
+
 def hang(config: ClusterConfig, namespace: str, pod: str, container: str | None = None) -> int:
     pid = container_pid(config, namespace, pod, container)
-    os.killpg(pid, signal.SIGSTOP)
+    _signal_tree(pid, signal.SIGSTOP)
     return pid
 
 
 def resume(config: ClusterConfig, namespace: str, pod: str, container: str | None = None) -> int:
     pid = container_pid(config, namespace, pod, container)
-    os.killpg(pid, signal.SIGCONT)
+    _signal_tree(pid, signal.SIGCONT)
     return pid
 
 

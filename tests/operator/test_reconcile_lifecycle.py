@@ -31,9 +31,9 @@ def test_a_new_job_gets_its_objects_and_one_pod_per_node() -> None:
     assert _kinds(d.actions) == [
         "Service",
         "ServiceAccount",
-        "RoleBinding",
         "ConfigMap",
         "Role",
+        "RoleBinding",  # after its Role: the API server resolves the roleRef
         "Lease",
         "Lease",
         "Pod",

@@ -1,0 +1,202 @@
+"""Thin kopf handlers: keep one reconcile loop per PretrainJob running and wake it on events.
+
+A pass is `observe -> decide -> k8s.execute -> metrics` (`reconcile_once`). Each job has one
+asyncio task (`_job_loop`) that runs a pass, then sleeps until the Decision's requeue time or
+until a watch event about the job (the job itself, or one of its worker pods) wakes it. Passes
+of one job never overlap; the blocking Kubernetes client runs in a worker thread.
+
+Why `kopf.on.event` and own tasks rather than kopf's create/update handlers, timers or daemons:
+those persist handler progress on the object (annotations that bump its resourceVersion and
+race the status writes) and add a finalizer (a job could not be deleted while the operator is
+down). The event handlers here keep nothing on the object; every pass reads the job afresh,
+so an operator started at any moment (kopf lists every existing job at start) carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+from kubernetes import client
+from kubernetes import config as kube_config
+
+from hlat_api.labels import JOB
+from hlat_api.manifest import API_GROUP, API_VERSION
+from hlat_operator import observe
+from hlat_operator.builders import JobRef
+from hlat_operator.config import OperatorSettings
+from hlat_operator.k8s import PLURAL, Conflict, K8sError, Kube
+from hlat_operator.metrics import OperatorMetrics
+from hlat_operator.reconcile import decide
+
+log = logging.getLogger("hlat_operator")
+
+MAX_IDLE_SECONDS = 30.0
+"""Longest sleep between passes of a job even when the Decision asks for none."""
+ERROR_RETRY_SECONDS = 2.0
+
+
+class JobGone(Exception):
+    """The PretrainJob no longer exists: its loop ends."""
+
+
+@dataclass
+class Runtime:
+    settings: OperatorSettings
+    kube: Kube
+    metrics: OperatorMetrics
+    tasks: dict[tuple[str, str], asyncio.Task[None]] = field(default_factory=dict)
+    wakes: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+
+
+_runtime: Runtime | None = None
+_settings: OperatorSettings | None = None
+_metrics_port: int | None = None
+
+
+def configure(settings: OperatorSettings, metrics_port: int | None = None) -> None:
+    """Called by the CLI before kopf starts: the settings and the metrics port (0: none)."""
+    global _settings, _metrics_port
+    _settings, _metrics_port = settings, metrics_port
+
+
+def runtime() -> Runtime:
+    if _runtime is None:
+        raise kopf.TemporaryError("the operator is still starting", delay=1)
+    return _runtime
+
+
+def _api_client() -> client.ApiClient:
+    try:
+        kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except kube_config.ConfigException:
+        kube_config.load_kube_config()  # type: ignore[no-untyped-call]
+    return client.ApiClient()
+
+
+# --- one pass ------------------------------------------------------------------------------
+
+
+def reconcile_once(rt: Runtime, namespace: str, name: str) -> float | None:
+    """observe -> decide -> execute -> metrics for one job; returns the requeue delay."""
+    body = rt.kube.get_job(namespace, name)
+    if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        raise JobGone(f"{namespace}/{name}")
+    pods = rt.kube.job_pods(namespace, name)
+    leases = rt.kube.job_leases(namespace, name)
+    nodes = rt.kube.nodes()
+    observed = observe.observe(body, pods, nodes, leases)
+    status = observe.status_from_raw(body.get("status"))
+    now = datetime.now(UTC)
+    decision = decide(body.get("spec") or {}, status, observed, now, rt.settings)
+    job: JobRef = observed.job
+    try:
+        rt.kube.execute(job, decision)
+    except Conflict as err:
+        log.info("%s/%s: stale view, deciding again (%s)", namespace, name, err)
+        return rt.settings.fast_requeue_seconds
+    rt.metrics.observe(namespace, name, decision)
+    if decision.status.phase != status.phase:
+        log.info(
+            "%s/%s: %s -> %s (attempt %d, restarts %d)",
+            namespace,
+            name,
+            status.phase or "-",
+            decision.status.phase,
+            decision.status.attempt,
+            decision.status.restarts.total,
+        )
+    return decision.requeue_after
+
+
+async def _job_loop(rt: Runtime, namespace: str, name: str) -> None:
+    key = (namespace, name)
+    wake = rt.wakes.setdefault(key, asyncio.Event())
+    try:
+        while True:
+            wake.clear()
+            try:
+                requeue = await asyncio.to_thread(reconcile_once, rt, namespace, name)
+            except JobGone:
+                log.info("%s/%s: gone; its loop ends", namespace, name)
+                rt.metrics.forget(namespace, name)
+                return
+            except K8sError as err:
+                log.warning("%s/%s: %s; retrying", namespace, name, err)
+                requeue = ERROR_RETRY_SECONDS
+            except Exception:  # a bug must not kill the loop of this job for good
+                log.exception("%s/%s: pass failed; retrying", namespace, name)
+                requeue = ERROR_RETRY_SECONDS
+            delay = MAX_IDLE_SECONDS if requeue is None else min(requeue, MAX_IDLE_SECONDS)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), timeout=max(0.05, delay))
+    finally:
+        rt.tasks.pop(key, None)
+        rt.wakes.pop(key, None)
+
+
+def _poke(namespace: str, name: str, start: bool = False) -> None:
+    rt = runtime()
+    key = (namespace, name)
+    if key in rt.tasks:
+        rt.wakes[key].set()
+    elif start:
+        rt.wakes[key] = asyncio.Event()
+        rt.tasks[key] = asyncio.get_running_loop().create_task(
+            _job_loop(rt, namespace, name), name=f"pretrainjob {namespace}/{name}"
+        )
+
+
+# --- kopf handlers -------------------------------------------------------------------------
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    global _runtime
+    settings.posting.enabled = False  # our Events are the transitions, written by k8s.py
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 60
+    ours = _settings or OperatorSettings.from_env()
+    rt = Runtime(ours, Kube(_api_client()), OperatorMetrics())
+    port = ours.metrics_port if _metrics_port is None else _metrics_port
+    if port:
+        rt.metrics.serve(port)
+        log.info("metrics on :%d/metrics", port)
+    _runtime = rt
+    log.info("hlat-operator started; trainer command %s", " ".join(ours.trainer_command))
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    if _runtime is None:
+        return
+    tasks = list(_runtime.tasks.values())
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@kopf.on.probe(id="jobs")
+def probe_jobs(**_: Any) -> int:
+    """Liveness: the number of jobs with a running reconcile loop."""
+    return len(runtime().tasks)
+
+
+@kopf.on.event(API_GROUP, API_VERSION, PLURAL)
+async def on_job(event: kopf.RawEvent, name: str | None, namespace: str | None, **_: Any) -> None:
+    if not name or not namespace:
+        return
+    _poke(namespace, name, start=event.get("type") != "DELETED")
+
+
+@kopf.on.event("", "v1", "pods", labels={JOB: kopf.PRESENT})
+async def on_pod(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
+    job = labels.get(JOB)
+    if job and namespace:
+        _poke(namespace, job)

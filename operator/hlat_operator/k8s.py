@@ -1,0 +1,359 @@
+"""The one module that talks to the API server: read what a job owns, execute a Decision.
+
+Everything else in the operator is pure; this is its I/O seam. Reads return the raw camelCase
+payloads (`_preload_content=False` + JSON), exactly what `observe.observe` parses and what
+kopf would hand over, so there is one representation of a Kubernetes object in the operator.
+
+`Kube.execute` runs a Decision's actions in order and stops at the first failure (the next pass
+decides again from what it then observes):
+- CreateObject: create; AlreadyExists is fine (deterministic names make a replayed pass a
+  no-op), or, with `replace`, the existing object is replaced (ConfigMap, Role of a new attempt);
+- DeletePod: delete (grace None: the pod's own grace period; 0: force); NotFound is fine;
+- DeleteObject("Lease"): delete; NotFound is fine;
+- PatchStatus: JSON merge patch of the status subresource carrying the resourceVersion read, so
+  a stale pass loses with 409 (`Conflict`: the caller simply runs the next pass);
+- PatchState: merge patch of the `hlat.dev/operator-state` annotation;
+- EmitEvent: a core/v1 Event on the PretrainJob (failures to emit are logged, not fatal);
+- DeleteJob: delete the PretrainJob (background propagation).
+Every API error is wrapped once in `K8sError` (cause chained) naming the action and object.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
+
+from hlat_api import labels
+from hlat_api.manifest import API_GROUP, API_VERSION, KIND
+from hlat_operator.builders import JobRef
+from hlat_operator.reconcile import (
+    Action,
+    CreateObject,
+    Decision,
+    DeleteJob,
+    DeleteObject,
+    DeletePod,
+    EmitEvent,
+    PatchState,
+    PatchStatus,
+)
+
+PLURAL = "pretrainjobs"
+COMPONENT = labels.OPERATOR_NAME
+log = logging.getLogger(__name__)
+
+Raw = dict[str, Any]
+Items = list[Mapping[str, Any]]
+
+
+class K8sError(RuntimeError):
+    """An API call failed; the message names what was attempted. `status` is the HTTP code
+    (None for a connection error)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Conflict(K8sError):
+    """409 on an update carrying a resourceVersion: our view was stale; decide again."""
+
+
+class NotFound(K8sError):
+    """404: the object is gone."""
+
+
+def _wrap(what: str, err: Exception) -> K8sError:
+    if isinstance(err, ApiException):
+        status = int(err.status) if err.status else None
+        reason = err.reason or ""
+        detail = ""
+        try:
+            body = json.loads(err.body or "{}")
+            detail = str(body.get("message", ""))
+        except (TypeError, ValueError):
+            detail = str(err.body or "")[:200]
+        message = f"{what}: HTTP {status} {reason}: {detail}".rstrip(": ")
+        cls = Conflict if status == 409 else NotFound if status == 404 else K8sError
+        return cls(message, status)
+    return K8sError(f"{what}: {type(err).__name__}: {err}")
+
+
+_API_ERRORS = (ApiException, HTTPError, OSError)
+
+
+def _json(response: Any) -> Raw:
+    data: Raw = json.loads(response.data)
+    return data
+
+
+class Kube:
+    """API access for the operator, with one ApiClient (thread-safe for our use: one pass at
+    a time per job, passes of different jobs may run concurrently in threads)."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        self.coordination = client.CoordinationV1Api(api)
+        self.rbac = client.RbacAuthorizationV1Api(api)
+
+    # --- reads -----------------------------------------------------------------------------
+    def get_job(self, namespace: str, name: str) -> Raw | None:
+        """The PretrainJob as stored now; None when it is gone."""
+        try:
+            return _json(
+                self.custom.get_namespaced_custom_object(
+                    API_GROUP, API_VERSION, namespace, PLURAL, name, _preload_content=False
+                )
+            )
+        except _API_ERRORS as err:
+            wrapped = _wrap(f"get {KIND} {namespace}/{name}", err)
+            if isinstance(wrapped, NotFound):
+                return None
+            raise wrapped from err
+
+    def list_jobs(self, namespace: str | None) -> Items:
+        try:
+            if namespace:
+                resp = self.custom.list_namespaced_custom_object(
+                    API_GROUP, API_VERSION, namespace, PLURAL, _preload_content=False
+                )
+            else:
+                resp = self.custom.list_cluster_custom_object(
+                    API_GROUP, API_VERSION, PLURAL, _preload_content=False
+                )
+        except _API_ERRORS as err:
+            raise _wrap(f"list {PLURAL}", err) from err
+        items: Items = _json(resp).get("items") or []
+        return items
+
+    def job_pods(self, namespace: str, job: str) -> Items:
+        selector = f"{labels.JOB}={job},{labels.COMPONENT}={labels.WORKER}"
+        try:
+            resp = self.core.list_namespaced_pod(
+                namespace, label_selector=selector, _preload_content=False
+            )
+        except _API_ERRORS as err:
+            raise _wrap(f"list pods of {namespace}/{job}", err) from err
+        items: Items = _json(resp).get("items") or []
+        return items
+
+    def job_leases(self, namespace: str, job: str) -> Items:
+        try:
+            resp = self.coordination.list_namespaced_lease(
+                namespace, label_selector=f"{labels.JOB}={job}", _preload_content=False
+            )
+        except _API_ERRORS as err:
+            raise _wrap(f"list leases of {namespace}/{job}", err) from err
+        items: Items = _json(resp).get("items") or []
+        return items
+
+    def nodes(self) -> Items | None:
+        """All nodes; None when they cannot be read (then no node counts as lost)."""
+        try:
+            resp = self.core.list_node(_preload_content=False)
+        except _API_ERRORS as err:
+            log.warning("%s", _wrap("list nodes", err))
+            return None
+        items: Items = _json(resp).get("items") or []
+        return items
+
+    # --- executing a decision ----------------------------------------------------------------
+    def execute(self, job: JobRef, decision: Decision) -> int:
+        """Run the actions in order; raise at the first failure. Returns how many ran."""
+        expected = next(
+            (a.resource_version for a in decision.actions if isinstance(a, PatchStatus)), None
+        )
+        done = 0
+        for action in decision.actions:
+            if isinstance(action, PatchState):
+                # the annotation patch bumps the resourceVersion the status patch carries:
+                # it is made with the version read (a stale pass loses here) and the status
+                # patch then carries the version it returned
+                expected = self._patch_state(job, action.annotation, expected)
+            elif isinstance(action, PatchStatus):
+                if action.resource_version and expected:
+                    action = PatchStatus(action.status, expected)
+                self._patch_status(job, action)
+            else:
+                self.run(job, action)
+            done += 1
+        return done
+
+    def run(self, job: JobRef, action: Action) -> None:
+        if isinstance(action, CreateObject):
+            self._create(job, action)
+        elif isinstance(action, DeletePod):
+            self._delete_pod(job, action)
+        elif isinstance(action, DeleteObject):
+            self._delete_lease(job, action.name)
+        elif isinstance(action, PatchStatus):
+            self._patch_status(job, action)
+        elif isinstance(action, PatchState):
+            self._patch_state(job, action.annotation)
+        elif isinstance(action, EmitEvent):
+            self.emit_event(job, action.type, action.reason, action.message)
+        elif isinstance(action, DeleteJob):
+            self._delete_job(job)
+        else:  # pragma: no cover - exhaustive over Action
+            raise TypeError(f"unknown action {action!r}")
+
+    def _create(self, job: JobRef, action: CreateObject) -> None:
+        obj: Mapping[str, Any] = action.obj
+        kind, name = str(obj["kind"]), str(obj["metadata"]["name"])
+        what = f"create {kind} {job.namespace}/{name}"
+        try:
+            self._create_call(kind, job.namespace, obj)
+            log.debug("%s", what)
+            return
+        except _API_ERRORS as err:
+            wrapped = _wrap(what, err)
+            if wrapped.status != 409:
+                raise wrapped from err
+        if not action.replace:
+            return
+        what = f"replace {kind} {job.namespace}/{name}"
+        try:
+            self._replace_call(kind, job.namespace, name, obj)
+        except _API_ERRORS as err:
+            raise _wrap(what, err) from err
+
+    def _create_call(self, kind: str, ns: str, obj: Mapping[str, Any]) -> None:
+        body: Any = obj
+        if kind == "Pod":
+            self.core.create_namespaced_pod(ns, body, _preload_content=False)
+        elif kind == "Service":
+            self.core.create_namespaced_service(ns, body, _preload_content=False)
+        elif kind == "ConfigMap":
+            self.core.create_namespaced_config_map(ns, body, _preload_content=False)
+        elif kind == "ServiceAccount":
+            self.core.create_namespaced_service_account(ns, body, _preload_content=False)
+        elif kind == "Role":
+            self.rbac.create_namespaced_role(ns, body, _preload_content=False)
+        elif kind == "RoleBinding":
+            self.rbac.create_namespaced_role_binding(ns, body, _preload_content=False)
+        elif kind == "Lease":
+            self.coordination.create_namespaced_lease(ns, body, _preload_content=False)
+        else:
+            raise K8sError(f"create {kind}: kind not supported by the operator")
+
+    def _replace_call(self, kind: str, ns: str, name: str, obj: Mapping[str, Any]) -> None:
+        body: Any = obj
+        if kind == "ConfigMap":
+            self.core.replace_namespaced_config_map(name, ns, body, _preload_content=False)
+        elif kind == "Role":
+            self.rbac.replace_namespaced_role(name, ns, body, _preload_content=False)
+        elif kind == "Lease":
+            self.coordination.replace_namespaced_lease(name, ns, body, _preload_content=False)
+        elif kind == "Service":
+            self.core.replace_namespaced_service(name, ns, body, _preload_content=False)
+        else:
+            raise K8sError(f"replace {kind}: kind not supported by the operator")
+
+    def _delete_pod(self, job: JobRef, action: DeletePod) -> None:
+        what = f"delete pod {job.namespace}/{action.name}"
+        if action.grace_seconds is not None:
+            what += f" (grace {action.grace_seconds}s)"
+        try:
+            self.core.delete_namespaced_pod(
+                action.name,
+                job.namespace,
+                grace_period_seconds=action.grace_seconds,
+                _preload_content=False,
+            )
+        except _API_ERRORS as err:
+            wrapped = _wrap(what, err)
+            if not isinstance(wrapped, NotFound):
+                raise wrapped from err
+
+    def _delete_lease(self, job: JobRef, name: str) -> None:
+        try:
+            self.coordination.delete_namespaced_lease(
+                name, job.namespace, _preload_content=False
+            )
+        except _API_ERRORS as err:
+            wrapped = _wrap(f"delete lease {job.namespace}/{name}", err)
+            if not isinstance(wrapped, NotFound):
+                raise wrapped from err
+
+    def _patch_status(self, job: JobRef, action: PatchStatus) -> None:
+        body: Raw = {"status": action.status}
+        if action.resource_version:
+            body["metadata"] = {"resourceVersion": action.resource_version}
+        try:
+            self.custom.patch_namespaced_custom_object_status(
+                API_GROUP,
+                API_VERSION,
+                job.namespace,
+                PLURAL,
+                job.name,
+                body,
+                _preload_content=False,
+            )
+        except _API_ERRORS as err:
+            raise _wrap(f"patch status of {KIND} {job.namespace}/{job.name}", err) from err
+
+    def _patch_state(
+        self, job: JobRef, annotation: str, resource_version: str | None = None
+    ) -> str | None:
+        """Merge-patch the state annotation; returns the job's new resourceVersion."""
+        meta: Raw = {"annotations": {labels.STATE_ANNOTATION: annotation}}
+        if resource_version:
+            meta["resourceVersion"] = resource_version
+        try:
+            resp = self.custom.patch_namespaced_custom_object(
+                API_GROUP, API_VERSION, job.namespace, PLURAL, job.name, {"metadata": meta},
+                _preload_content=False,
+            )
+        except _API_ERRORS as err:
+            raise _wrap(f"patch state of {KIND} {job.namespace}/{job.name}", err) from err
+        version = (_json(resp).get("metadata") or {}).get("resourceVersion")
+        return str(version) if version else None
+
+    def _delete_job(self, job: JobRef) -> None:
+        try:
+            self.custom.delete_namespaced_custom_object(
+                API_GROUP, API_VERSION, job.namespace, PLURAL, job.name,
+                propagation_policy="Background", _preload_content=False,
+            )
+        except _API_ERRORS as err:
+            wrapped = _wrap(f"delete {KIND} {job.namespace}/{job.name}", err)
+            if not isinstance(wrapped, NotFound):
+                raise wrapped from err
+
+    def emit_event(self, job: JobRef, type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event on the PretrainJob; a failure is logged, never fatal."""
+        now = datetime.now(UTC)
+        stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+        body: Any = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{job.name}.{uuid.uuid4().hex[:12]}", "namespace": job.namespace},
+            "involvedObject": {
+                "apiVersion": f"{API_GROUP}/{API_VERSION}",
+                "kind": KIND,
+                "name": job.name,
+                "namespace": job.namespace,
+                "uid": job.uid,
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": COMPONENT},
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+        try:
+            self.core.create_namespaced_event(job.namespace, body, _preload_content=False)
+        except _API_ERRORS as err:
+            log.warning("%s", _wrap(f"emit event {reason} on {job.namespace}/{job.name}", err))

@@ -1,0 +1,319 @@
+"""The one-command demo: `python -m hlat_testbed.demo` (README's `make demo`).
+
+On the local cluster (built or reused, 3 nodes), it installs the CRD, creates the namespace
+and a ReadWriteMany PVC `fsx` backed by a host directory (`runs/demo/fsx`), writes the sample
+dataset and tokenizer into it (`hlat-data sample`), starts the operator as a subprocess (the
+operator's service-account kubeconfig; `HLAT_OPERATOR_TRAINER_COMMAND` = this venv's
+`hlat-launch`), applies `examples/pretrainjob-tiny.yaml` (2 CPU nodes), prints progress from the
+job's status, SIGKILLs one worker once a checkpoint exists, shows the restart and the resumed
+step in the new worker's log, waits for Succeeded, prints `kubectl get pj` and where the logs
+are, and stops the operator. The cluster stays up unless `--down` is given.
+
+Exit status 0 when the job Succeeded after recovering from the fault, 1 otherwise.
+`OperatorProcess` is shared with the operator's end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from hlat_testbed import faults
+from hlat_testbed.cluster import Cluster, kubectl_binary
+
+GROUP, VERSION, PLURAL = "hlat.dev", "v1alpha1", "pretrainjobs"
+REPO = Path(__file__).resolve().parents[2]
+CRD = REPO / "crds" / "pretrainjob.yaml"
+EXAMPLE = REPO / "examples" / "pretrainjob-tiny.yaml"
+CLAIM = "fsx"
+
+RIG_OPERATOR_ENV = {
+    # short intervals for a local run (defaults suit EKS); see hlat_operator/config.py
+    "HLAT_OPERATOR_RESYNC_SECONDS": "2",
+    "HLAT_OPERATOR_STATUS_INTERVAL_SECONDS": "2",
+    "HLAT_OPERATOR_HEARTBEAT_PERIOD_SECONDS": "2",
+    "HLAT_OPERATOR_TERMINATION_GRACE_SECONDS": "5",
+    "HLAT_OPERATOR_FORCE_DELETE_AFTER_SECONDS": "10",
+    "HLAT_OPERATOR_TRAINER_METRICS_PORT": "0",
+}
+
+
+def venv_bin(name: str) -> Path:
+    """A console script of the interpreter running this (works from any checkout)."""
+    return Path(sys.executable).parent / name
+
+
+class OperatorProcess:
+    """`python -m hlat_operator.cli` as a subprocess, with the rig's operator credentials."""
+
+    def __init__(self, cluster: Cluster, log_path: Path, namespaces: list[str],
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.cluster, self.log_path, self.namespaces = cluster, log_path, namespaces
+        self.extra_env = extra_env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> OperatorProcess:
+        env = {**os.environ, **RIG_OPERATOR_ENV, **self.extra_env,
+               "KUBECONFIG": str(self.cluster.operator_kubeconfig()),
+               "HLAT_OPERATOR_TRAINER_COMMAND": str(venv_bin("hlat-launch")),
+               "PYTHONUNBUFFERED": "1"}
+        argv = [sys.executable, "-m", "hlat_operator.cli", "--liveness", "none",
+                "--metrics-port", "0"]
+        for ns in self.namespaces:
+            argv += ["--namespace", ns]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed or OOM-killed operator pod."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 10) -> None:
+        """SIGTERM (kopf stops gracefully), then SIGKILL."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def install_crd(api: client.ApiClient, path: Path = CRD, timeout: float = 30) -> None:
+    """Create or replace the CRD and wait until it is Established."""
+    ext = client.ApiextensionsV1Api(api)
+    body: Any = yaml.safe_load(path.read_text())
+    name = body["metadata"]["name"]
+    try:
+        ext.create_custom_resource_definition(body)
+    except ApiException as err:
+        if err.status != 409:
+            raise
+        current: Any = ext.read_custom_resource_definition(name)
+        body["metadata"]["resourceVersion"] = current.metadata.resource_version
+        ext.replace_custom_resource_definition(name, body)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        crd: Any = ext.read_custom_resource_definition(name)
+        if any(c.type == "Established" and c.status == "True"
+               for c in crd.status.conditions or []):
+            return
+        time.sleep(0.3)
+    raise TimeoutError(f"CRD {name} not Established after {timeout}s")
+
+
+def ensure_namespace(core: client.CoreV1Api, name: str) -> None:
+    try:
+        core.create_namespace({"apiVersion": "v1", "kind": "Namespace",  # type: ignore[arg-type]
+                               "metadata": {"name": name}})
+    except ApiException as err:
+        if err.status != 409:
+            raise
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if core.list_namespaced_service_account(
+                name, field_selector="metadata.name=default").items:
+            return
+        time.sleep(0.3)
+
+
+def ensure_volume(cluster: Cluster, namespace: str, host_dir: Path) -> None:
+    try:
+        cluster.create_shared_volume(namespace, CLAIM, host_dir)
+    except ApiException as err:
+        if err.status != 409:
+            raise
+
+
+def make_sample_data(out: Path) -> None:
+    if (out / "tokenizer.json").exists() and (out / "train.arrow").exists():
+        return
+    subprocess.run([str(venv_bin("hlat-data")), "sample", "--out", str(out)], check=True)
+
+
+def load_job(path: Path = EXAMPLE) -> dict[str, Any]:
+    job: dict[str, Any] = yaml.safe_load(path.read_text())
+    return job
+
+
+def get_job(custom: client.CustomObjectsApi, namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        job: dict[str, Any] = custom.get_namespaced_custom_object(  # type: ignore[assignment]
+            GROUP, VERSION, namespace, PLURAL, name)
+        return job
+    except ApiException as err:
+        if err.status == 404:
+            return None
+        raise
+
+
+def delete_job_and_wait(custom: client.CustomObjectsApi, core: client.CoreV1Api,
+                        namespace: str, name: str, timeout: float = 60) -> None:
+    with contextlib.suppress(ApiException):
+        custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                               propagation_policy="Foreground")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pods = core.list_namespaced_pod(namespace, label_selector=f"hlat.dev/job={name}").items
+        if get_job(custom, namespace, name) is None and not pods:
+            return
+        time.sleep(0.5)
+
+
+def status_line(job: dict[str, Any]) -> str:
+    s = job.get("status") or {}
+    prog, up, rs = s.get("progress") or {}, s.get("uptime") or {}, s.get("restarts") or {}
+    loss = prog.get("loss")
+    ckpt = (s.get("latestCheckpoint") or {}).get("step")
+    ratio = up.get("ratio")
+    return (f"phase={s.get('phase', '-'):<10} attempt={s.get('attempt', 0)} "
+            f"step={prog.get('step', 0):<4} loss={loss if loss is None else f'{loss:.3f}'} "
+            f"checkpoint={ckpt} restarts={rs.get('total', 0)} "
+            f"uptime={up.get('runningSeconds', 0):.0f}s/{up.get('downSeconds', 0):.0f}s down"
+            + (f" ratio={ratio:.3f}" if ratio is not None else ""))
+
+
+def resumed_step(log: str) -> int | None:
+    """The step a resumed trainer starts at, from its log line."""
+    m = re.search(r"resumed from checkpoint step_(\d+): next step is (\d+)", log)
+    return int(m.group(2)) if m else None
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+
+    def say(line: str) -> None:
+        print(f"[demo {time.monotonic() - t0:6.1f}s] {line}", flush=True)
+
+    cluster = Cluster()
+    cluster.up(nodes=3, progress=say)
+    api = cluster.admin_api()
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    install_crd(api)
+    say(f"CRD installed from {CRD.relative_to(REPO)}")
+    ns, workdir = args.namespace, Path(args.workdir).resolve()
+    fsx = workdir / "fsx"
+    ensure_namespace(core, ns)
+    job = load_job()
+    name = job["metadata"]["name"]
+    if get_job(custom, ns, name) is not None:
+        say(f"deleting the previous {name} in {ns}")
+        delete_job_and_wait(custom, core, ns, name)
+    shutil.rmtree(fsx / "checkpoints", ignore_errors=True)  # a fresh run, not a resumed one
+    ensure_volume(cluster, ns, fsx)
+    say(f"PVC {ns}/{CLAIM} -> {fsx}; writing the sample dataset")
+    make_sample_data(fsx / "data" / "sample")
+    op_log = workdir / "operator.log"
+    op_log.unlink(missing_ok=True)
+    operator = OperatorProcess(cluster, op_log, [ns]).start()
+    say(f"operator started (pid {operator.pid}), log {op_log}")
+    ok = False
+    try:
+        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)
+        say(f"applied {EXAMPLE.relative_to(REPO)}: {name} ({job['spec']['nodes']} nodes)")
+        ok = watch(cluster, custom, ns, name, say, args.timeout, operator)
+    finally:
+        operator.stop()
+        say("operator stopped")
+    kubectl = [str(kubectl_binary()), f"--kubeconfig={cluster.kubeconfig}"]
+    print(subprocess.run([*kubectl, "get", "pj", "-n", ns], capture_output=True,
+                         text=True).stdout, flush=True)
+    print(f"logs:\n  operator:     {op_log}\n"
+          f"  worker pods:  {cluster.config.pods_dir}/{ns}_{name}-a*/trainer.log "
+          f"(or: hlat-cluster logs POD -n {ns})\n"
+          f"  checkpoints:  {fsx / 'checkpoints'}\n"
+          f"  cluster:      {cluster.config.logs_dir}\n"
+          f"  events:       hlat-cluster kubectl get events -n {ns}", flush=True)
+    if args.down:
+        cluster.down(progress=say)
+    else:
+        say(f"cluster left up (hlat-cluster down stops it); KUBECONFIG={cluster.kubeconfig}")
+    say(f"done in {time.monotonic() - t0:.0f}s: {'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+def watch(cluster: Cluster, custom: client.CustomObjectsApi, ns: str, name: str,
+          say: Any, timeout: float, operator: OperatorProcess) -> bool:
+    killed: str | None = None
+    last = ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = get_job(custom, ns, name) or {}
+        s = job.get("status") or {}
+        line = status_line(job)
+        key = re.sub(r" uptime=.*", "", line)  # a line when phase, step or counts change
+        if key != last:
+            say(line)
+            last = key
+        phase = s.get("phase")
+        if phase in ("Succeeded", "Failed"):
+            break
+        if not operator.alive():
+            say("the operator exited; see its log")
+            return False
+        if killed is None and phase == "Running" and s.get("latestCheckpoint"):
+            killed = f"{name}-a{s.get('attempt', 0)}-1"
+            with contextlib.suppress(Exception):
+                faults.kill(cluster.config, ns, killed)
+                say(f"FAULT: SIGKILL to the trainer of pod {killed} (node rank 1)")
+        time.sleep(1)
+    else:
+        say(f"timed out after {timeout:.0f}s")
+        return False
+    s = (get_job(custom, ns, name) or {}).get("status") or {}
+    failure = s.get("lastFailure") or {}
+    if failure:
+        say(f"last failure: {failure.get('reason')} on {failure.get('pod')} "
+            f"(exit {failure.get('exitCode')})")
+    if s.get("attempt", 0) > 0:
+        pod = f"{name}-a{s['attempt']}-0"
+        with contextlib.suppress(Exception):
+            step = resumed_step(cluster.pod_log(ns, pod))
+            say(f"attempt {s['attempt']} resumed from the checkpoint of step "
+                f"{None if step is None else step - 1}: its first step was {step} "
+                f"(log of {pod})")
+    return s.get("phase") == "Succeeded" and killed is not None and s.get("attempt", 0) > 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hlat_testbed.demo",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--namespace", default="hlat-demo")
+    p.add_argument("--workdir", default=str(REPO / "runs" / "demo"),
+                   help="host directory for the PVC and the operator log (default runs/demo)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds to wait for the job")
+    p.add_argument("--down", action="store_true", help="tear the cluster down at the end")
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,6 +20,7 @@ def main() -> int:
         ["bench_optimizer.py"],
         ["bench_loader.py", *(["--data", a.data] if a.data else [])],
         ["bench_checkpoint.py"],
+        ["bench_recovery.py"],  # needs root: it runs the local cluster
     ]
     failed = 0
     for args in runs:

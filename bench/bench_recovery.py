@@ -1,0 +1,167 @@
+"""Time from a fault to the next training step, per fault kind, on the local cluster.
+
+For each fault (a worker SIGKILLed, a worker hung with SIGSTOP, a node taken down) a fresh tiny
+2-node PretrainJob runs until it has a complete checkpoint; the fault is injected and the clock
+runs until the new gang's rank 0 logs its first training step. The baseline, measured in the
+same run, is a cold start: apply -> first training step of a fresh job. Recovery cannot beat
+it (the new gang starts the same way, plus detection, teardown, backoff and checkpoint load),
+so the ratio says what fault handling adds. Also shown: detection (fault -> the operator
+records the failure) and the training steps lost.
+
+    .venv/bin/python bench/bench_recovery.py        # needs root and the local cluster
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from hlat_testbed import faults
+from hlat_testbed.cluster import Cluster
+from hlat_testbed.demo import (
+    GROUP,
+    PLURAL,
+    REPO,
+    VERSION,
+    OperatorProcess,
+    ensure_namespace,
+    get_job,
+    install_crd,
+    make_sample_data,
+)
+from hlat_testbed.podfiles import PodNotFound
+
+NS = "hlat-bench-recovery"
+HANG_TIMEOUT = 8
+
+
+def spec(steps: int, **heartbeat: Any) -> dict[str, Any]:
+    return {
+        "image": "hlat-trainer:dev", "nodes": 2, "instanceType": "cpu", "processesPerNode": 1,
+        "model": {"preset": "tiny", "hiddenSize": 64, "layers": 2, "intermediateSize": 128,
+                  "maxSeqLen": 128},
+        "precision": "fp32", "optimizer": {"lr": 3.0e-3, "minLr": 3.0e-4, "warmupSteps": 2},
+        "data": {"path": "/fsx/data/sample", "tokenizer": "/fsx/data/sample/tokenizer.json",
+                 "seqLen": 64},
+        "train": {"globalBatch": 4, "microBatch": 2, "steps": steps},
+        "checkpoint": {"dir": "/fsx/checkpoints", "interval": 4, "keep": 2, "async": False},
+        "storage": {"claimName": "fsx", "mountPath": "/fsx"},
+        "faultTolerance": {"maxRestarts": 3, "backoff": {"initialSeconds": 1, "maxSeconds": 2},
+                           "heartbeat": {"startupTimeoutSeconds": 120,
+                                         "timeoutSeconds": "auto", **heartbeat}},
+    }
+
+
+class Run:
+    def __init__(self, cluster: Cluster, name: str, body: dict[str, Any]) -> None:
+        self.cluster, self.name = cluster, name
+        api = cluster.admin_api()
+        self.custom, self.core = client.CustomObjectsApi(api), client.CoreV1Api(api)
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, {
+            "apiVersion": f"{GROUP}/{VERSION}", "kind": "PretrainJob",
+            "metadata": {"name": name}, "spec": body})
+        self.created = time.monotonic()
+
+    def status(self) -> dict[str, Any]:
+        return (get_job(self.custom, NS, self.name) or {}).get("status") or {}
+
+    def first_step_at(self, attempt: int, timeout: float = 300) -> float:
+        """Wall time at which the attempt's rank 0 logged its first training step."""
+        pod = f"{self.name}-a{attempt}-0"
+        return wait(lambda: any(line.startswith("{") for line in self._log(pod).splitlines()),
+                    timeout, f"a step from {pod}")
+
+    def _log(self, pod: str) -> str:
+        try:
+            return self.cluster.pod_log(NS, pod)
+        except (OSError, ValueError, PodNotFound):  # not started yet
+            return ""
+
+    def delete(self) -> None:
+        with contextlib.suppress(ApiException):
+            self.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, self.name)
+
+
+def wait(probe: Callable[[], object], timeout: float, what: str) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if probe():
+            return time.monotonic()
+        time.sleep(0.1)
+    raise TimeoutError(f"no {what} within {timeout}s")
+
+
+def node_of(run: Run, pod: str) -> str:
+    body: Any = run.core.read_namespaced_pod(pod, NS)
+    return str(body.spec.node_name)
+
+
+def measure(cluster: Cluster, kind: str) -> dict[str, Any]:
+    extra = {"timeoutSeconds": HANG_TIMEOUT} if kind == "hang" else {}
+    run = Run(cluster, f"rec-{kind}", spec(400, **extra))
+    node = ""
+    try:
+        wait(lambda: (run.status().get("latestCheckpoint") or {}).get("step"), 300,
+             "a complete checkpoint")
+        victim = f"{run.name}-a0-1"
+        step_before = (run.status().get("progress") or {}).get("step", 0)
+        node = node_of(run, victim)
+        fault_at = time.monotonic()
+        if kind == "kill":
+            faults.kill(cluster.config, NS, victim)
+        elif kind == "hang":
+            faults.hang(cluster.config, NS, victim)
+        else:
+            faults.node_down(cluster.config, node)
+        detected = wait(lambda: run.status().get("lastFailure"), 300, "the failure recorded")
+        resumed = run.first_step_at(1)
+        ckpt = (run.status().get("latestCheckpoint") or {}).get("step", 0)
+        return {"detect": detected - fault_at, "recover": resumed - fault_at,
+                "lost": max(step_before - ckpt, 0),
+                "reason": run.status().get("lastFailure", {}).get("reason", "?")}
+    finally:
+        if kind == "node-down" and node:
+            faults.node_up(cluster.config, node)
+        run.delete()
+
+
+def cold_start(cluster: Cluster) -> float:
+    run = Run(cluster, "rec-cold", spec(4))
+    try:
+        return run.first_step_at(0) - run.created
+    finally:
+        run.delete()
+
+
+def main() -> None:
+    cluster = Cluster()
+    cluster.up(nodes=3, progress=lambda line: print(f"[cluster] {line}", flush=True))
+    api = cluster.admin_api()
+    install_crd(api)
+    ensure_namespace(client.CoreV1Api(api), NS)
+    work = REPO / "runs" / "bench-recovery"  # kept: the PV of the namespace points here
+    make_sample_data(work / "fsx" / "data" / "sample")
+    with contextlib.suppress(ApiException):
+        cluster.create_shared_volume(NS, "fsx", work / "fsx")
+    operator = OperatorProcess(cluster, work / "operator.log", [NS]).start()
+    try:
+        baseline = cold_start(cluster)
+        rows = {kind: measure(cluster, kind) for kind in ("kill", "hang", "node-down")}
+    finally:
+        operator.stop()
+    print(f"cold start (apply -> first step of a fresh 2-node job): {baseline:.1f} s")
+    print(f"{'fault':<12}{'reason':<18}{'detect s':>10}{'to next step s':>16}"
+          f"{'x cold start':>14}{'steps lost':>12}")
+    for kind, r in rows.items():
+        print(f"{kind:<12}{r['reason']!s:<18}{r['detect']:>10.1f}{r['recover']:>16.1f}"
+              f"{r['recover'] / baseline:>14.2f}{r['lost']:>12.0f}")
+    print(f"(hang timeout set to {HANG_TIMEOUT} s; operator resync 2 s; backoff 1 s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e_spec import tiny_spec
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -25,22 +26,7 @@ from hlat_testbed.demo import GROUP, PLURAL, VERSION, OperatorProcess, install_c
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-BASE: dict[str, Any] = {
-    "image": "hlat-trainer:dev",
-    "nodes": 2,
-    "instanceType": "cpu",
-    "processesPerNode": 1,
-    "model": {"preset": "tiny", "hiddenSize": 64, "layers": 2, "heads": 4, "kvHeads": 2,
-              "intermediateSize": 128, "maxSeqLen": 128},
-    "precision": "fp32",
-    "optimizer": {"lr": 3.0e-3, "minLr": 3.0e-4, "warmupSteps": 2},
-    "data": {"path": "/fsx/data/sample", "tokenizer": "/fsx/data/sample/tokenizer.json",
-             "seqLen": 64},
-    "train": {"globalBatch": 4, "microBatch": 2, "steps": 8},
-    "checkpoint": {"dir": "/fsx/checkpoints", "interval": 2},
-    "storage": {"claimName": "fsx", "mountPath": "/fsx"},
-    "faultTolerance": {"backoff": {"initialSeconds": 1, "maxSeconds": 4}},
-}
+BASE: dict[str, Any] = tiny_spec(steps=8)
 
 DROP = object()
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e_spec import tiny_spec
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -72,31 +73,6 @@ def job_env(cluster: Cluster, namespace: str, sample_data: Path, tmp_path: Path,
 
 
 # --- helpers -------------------------------------------------------------------------------
-
-
-def tiny_spec(steps: int = 8, **fault_tolerance: Any) -> dict[str, Any]:
-    ft: dict[str, Any] = {
-        "maxRestarts": 5,
-        "backoff": {"initialSeconds": 1, "maxSeconds": 4},
-        "heartbeat": {"startupTimeoutSeconds": 120, "timeoutSeconds": "auto"},
-    }
-    ft.update(fault_tolerance)
-    return {
-        "image": "hlat-trainer:dev",
-        "nodes": 2,
-        "instanceType": "cpu",
-        "processesPerNode": 1,
-        "model": {"preset": "tiny", "hiddenSize": 64, "layers": 2, "heads": 4, "kvHeads": 2,
-                  "intermediateSize": 128, "maxSeqLen": 128},
-        "precision": "fp32",
-        "optimizer": {"lr": 3.0e-3, "minLr": 3.0e-4, "warmupSteps": 2},
-        "data": {"path": "/fsx/data/sample", "tokenizer": "/fsx/data/sample/tokenizer.json",
-                 "seqLen": 64},
-        "train": {"globalBatch": 4, "microBatch": 2, "steps": steps},
-        "checkpoint": {"dir": "/fsx/checkpoints", "interval": 2, "keep": 2, "async": False},
-        "storage": {"claimName": "fsx", "mountPath": "/fsx"},
-        "faultTolerance": ft,
-    }
 
 
 class Env:

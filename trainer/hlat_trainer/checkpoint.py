@@ -194,6 +194,3 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         entry = latest_complete(self.root, self.job)
         return entry.step if entry else None
-
-    def close(self) -> None:
-        self.wait()

@@ -239,8 +239,3 @@ class DataParallel:
                 dist.broadcast(flat, src=dp_ranks[owner], group=self.world.dp_group)
                 if owner != self.world.dp_rank:
                     _unflatten_into(flat, chunk)
-
-    def optimizer_state_numel(self) -> int:
-        """Elements of optimizer state held by this rank (ZeRO-1 makes it about 1/dp)."""
-        return sum(v.numel() for st in self.optimizer.state.values()
-                   for v in st.values() if isinstance(v, Tensor) and v.dim() > 0)

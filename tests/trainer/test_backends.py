@@ -61,7 +61,7 @@ def test_selection(instance: str, backend: str, name: str, dist_backend: str,
     assert isinstance(chosen, Backend)
     assert resolve_backend_name(spec) == chosen.name == name
     assert (chosen.dist_backend, chosen.autocast_device_type) == (dist_backend, autocast)
-    assert chosen.parallelizes_model is chosen.owns_checkpointing is (name == "neuron-xla")
+    assert chosen.parallelizes_model is (name == "neuron-xla")
 
 
 def test_neuron_native_off_trn2_warns() -> None:
@@ -81,9 +81,11 @@ def test_cpu_backend_device_process_group_and_noop_sync(monkeypatch: pytest.Monk
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
                        "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(key, value)
-    backend.init_process_group()
+    world = backend.init_world()
     try:
         assert dist.get_backend() == "gloo"
+        assert (world.rank, world.size, world.dp, world.tp) == (0, 1, 1, 1)
+        assert world.tp_mesh is not None
         t = torch.tensor([2.0])
         dist.all_reduce(t)
         assert t.item() == 2.0
@@ -93,7 +95,7 @@ def test_cpu_backend_device_process_group_and_noop_sync(monkeypatch: pytest.Monk
     backend.finalize_checkpoint()  # no-op off NxD
     with pytest.raises(NotImplementedError, match=r"hlat_trainer\.checkpoint"):
         layer = nn.Linear(1, 1)
-        backend.load_checkpoint("/nowhere", layer, torch.optim.SGD(layer.parameters(), lr=1))
+        backend.load_checkpoint("/nowhere", 1, layer, torch.optim.SGD(layer.parameters(), lr=1))
 
 
 @pytest.mark.parametrize(("precision", "dtype", "optimizer"), [
@@ -104,7 +106,7 @@ def test_cpu_backend_builds_a_model_that_trains(precision: str, dtype: torch.dty
                                                 optimizer: type) -> None:
     backend = select_backend(make_spec(precision=precision))
     model = backend.build_model(backend.device(0))
-    opt = backend.build_optimizer(model)
+    opt = backend.build_optimizer(model.parameters())
     assert isinstance(opt, optimizer)
     assert {p.dtype for p in model.parameters()} == {dtype}
     tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
@@ -143,7 +145,7 @@ def test_neuron_xla_imports_without_the_packages_and_says_what_to_install() -> N
     assert "torch_xla" not in sys.modules and "neuronx_distributed" not in sys.modules
     backend = select_backend(make_spec("trn1.32xlarge", train={"globalBatch": 64, "steps": 4}))
     assert isinstance(backend, nx.NeuronXlaBackend)
-    for use in (lambda: backend.device(0), backend.step_end, backend.init_process_group,
+    for use in (lambda: backend.device(0), backend.step_end, backend.init_world,
                 lambda: backend.build_model(torch.device("cpu")), backend.finalize_checkpoint):
         with pytest.raises(UserError) as err:
             use()

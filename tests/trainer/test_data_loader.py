@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import threading
 import time
 from collections import Counter
@@ -310,3 +311,71 @@ def test_errors_in_the_background_thread_reach_the_consumer(tmp_path: Path) -> N
 def test_bad_arguments(data: str, kw: dict[str, Any], message: str) -> None:
     with pytest.raises(UserError, match=message):
         make(data, **kw)
+
+
+# --- resuming under another data-parallel degree ------------------------------------------------
+
+
+def doc_ids(stream: list[int]) -> set[int]:
+    """Ids of the documents whose "<i>" prefix appears in a token stream."""
+    text = bytes(t if t != EOS else 0 for t in stream).decode()
+    return {int(m) for m in re.findall(r"<(\d+)>", text)}
+
+
+@pytest.mark.parametrize(("old_size", "new_size"), [(3, 2), (2, 3), (2, 1)])
+def test_reshard_deals_the_rest_of_the_epoch_with_nothing_skipped(
+    data: str, old_size: int, new_size: int
+) -> None:
+    """Old ranks stop at different points of epoch 0; the new ranks continue from the earliest
+    unfinished document: every document of the epoch is read, the frontier document goes on at
+    the token where it stopped, and only documents old ranks had read past it are read again."""
+    kw: dict[str, Any] = dict(seq_len=8, micro_batch=1)
+    old_streams, states, old_next = [], [], []
+    for rank in range(old_size):
+        with make(data, dp_rank=rank, dp_size=old_size, **kw) as old:
+            old_streams.append(token_stream(take(old, 3 + 2 * rank)))
+            states.append(old.state_dict())
+            assert old.epoch == 0
+            old_next.append(token_stream(take(old, 6))[1:])  # what it would have read next
+    frontier = min(range(old_size), key=lambda r: states[r]["doc"] * old_size + r)
+    new_streams = []
+    for rank in range(new_size):
+        with make(data, dp_rank=rank, dp_size=new_size, **kw) as new:
+            new.reshard(states)
+            batches = []
+            while new.state_dict()["epoch"] == 0:  # the batches that start in epoch 0
+                batches.append(next(new))
+            new_streams.append(token_stream(batches))
+    # new rank 0 goes on with the frontier document's next token, to the document's end
+    rest = old_next[frontier][: old_next[frontier].index(EOS) + 1]
+    assert new_streams[0][1 : 1 + len(rest)] == rest
+    joined = old_streams[frontier] + new_streams[0][1:]
+    old_ids = set().union(*(doc_ids(s) for s in old_streams))
+    new_ids = set().union(doc_ids(joined), *(doc_ids(s) for s in new_streams[1:]))
+    assert old_ids | new_ids == set(range(len(DOCS))), "no document of the epoch is skipped"
+    spread = max(s["doc"] for s in states) - min(s["doc"] for s in states) + 1
+    repeated = (old_ids & new_ids) - doc_ids(old_streams[frontier])
+    # at most what old ranks read past the frontier, plus the epoch-1 tail of each last batch
+    assert len(repeated) <= spread * old_size + 2 * new_size, repeated
+
+
+def test_reshard_is_the_same_on_every_new_rank_and_checks_the_states(data: str) -> None:
+    states = []
+    for rank in range(2):
+        with make(data, dp_rank=rank, dp_size=2) as old:
+            take(old, 2 + rank)
+            states.append(old.state_dict())
+    with make(data, dp_rank=0, dp_size=1) as a, make(data, dp_rank=0, dp_size=1) as b:
+        a.reshard(states)
+        b.reshard(states)
+        assert same(take(a, 5), take(b, 5))
+        # the re-dealt position is a checkpointable state like any other
+        state = a.state_dict()
+        expected = take(a, 3)
+    with make(data, dp_rank=0, dp_size=1) as c:
+        c.load_state_dict(state)
+        assert same(take(c, 3), expected)
+    with make(data, dp_rank=0, dp_size=1, seed=8) as d, pytest.raises(UserError, match="seed"):
+        d.reshard(states)
+    with make(data, dp_rank=0, dp_size=1) as e, pytest.raises(UserError, match="dp_rank"):
+        e.reshard(states[::-1])

@@ -63,7 +63,7 @@ class _DelayedWriter(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-def _write_durably(path: Path, data: bytes) -> None:
+def write_durably(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -77,11 +77,27 @@ def _write_durably(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def remove_incomplete(root: Path, job: str, coordinator: bool,
+                      group: dist.ProcessGroup | None = None) -> list[Path]:
+    """Rank 0 deletes step directories without `done` (left by a crash mid-save); a barrier,
+    so that no rank looks for checkpoints while they are being removed."""
+    removed = []
+    if coordinator:
+        for entry in list_checkpoints(root, job):
+            if not entry.complete:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+    dist.barrier(group=group)
+    return removed
+
+
 class Checkpointer:
     def __init__(self, root: str | Path, job: str, keep: int, *, async_: bool,
-                 rank: int = 0) -> None:
+                 rank: int = 0, meta: dict[str, Any] | None = None) -> None:
         self.root, self.job, self.keep, self.async_ = Path(root), job, keep, async_
         self.rank = rank
+        self.meta = meta or {}
+        """Extra fields for each checkpoint's hlat.json (the saving layout)."""
         self.pending: Future[Any] | None = None
         self.committed: int | None = None
         self._lock = threading.Lock()
@@ -134,9 +150,10 @@ class Checkpointer:
             if not self.is_coordinator:
                 return
             target = step_dir(self.root, self.job, step)
-            meta = {"step": step, "time": time.time(), "format": "torch.distributed.checkpoint"}
-            _write_durably(target / META_FILE, json.dumps(meta).encode())
-            _write_durably(target / DONE, b"")
+            meta = {"step": step, "time": time.time(), "format": "torch.distributed.checkpoint",
+                    **self.meta}
+            write_durably(target / META_FILE, json.dumps(meta).encode())
+            write_durably(target / DONE, b"")
             self.purge()
             log.info("checkpoint step_%d complete", step)
 
@@ -159,15 +176,7 @@ class Checkpointer:
     # --- resume -------------------------------------------------------------------------------
 
     def remove_incomplete(self) -> list[Path]:
-        """Rank 0 deletes step directories without `done` (left by a crash mid-save)."""
-        removed = []
-        if self.is_coordinator:
-            for entry in list_checkpoints(self.root, self.job):
-                if not entry.complete:
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                    removed.append(entry.path)
-        dist.barrier()
-        return removed
+        return remove_incomplete(self.root, self.job, self.is_coordinator)
 
     def load_latest(self, state: dict[str, Any]) -> int:
         """Load the newest readable complete checkpoint into `state` in place; its step, or 0."""

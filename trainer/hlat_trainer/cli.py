@@ -11,9 +11,16 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from hlat_api import Env, ExitCode, InvalidSpecError, load_job
+from hlat_api import Env, ExitCode, InvalidSpecError, PretrainJobSpec, load_job
 from hlat_trainer.errors import UserError
+
+if TYPE_CHECKING:
+    from hlat_trainer.backends import Backend
+
+BackendFactory = Callable[[PretrainJobSpec], "Backend"]
 
 log = logging.getLogger("hlat_trainer")
 
@@ -36,18 +43,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, backend: BackendFactory | None = None) -> int:
+    """The command; `backend` replaces the spec's backend (a device stack out of this tree)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return _run(args)
+        return _run(args, backend)
     except (InvalidSpecError, UserError) as err:
         print(f"hlat-train: {err}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, backend: BackendFactory | None) -> int:
     job = load_job(args.config, args.overrides, name=args.job_name)
     # the loader tokenizes in one background thread; keep HF tokenizers' Rayon pool from
     # competing with the training threads for every core
@@ -59,7 +67,7 @@ def _run(args: argparse.Namespace) -> int:
     from hlat_trainer.train import Trainer
 
     fmt = args.log_format or ("bar" if sys.stdout.isatty() else "json")
-    trainer = Trainer(job)
+    trainer = Trainer(job, backend=backend(job.spec) if backend else None)
     metrics = TrainMetrics()
     if args.metrics_port and trainer.world.local_rank == 0:
         port = metrics.serve(args.metrics_port)
@@ -68,7 +76,7 @@ def _run(args: argparse.Namespace) -> int:
     bar = None
     if trainer.world.rank == 0:  # one line per step for the whole job, not one per rank
         if fmt == "bar":
-            bar = ProgressBar(job.spec.total_steps, initial=trainer.checkpointer.latest_step() or 0)
+            bar = ProgressBar(job.spec.total_steps, initial=trainer.engine.latest_step() or 0)
             trainer.sinks.append(bar)
         else:
             trainer.sinks.append(JsonLines())

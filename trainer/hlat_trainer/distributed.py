@@ -1,10 +1,15 @@
-"""Where this process sits in the job: ranks, the (dp, tp) device mesh, process groups.
+"""Where this process sits in the job: ranks, the data- and tensor-parallel process groups.
 
 Every run is a torch.distributed run, a single process included (a one-rank gloo group on an
 in-memory store), so the training loop and the checkpointer have one code path. Ranks are laid
 out [dp, tp] with tp fastest, as neuronx-distributed does: a tensor-parallel group is
 contiguous ranks, which torchrun places on one node. The parallel degrees are checked against
 the world torchrun actually started, up front, with a message that says what to change.
+
+The torch-native backends get their groups from a (dp, tp) DeviceMesh (`init_distributed`),
+whose tp dimension DTensor shards the model over; a backend that lays out ranks itself
+(neuronx-distributed's parallel_state) builds its `World` from its own groups (`join`, then
+`World(...)` without a mesh).
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ class World:
     local_rank: int
     dp: int
     tp: int
-    mesh: DeviceMesh
+    dp_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup
+    tp_mesh: DeviceMesh | None = None
+    """The tp dimension of the DeviceMesh (torch-native backends): what DTensor shards over."""
 
     @property
     def dp_rank(self) -> int:
@@ -40,14 +48,6 @@ class World:
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh["dp"].get_group()
-
-    @property
-    def tp_group(self) -> dist.ProcessGroup:
-        return self.mesh["tp"].get_group()
 
     @property
     def is_coordinator(self) -> bool:
@@ -69,11 +69,15 @@ def check_world(spec: PretrainJobSpec, world_size: int) -> None:
         )
 
 
-def init_distributed(spec: PretrainJobSpec, backend: str = "gloo") -> World:
-    """Join (or, alone, create) the process group and build the (dp, tp) mesh."""
-    timeout = datetime.timedelta(
+def collective_timeout() -> datetime.timedelta:
+    return datetime.timedelta(
         seconds=float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT))
     )
+
+
+def join(spec: PretrainJobSpec, backend: str) -> None:
+    """Join the job's process group (alone: create a one-rank group), checking its size."""
+    timeout = collective_timeout()
     if not dist.is_initialized():
         if launched_by_torchrun():
             check_world(spec, int(os.environ["WORLD_SIZE"]))
@@ -82,14 +86,24 @@ def init_distributed(spec: PretrainJobSpec, backend: str = "gloo") -> World:
             check_world(spec, 1)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,  # type: ignore[attr-defined]
                                     timeout=timeout)
+    check_world(spec, dist.get_world_size())
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def init_distributed(spec: PretrainJobSpec, backend: str = "gloo") -> World:
+    """Join (or, alone, create) the process group and build the (dp, tp) mesh."""
+    join(spec, backend)
     size, tp = dist.get_world_size(), spec.parallelism.tensor
-    check_world(spec, size)
     device_type = {"nccl": "cuda", "neuron": "neuron"}.get(backend, "cpu")
     mesh = init_device_mesh(device_type, (size // tp, tp), mesh_dim_names=("dp", "tp"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-    return World(dist.get_rank(), size, local_rank, size // tp, tp, mesh)
+        torch.cuda.set_device(local_rank())
+    return World(dist.get_rank(), size, local_rank(), size // tp, tp,
+                 dp_group=mesh["dp"].get_group(), tp_group=mesh["tp"].get_group(),
+                 tp_mesh=mesh["tp"])
 
 
 def shutdown() -> None:

@@ -23,7 +23,6 @@ Design choices:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -52,7 +51,9 @@ def apply_tp(model: Transformer, world: World, sequence_parallel: bool) -> None:
     """Shard the model over the tp mesh dimension (no-op when tp == 1)."""
     if world.tp == 1:
         return
-    mesh = world.mesh["tp"]
+    mesh = world.tp_mesh
+    if mesh is None:
+        raise ValueError("apply_tp needs a World built on a DeviceMesh (init_distributed)")
     seq = Shard(1) if sequence_parallel else Replicate()
     top: dict[str, Any] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -161,6 +162,26 @@ def _buckets(tensors: list[Tensor]) -> Iterable[list[Tensor]]:
         yield bucket
 
 
+def global_norm(tensors: list[Tensor | None], tp_sharded: list[bool], world: World) -> Tensor:
+    """L2 norm over the whole model of the local tensors (gradients or parameters): squares of
+    tensor-parallel shards summed over the tp group, replicated tensors counted once. A 0-d
+    tensor on the tensors' device (no host sync here: on XLA it stays in the step's graph)."""
+    present = [(t, s) for t, s in zip(tensors, tp_sharded, strict=True) if t is not None]
+    device = present[0][0].device if present else torch.device("cpu")
+    dtype = torch.float64 if device.type == "cpu" else torch.float32
+    sharded = torch.zeros((), dtype=dtype, device=device)
+    replicated = torch.zeros((), dtype=dtype, device=device)
+    for t, is_sharded in present:
+        sq = t.to(dtype).pow(2).sum()
+        if is_sharded:
+            sharded += sq
+        else:
+            replicated += sq
+    if world.tp > 1:
+        dist.all_reduce(sharded, group=world.tp_group)
+    return (sharded + replicated).sqrt()
+
+
 def partition(numels: list[int], parts: int) -> list[int]:
     """Owner (dp rank) of each parameter: greedy by size, largest first, ties to the lowest rank."""
     owners = [0] * len(numels)
@@ -192,27 +213,13 @@ class DataParallel:
         if self.world.dp > 1:
             _flat_all_reduce(grads, self.world.dp_group, self.world.dp)
 
-    def _global_norm(self, tensors: list[Tensor | None]) -> float:
-        """L2 norm over the whole model: tp shards summed over the tp group, replicas once."""
-        sharded = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
-        for p, t in zip(self.params.params, tensors, strict=True):
-            if t is None:
-                continue
-            sq = t.double().pow(2).sum()
-            if is_tp_sharded(p):
-                sharded += sq
-            else:
-                replicated += sq
-        if self.world.tp > 1:
-            dist.all_reduce(sharded, group=self.world.tp_group)
-        return math.sqrt((sharded + replicated).item())
-
     def grad_norm(self) -> float:
-        return self._global_norm([s.grad for s in self.params.shards])
+        sharded = [is_tp_sharded(p) for p in self.params.params]
+        return global_norm([s.grad for s in self.params.shards], sharded, self.world).item()
 
     def param_norm(self) -> float:
-        return self._global_norm(list(self.params.shards))
+        sharded = [is_tp_sharded(p) for p in self.params.params]
+        return global_norm(list(self.params.shards), sharded, self.world).item()
 
     def clip(self, max_norm: float) -> float:
         norm = self.grad_norm()

@@ -9,11 +9,12 @@ position, spike monitor, step and token counters, and the RNG states; the LR sch
 function of the step. Per-step numbers go to the sinks (stdout JSON or a progress bar,
 Prometheus) as one dict, so adding a sink (the heartbeat) touches nothing here.
 
-Every run is a torch.distributed run (one rank when not under torchrun). Parallelism is
-applied to the pure model by `hlat_trainer.parallel` (tensor/sequence parallel, activation
-checkpointing) and the optimizer step goes through its `DataParallel` (gradient averaging,
-global norm, ZeRO-1). Each data-parallel rank reads its own stream; tensor-parallel peers read
-the same one. The logged loss is the mean over data-parallel ranks.
+Every run is a torch.distributed run (one rank when not under torchrun). The device stack
+(model, optimizer step, checkpoint format) is an `hlat_trainer.engine.Engine`: on the
+torch-native backends `hlat_trainer.parallel` parallelises the pure model (tensor/sequence
+parallel, activation checkpointing, data parallel with ZeRO-1) and DCP checkpoints it; on
+neuron-xla NxD does both. Each data-parallel rank reads its own stream; tensor-parallel peers
+read the same one. The logged loss is the mean over data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -29,16 +30,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from hlat_api import INSTANCE_TYPES, Job
-from hlat_trainer.backends import select_backend
-from hlat_trainer.checkpoint import Checkpointer
+from hlat_trainer.backends import Backend, select_backend
 from hlat_trainer.data import PackedLoader, load_tokenizer
-from hlat_trainer.distributed import World, init_distributed
+from hlat_trainer.distributed import World
+from hlat_trainer.engine import Engine, build_engine, pack, unpack
 from hlat_trainer.errors import UserError
 from hlat_trainer.heartbeat import LeaseHeartbeat
-from hlat_trainer.model import Transformer, build_model, count_params
+from hlat_trainer.model import count_params
 from hlat_trainer.monitor import GradSpikeMonitor
-from hlat_trainer.optim import build_optimizer
-from hlat_trainer.parallel import DataParallel, LocalParams, apply_ac, apply_tp
 from hlat_trainer.precision import precision_policy
 from hlat_trainer.schedule import lr_at
 
@@ -80,17 +79,12 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
 
 
 class Trainer:
-    def __init__(self, job: Job, *, sinks: list[Sink] | None = None) -> None:
+    def __init__(self, job: Job, *, sinks: list[Sink] | None = None,
+                 backend: Backend | None = None) -> None:
         spec = job.spec
         self.job, self.spec = job, spec
-        self.backend = select_backend(spec)
-        if self.backend.parallelizes_model:
-            raise UserError(
-                f"backend {self.backend.name}: the NxD model, optimizer and checkpoint hooks exist "
-                "(hlat_trainer.backends.neuron_xla) but this training loop drives only the "
-                "torch-native backends so far; set backend: neuron-native (see docs/neuron.md)"
-            )
-        self.world: World = init_distributed(spec, self.backend.dist_backend)
+        self.backend = backend or select_backend(spec)
+        self.world: World = self.backend.init_world()
         self.device = self.backend.device(self.world.local_rank)
         self.sinks = sinks or []
         self.dims = spec.model.dims()
@@ -102,32 +96,15 @@ class Trainer:
                 f"{self.tokenizer.vocab_size}"
             )
         self.policy = precision_policy(spec.precision)
-        torch.manual_seed(spec.train.seed)
-        self.model: Transformer = build_model(self.dims, self.device, seed=spec.train.seed)
-        self.policy.apply(self.model)
-        apply_tp(self.model, self.world, spec.parallelism.sequence_parallel)
-        apply_ac(self.model, spec.parallelism.activation_checkpointing)
-        o = spec.optimizer
-        self.dp = DataParallel(
-            LocalParams.of(self.model), self.world, spec.parallelism.zero1,
-            lambda params: build_optimizer(
-                params, precision=spec.precision, lr=o.lr, betas=o.betas, eps=o.eps,
-                weight_decay=o.weight_decay, seed=spec.train.seed,
-            ),
-        )
-        self.optimizer = self.dp.optimizer
-        log.info("rank %d (dp %d, tp %d) updates %d of %d parameter elements (zero1=%s)",
-                 self.world.rank, self.world.dp_rank, self.world.tp_rank,
-                 sum(s.numel() for s in self.dp.owned),
-                 sum(s.numel() for s in self.dp.params.shards), self.dp.zero1)
+        self.engine: Engine = build_engine(spec, job.name, self.backend, self.world, self.device)
+        self.model = self.engine.model
+        log.info("%s", self.engine.describe())
         self.loader = PackedLoader(
             spec.data.path, self.tokenizer, text_column=spec.data.text_column,
             seq_len=spec.data.seq_len, micro_batch=spec.train.micro_batch,
             dp_rank=self.world.dp_rank, dp_size=self.world.dp, seed=spec.data.shuffle_seed,
         )
         self.state = TrainState()
-        self.checkpointer = Checkpointer(spec.checkpoint.dir, job.name, spec.checkpoint.keep,
-                                         async_=spec.checkpoint.async_, rank=self.world.rank)
         self.peak_flops = self._peak_flops()
         self.heartbeat = LeaseHeartbeat.from_environment(self.world.local_rank)
         if self.heartbeat is not None:
@@ -142,54 +119,33 @@ class Trainer:
 
     # --- state ----------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint holds, keyed so that each rank's own parts have unique names."""
-        w = self.world
-        optim_key = (f"optimizer.dp{w.dp_rank}.tp{w.tp_rank}" if self.dp.zero1
-                     else f"optimizer.tp{w.tp_rank}")
-        return {
-            "model": self.model.state_dict(),
-            optim_key: self.optimizer.state_dict(),
-            f"loader.dp{w.dp_rank}": self.loader.state_dict(),
-            "train": self.state.state_dict(),
-            f"rng.rank{w.rank}": torch.get_rng_state(),
-        }
-
-    def _init_optimizer_state(self) -> None:
-        """Materialise the optimizer's state (a step with lr 0 on zero gradients) to load into."""
-        shards = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if all(p in self.optimizer.state for p in shards):
-            return
-        lrs = [g["lr"] for g in self.optimizer.param_groups]
-        for g in self.optimizer.param_groups:
-            g["lr"] = 0.0
-        for p in shards:
-            p.grad = torch.zeros_like(p)
-        self.optimizer.step()
-        for g, lr in zip(self.optimizer.param_groups, lrs, strict=True):
-            g["lr"] = lr
-        for p in shards:
-            p.grad = None
+    def loop_state(self) -> bytes:
+        """This rank's part of a checkpoint besides the model and optimizer (the engine's)."""
+        return pack({"loader": self.loader.state_dict(), "train": self.state.state_dict(),
+                     "rng": torch.get_rng_state()})
 
     def maybe_resume(self) -> int:
         """Load the newest complete checkpoint, if any; returns the step it holds (0: fresh)."""
-        for path in self.checkpointer.remove_incomplete():
-            log.warning("removed incomplete checkpoint %s (no `done` marker)", path)
-        if self.checkpointer.latest_step() is None:
+        restored = self.engine.resume()
+        if restored is None:
             return 0
-        self._init_optimizer_state()
-        state = self.state_dict()
-        step = self.checkpointer.load_latest(state)
-        if step == 0:
-            return 0
-        w = self.world
-        optim_key = next(k for k in state if k.startswith("optimizer."))
-        self.optimizer.load_state_dict(state[optim_key])
-        self.loader.load_state_dict(state[f"loader.dp{w.dp_rank}"])
-        self.state.load_state_dict(state["train"])
-        torch.set_rng_state(state[f"rng.rank{w.rank}"])
-        log.info("resumed from checkpoint step_%d: next step is %d", step, step + 1)
-        return step
+        if restored.same_layout:
+            loop = unpack(restored.loop_states[self.world.rank])
+            self.loader.load_state_dict(loop["loader"])
+            torch.set_rng_state(loop["rng"])
+        else:
+            loops = [unpack(restored.loop_states[r]) for r in sorted(restored.loop_states)]
+            loop = loops[0]
+            self.loader.reshard([s["loader"] for s in loops])
+            log.warning(
+                "resumed step_%d, saved by %d ranks (dp %d), on %d ranks (dp %d): data streams "
+                "re-dealt from the earliest unfinished document (%s); optimizer state re-"
+                "partitioned by parameter name", restored.step, restored.saved.world,
+                restored.saved.dp, self.world.size, self.world.dp, self.loader.position_text())
+        self.state.load_state_dict(loop["train"])
+        log.info("resumed from checkpoint step_%d: next step is %d", restored.step,
+                 restored.step + 1)
+        return restored.step
 
     # --- the loop ---------------------------------------------------------------------------------
 
@@ -202,8 +158,7 @@ class Trainer:
         start = time.perf_counter()
         lr = lr_at(step, lr=spec.optimizer.lr, min_lr=spec.optimizer.min_lr,
                    warmup_steps=spec.optimizer.warmup_steps, total_steps=spec.total_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.engine.set_lr(lr)
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
         for _ in range(accum):
@@ -215,14 +170,13 @@ class Trainer:
             loss = self.backend.loss(logits, targets) / accum
             loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach()
-        self.dp.sync_grads()
-        grad_norm = self.dp.clip(spec.optimizer.grad_clip)
-        self.dp.step()
-        self.backend.step_end()
-        param_norm = self.dp.param_norm()
+        grad_norm_t = self.engine.step(spec.optimizer.grad_clip)
         if self.world.dp > 1:
             dist.all_reduce(loss_sum, group=self.world.dp_group)
             loss_sum /= self.world.dp
+        param_norm_t = self.engine.param_norm()
+        self.backend.step_end()  # on XLA: the step is one graph; the numbers below read it back
+        grad_norm, param_norm = float(grad_norm_t), float(param_norm_t)
         seconds = time.perf_counter() - start
         tokens = spec.tokens_per_step
         self.state.step, self.state.tokens = step, self.state.tokens + tokens
@@ -238,11 +192,11 @@ class Trainer:
 
     def _beat(self, **fields: Any) -> None:
         if self.heartbeat is not None:
-            self.heartbeat.update(checkpoint_step=self.checkpointer.committed, **fields)
+            self.heartbeat.update(checkpoint_step=self.engine.committed, **fields)
 
     def save(self, step: int) -> float:
         self._beat(phase="checkpointing")
-        blocked = self.checkpointer.save(step, self.state_dict())
+        blocked = self.engine.save(step, self.loop_state())
         self._beat(phase="training")
         log.info("checkpoint step_%d: training blocked %.3fs", step, blocked)
         return blocked
@@ -271,7 +225,7 @@ class Trainer:
                     for sink in self.sinks:
                         sink(stats)
                 self._beat()
-            self.checkpointer.wait()
+            self.engine.wait()
             finished = True
         finally:
             self.loader.close()

@@ -10,7 +10,7 @@ branching on device names. Two kinds of backend exist:
 - `neuron-xla` (torch-xla + neuronx-distributed, what the HLAT paper ran): the model is built
   from NxD parallel layers and the optimizer is NxD's ZeRO-1 wrapper, so the backend returns
   them already parallel (`parallelizes_model`), and it saves and loads with NxD's checkpoint API
-  in the same `step_<N>/done` layout (`owns_checkpointing`).
+  in the same `step_<N>/done` layout. hlat_trainer.engine drives either kind.
 
 This module imports torch only inside methods (and for type checking), so that
 `hlat_trainer.backends` and `hlat_trainer.neuron_env` can be imported by the launcher, which
@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 if TYPE_CHECKING:
     import torch
     from torch import Tensor, nn
 
     from hlat_api import PretrainJobSpec
+    from hlat_trainer.distributed import World
 
 BackendName = Literal["cpu", "cuda", "neuron-native", "neuron-xla"]
 
@@ -43,11 +43,11 @@ class Backend(ABC):
     autocast_device_type: str
     """`torch.autocast(device_type=...)` for the `mixed` precision: cpu, cuda, neuron or xla."""
     parallelizes_model: ClassVar[bool] = False
-    """True: `build_model`/`build_optimizer` return a tensor-parallel model and a ZeRO-1
-    optimizer that also clips gradients (NxD); False: the trainer applies hlat_trainer.parallel."""
-    owns_checkpointing: ClassVar[bool] = False
-    """True: use `save_checkpoint`/`load_checkpoint`/`finalize_checkpoint` below;
-    False: hlat_trainer.checkpoint (torch.distributed.checkpoint)."""
+    """True: `build_model`/`build_optimizer` return a tensor-parallel model and an optimizer that
+    averages gradients over data parallel, clips them, exposes `grad_norm` and (ZeRO-1) shards
+    its state, and checkpoints go through `save_checkpoint`/`load_checkpoint` below
+    (hlat_trainer.engine.ManagedEngine, NxD); False: the trainer applies hlat_trainer.parallel
+    and checkpoints with torch.distributed.checkpoint (hlat_trainer.engine.TorchEngine)."""
 
     def __init__(self, spec: PretrainJobSpec) -> None:
         self.spec = spec
@@ -61,12 +61,11 @@ class Backend(ABC):
     def device(self, local_rank: int) -> torch.device:
         """The torch device of the process with this local rank."""
 
-    def init_process_group(self, timeout: timedelta | None = None) -> None:
-        """`torch.distributed.init_process_group` with this backend, rendezvous from torchrun's env."""
-        import torch.distributed as dist
+    def init_world(self) -> World:
+        """Join the job's process group and lay out the ranks: a (dp, tp) DeviceMesh here."""
+        from hlat_trainer.distributed import init_distributed
 
-        if not dist.is_initialized():
-            dist.init_process_group(backend=self.dist_backend, timeout=timeout)
+        return init_distributed(self.spec, self.dist_backend)
 
     # --- per step -------------------------------------------------------------------------
 
@@ -96,19 +95,24 @@ class Backend(ABC):
         """The decoder on `device` with the precision's parameter dtype applied."""
 
     @abstractmethod
-    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        """AdamW (with stochastic rounding where the precision asks for it) over `model`."""
+    def build_optimizer(self, params: Iterable[Tensor]) -> torch.optim.Optimizer:
+        """AdamW (with stochastic rounding where the precision asks for it) over `params`."""
 
-    # --- checkpoints (only where `owns_checkpointing`) -------------------------------------
+    def is_tp_sharded(self, param: Tensor) -> bool:
+        """Whether a parameter of `build_model`'s model is a tensor-parallel shard (norms sum
+        those over the tp group). Only asked where `parallelizes_model`."""
+        return False
+
+    # --- checkpoints (only where `parallelizes_model`) -------------------------------------
 
     def save_checkpoint(self, directory: str, step: int, model: nn.Module,
-                        optimizer: torch.optim.Optimizer, user_content: dict[str, Any]) -> None:
+                        optimizer: torch.optim.Optimizer, user_content: dict[str, int]) -> None:
         """Save `<directory>/step_<step>/`, `done` written last once every rank's shards are."""
         raise NotImplementedError(f"{self.name}: checkpoints go through hlat_trainer.checkpoint")
 
-    def load_checkpoint(self, directory: str, model: nn.Module,
-                        optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """Load the newest complete checkpoint under `directory`; its user content, or None."""
+    def load_checkpoint(self, directory: str, step: int, model: nn.Module,
+                        optimizer: torch.optim.Optimizer) -> None:
+        """Load `<directory>/step_<step>/` (complete) into `model` and `optimizer` in place."""
         raise NotImplementedError(f"{self.name}: checkpoints go through hlat_trainer.checkpoint")
 
     def finalize_checkpoint(self) -> None:

@@ -48,11 +48,14 @@ from hlat_trainer.backends.base import Backend, BackendName
 from hlat_trainer.errors import UserError
 
 if TYPE_CHECKING:
-    from datetime import timedelta
+    from collections.abc import Iterable
 
     import torch
     from torch import Tensor, nn
 
+    from hlat_trainer.distributed import World
+
+_NO_CLIP = 1e30
 NEURON_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.30.0-ubuntu24.04"
 _PACKAGES = {"torch_xla": "torch-xla (Neuron build)", "torch_neuronx": "torch-neuronx",
              "neuronx_distributed": "neuronx-distributed"}
@@ -77,7 +80,6 @@ class NeuronXlaBackend(Backend):
     dist_backend = "xla"
     autocast_device_type = "xla"
     parallelizes_model: ClassVar[bool] = True
-    owns_checkpointing: ClassVar[bool] = True
 
     _nxd_config: dict[str, Any] | None = None
 
@@ -92,9 +94,20 @@ class NeuronXlaBackend(Backend):
         dev = require_neuron("torch_xla.core.xla_model").xla_device()
         return dev
 
-    def init_process_group(self, timeout: timedelta | None = None) -> None:
+    def init_world(self) -> World:
+        """Join the "xla" process group, let NxD lay out the ranks ([PP, DP, TP], TP fastest:
+        the same order as hlat_trainer.distributed) and take its dp and tp groups."""
+        from hlat_trainer.distributed import World, join, local_rank
+
         require_neuron("torch_xla.distributed.xla_backend")  # registers the "xla" backend
-        super().init_process_group(timeout)
+        join(self.spec, "xla")
+        self.nxd_config()  # initialize_model_parallel
+        ps = require_neuron("neuronx_distributed.parallel_layers.parallel_state")
+        tp, dp = ps.get_tensor_model_parallel_size(), ps.get_data_parallel_size()
+        return World(ps.get_data_parallel_rank() * tp + ps.get_tensor_model_parallel_rank(),
+                     dp * tp, local_rank(), dp, tp,
+                     dp_group=ps.get_data_parallel_group(),
+                     tp_group=ps.get_tensor_model_parallel_group())
 
     def step_end(self) -> None:
         txla = require_neuron("torch_xla")
@@ -120,8 +133,10 @@ class NeuronXlaBackend(Backend):
             self._nxd_config = nxd.neuronx_distributed_config(
                 tensor_parallel_size=p.tensor,
                 pipeline_parallel_size=p.pipeline,
-                optimizer_config={"zero_one_enabled": p.zero1, "grad_clipping": clip > 0,
-                                  "max_grad_norm": clip or 1.0},
+                # clipping stays on so that the optimizer always computes the norm the loop
+                # logs; gradClip 0 (off) becomes a bound no gradient reaches
+                optimizer_config={"zero_one_enabled": p.zero1, "grad_clipping": True,
+                                  "max_grad_norm": clip if clip > 0 else _NO_CLIP},
                 sequence_parallel=p.sequence_parallel,
                 activation_checkpoint_config=self._activation_checkpoint_config(),
                 mixed_precision_config={"use_master_weights": False, "use_fp32_grad_acc": False,
@@ -148,20 +163,25 @@ class NeuronXlaBackend(Backend):
         # bf16 / bf16-sr: parameters in bf16, rounding done by the runtime (env), not XLA_USE_BF16
         return precision_policy(s.precision).apply(model)
 
-    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+    def build_optimizer(self, params: Iterable[Tensor]) -> torch.optim.Optimizer:
         import torch
 
         nxd = require_neuron("neuronx_distributed")
         o = self.spec.optimizer
         opt: torch.optim.Optimizer = nxd.initialize_parallel_optimizer(
-            self.nxd_config(), torch.optim.AdamW, model.parameters(), lr=o.lr, betas=o.betas,
+            self.nxd_config(), torch.optim.AdamW, params, lr=o.lr, betas=o.betas,
             eps=o.eps, weight_decay=o.weight_decay)
         return opt
+
+    def is_tp_sharded(self, param: Tensor) -> bool:
+        # NxD's parallel layers mark their sharded weights (parallel_layers/utils.py
+        # set_tensor_model_parallel_attributes)
+        return bool(getattr(param, "tensor_model_parallel", False))
 
     # --- checkpoints ----------------------------------------------------------------------
 
     def save_checkpoint(self, directory: str, step: int, model: nn.Module,
-                        optimizer: torch.optim.Optimizer, user_content: dict[str, Any]) -> None:
+                        optimizer: torch.optim.Optimizer, user_content: dict[str, int]) -> None:
         nxd = require_neuron("neuronx_distributed")
         self.step_end()  # materialise pending device work before the host copies
         c = self.spec.checkpoint
@@ -169,14 +189,12 @@ class NeuronXlaBackend(Backend):
                             user_content=user_content, use_xser=True, num_kept_ckpts=c.keep,
                             async_save=c.async_)
 
-    def load_checkpoint(self, directory: str, model: nn.Module,
-                        optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    def load_checkpoint(self, directory: str, step: int, model: nn.Module,
+                        optimizer: torch.optim.Optimizer) -> None:
+        # an explicit tag: the engine picks the checkpoint (newest complete, older ones when it
+        # does not load) and reads its own per-rank loop state from the same directory
         nxd = require_neuron("neuronx_distributed")
-        if not nxd.has_checkpoint(directory):
-            return None
-        content: dict[str, Any] | None = nxd.load_checkpoint(
-            directory, tag=None, model=model, optimizer=optimizer)
-        return content
+        nxd.load_checkpoint(directory, tag=f"step_{step}", model=model, optimizer=optimizer)
 
     def finalize_checkpoint(self) -> None:
         require_neuron("neuronx_distributed").finalize_checkpoint()

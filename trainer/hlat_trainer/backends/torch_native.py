@@ -22,8 +22,10 @@ from hlat_trainer.backends.base import Backend, BackendName
 from hlat_trainer.errors import UserError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
-    from torch import nn
+    from torch import Tensor, nn
 
     from hlat_api import PretrainJobSpec
 
@@ -50,7 +52,6 @@ class TorchNativeBackend(Backend):
     dist_backend: str
     autocast_device_type: str
     parallelizes_model: ClassVar[bool] = False
-    owns_checkpointing: ClassVar[bool] = False
 
     def __init__(self, spec: PretrainJobSpec, name: BackendName) -> None:
         super().__init__(spec)
@@ -85,11 +86,11 @@ class TorchNativeBackend(Backend):
         model = build_model(self.spec.model.dims(), device, seed=self.spec.train.seed)
         return precision_policy(self.spec.precision).apply(model)
 
-    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+    def build_optimizer(self, params: Iterable[Tensor]) -> torch.optim.Optimizer:
         from hlat_trainer.optim import build_optimizer
 
         o = self.spec.optimizer
-        return build_optimizer(list(model.parameters()), precision=self.spec.precision, lr=o.lr,
+        return build_optimizer(list(params), precision=self.spec.precision, lr=o.lr,
                                betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                                seed=self.spec.train.seed)
 

@@ -14,6 +14,12 @@ last L. Consecutive rows overlap by one token, so the tokens left over at the en
 the next one (the paper's "left over tokens ... used in the following sample") and every token
 except the very first is a target exactly once. A micro-batch is `micro_batch` consecutive rows.
 
+After a change of the data-parallel degree (`PackedLoader.reshard`, a resume on fewer or more
+nodes) the rest of the current epoch, from the earliest document some old rank had not
+finished, is dealt round robin to the new ranks (a `Deal`: epoch and permutation index it
+starts at); later epochs are dealt from their start as above. Nothing is skipped; what old
+ranks had read past that point is read again.
+
 Design choices and trade-offs:
 - Documents are never cropped or padded: packing wastes nothing, at the price that a sequence
   can start mid-document and attention crosses EOS boundaries (the paper does the same; EOS tells
@@ -69,14 +75,29 @@ class Position:
     """Tokens of that document (its EOS included) that lie before the next row's first token."""
 
 
+@dataclass(frozen=True)
+class Deal:
+    """Where the current data-parallel layout began dealing documents: from index `start` of
+    epoch `epoch`'s permutation (0, 0 for a run that never changed its dp degree). Every later
+    epoch is dealt from its start."""
+
+    epoch: int = 0
+    start: int = 0
+
+    def first(self, epoch: int) -> int:
+        return self.start if epoch == self.epoch else 0
+
+
 class RankStream:
     """The documents of one data-parallel rank, in order, tokenized and followed by EOS."""
 
     def __init__(
-        self, source: ArrowSource, tokenizer: Tokenizer, seed: int, dp_rank: int, dp_size: int
+        self, source: ArrowSource, tokenizer: Tokenizer, seed: int, dp_rank: int, dp_size: int,
+        deal: Deal | None = None,
     ) -> None:
         self.source, self.tokenizer = source, tokenizer
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
+        self.deal = deal or Deal()
         self._cached: tuple[int, np.ndarray] | None = None
 
     def docs_of_epoch(self, epoch: int) -> np.ndarray:
@@ -84,8 +105,13 @@ class RankStream:
         if self._cached is None or self._cached[0] != epoch:
             rng = np.random.default_rng([self.seed, epoch])
             perm = rng.permutation(self.source.num_documents)
-            self._cached = (epoch, perm[self.dp_rank :: self.dp_size])
+            first = self.deal.first(epoch)
+            self._cached = (epoch, perm[first + self.dp_rank :: self.dp_size])
         return self._cached[1]
+
+    def permutation_index(self, p: Position) -> int:
+        """Index in epoch `p.epoch`'s permutation of the document at position `p`."""
+        return self.deal.first(p.epoch) + self.dp_rank + p.doc * self.dp_size
 
     def encode(self, doc_ids: list[int]) -> list[np.ndarray]:
         """Token ids of the documents, each followed by EOS, as int64 arrays."""
@@ -211,6 +237,7 @@ class PackedLoader:
         self.tokenizer = tokenizer
         self.seq_len, self.micro_batch, self.prefetch = seq_len, micro_batch, prefetch
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
+        self._deal = Deal()
         self._stream = RankStream(self.source, tokenizer, seed, dp_rank, dp_size)
         self._position = Position(0, 0, 0)
         self.wait_seconds = 0.0
@@ -274,7 +301,8 @@ class PackedLoader:
 
     def _stream_copy(self) -> RankStream:
         # the thread gets its own stream (and permutation cache): nothing shared with `self`
-        return RankStream(self.source, self.tokenizer, self.seed, self.dp_rank, self.dp_size)
+        return RankStream(self.source, self.tokenizer, self.seed, self.dp_rank, self.dp_size,
+                          self._deal)
 
     def _halt(self) -> None:
         """Stop the background thread and drop what it prefetched."""
@@ -313,6 +341,8 @@ class PackedLoader:
             "epoch": p.epoch,
             "doc": p.doc,
             "offset": p.offset,
+            "deal_epoch": self._deal.epoch,
+            "deal_start": self._deal.start,
             **self._layout(),
         }
 
@@ -320,9 +350,53 @@ class PackedLoader:
         """Resume so that the next batch is the one after those consumed when `state` was taken."""
         _check_state_layout(state, self._layout())
         position = Position(int(state["epoch"]), int(state["doc"]), int(state["offset"]))
-        self._check_position(position)
+        self._set(_deal_of(state), position)
+
+    def reshard(self, states: list[dict[str, Any]]) -> None:
+        """Continue the data of a run that had `len(states)` data-parallel ranks (`states[r]`:
+        rank r's state), under this loader's dp degree.
+
+        The rule: the documents of the current epoch from the earliest one not yet finished by
+        every old rank (the "frontier", in the epoch's permutation order) on are dealt again,
+        round robin, to the new ranks; later epochs are dealt as usual. So no document is
+        skipped, the frontier document continues at the token where its old reader stopped,
+        and the documents that old ranks had read beyond the frontier (at most about the
+        spread of their progress times the old dp degree) are read again. The same states give
+        every new rank the same frontier.
+        """
+        if not states:
+            raise ValueError("reshard needs the state of every old data-parallel rank")
+        old_size = len(states)
+        frontier: tuple[int, int, int] | None = None  # (epoch, permutation index, offset)
+        for rank, state in enumerate(states):
+            mine = {**self._layout(), "dp_rank": rank, "dp_size": old_size}
+            _check_state_layout(state, mine)
+            old = RankStream(self.source, self.tokenizer, self.seed, rank, old_size,
+                             _deal_of(state))
+            p = Position(int(state["epoch"]), int(state["doc"]), int(state["offset"]))
+            here = (p.epoch, old.permutation_index(p), p.offset)
+            if frontier is None or here[:2] < frontier[:2]:
+                frontier = here
+        assert frontier is not None
+        epoch, start, offset = frontier
+        deal = Deal(epoch, start)
+        if start + self.dp_rank >= self.source.num_documents:  # no document left for this rank
+            self._set(Deal(epoch + 1, 0), Position(epoch + 1, 0, 0))
+        else:
+            self._set(deal, Position(epoch, 0, offset if self.dp_rank == 0 else 0))
+
+    def _set(self, deal: Deal, position: Position) -> None:
         self._halt()
+        self._deal = deal
+        self._stream = RankStream(self.source, self.tokenizer, self.seed, self.dp_rank,
+                                  self.dp_size, deal)
+        self._check_position(position)
         self._position = position
+
+    def position_text(self) -> str:
+        p, d = self._position, self._deal
+        return (f"rank {self.dp_rank}/{self.dp_size} at epoch {p.epoch}, document {p.doc} of "
+                f"its share dealt from permutation index {d.first(p.epoch)}, token {p.offset}")
 
     def _layout(self) -> dict[str, Any]:
         return {
@@ -349,6 +423,10 @@ class PackedLoader:
                 f"{length} tokens: the dataset or tokenizer changed since the checkpoint; "
                 f"start a new run (another checkpoint.dir)"
             )
+
+
+def _deal_of(state: dict[str, Any]) -> Deal:
+    return Deal(int(state.get("deal_epoch", 0)), int(state.get("deal_start", 0)))
 
 
 def _check_args(

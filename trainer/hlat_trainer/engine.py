@@ -1,0 +1,415 @@
+"""The device stack built for the loop: the model, one optimizer step, and its checkpoints.
+
+The training loop (data, schedule, accumulation, logging, heartbeats) is one piece of code for
+every backend; what it asks of the stack is small and is this interface:
+
+- `model`, `set_lr(lr)`, `step(max_norm)` (average gradients over data parallel, clip the global
+  norm, update, clear the gradients; returns the norm before clipping), `param_norm()`;
+- `save(step, loop_state)` / `resume()`: the model and optimizer in the backend's own format,
+  plus each rank's `loop_state` (bytes the trainer packs: loader position, counters, RNG),
+  which is durable before the checkpoint's `done` marker can exist; `wait()` before exit;
+  `committed`, the newest complete checkpoint step (for the heartbeat).
+
+Two engines:
+
+- `TorchEngine` (cpu, cuda, neuron-native): the pure model parallelised by
+  `hlat_trainer.parallel` (DTensor TP/SP, activation checkpointing), the step through its
+  `DataParallel` (bucketed all-reduce, global norm, ZeRO-1), checkpoints through
+  `hlat_trainer.checkpoint` (torch.distributed.checkpoint). Optimizer state is saved keyed by
+  parameter name and tensor-parallel rank, not by data-parallel rank, so a checkpoint loads
+  under another data-parallel degree or with ZeRO-1 switched (each rank reads the entries of
+  the parameters it now owns).
+- `ManagedEngine` (neuron-xla): the backend returns an already parallel model and an optimizer
+  that averages, clips and reports the norm itself (NxD's NxDOptimizer / NeuronZero1Optimizer),
+  and saves and loads the model and optimizer with its own checkpoint API in the same
+  `step_<N>/done` layout; the engine adds each rank's loop state as `step_<N>/hlat/rank_R.pt`,
+  written and fsynced before the backend is asked to save. Its format is per data-parallel
+  rank, so it resumes only under the layout that saved it.
+
+Every checkpoint also has `hlat.json` (written by rank 0) naming the layout that saved it, so a
+resume knows whether, and how, the loop state must be re-dealt (`Restored.same_layout`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from hlat_api import PretrainJobSpec
+from hlat_api.layout import latest_complete, list_checkpoints, step_dir
+from hlat_trainer.backends import Backend
+from hlat_trainer.checkpoint import META_FILE, Checkpointer, remove_incomplete, write_durably
+from hlat_trainer.distributed import World
+from hlat_trainer.errors import UserError
+from hlat_trainer.parallel import DataParallel, LocalParams, apply_ac, apply_tp, global_norm
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks that saved a checkpoint were laid out."""
+
+    world: int
+    dp: int
+    tp: int
+    zero1: bool
+
+    @classmethod
+    def of(cls, world: World, zero1: bool) -> Layout:
+        return cls(world.size, world.dp, world.tp, zero1)
+
+
+@dataclass
+class Restored:
+    """What `Engine.resume` found: the model and optimizer are already loaded in place."""
+
+    step: int
+    saved: Layout
+    loop_states: dict[int, bytes]
+    """Loop state by the saving run's global rank: this rank's own under the same layout, the
+    first tensor-parallel rank of every saving data-parallel rank otherwise."""
+    same_layout: bool
+
+
+def pack(obj: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def unpack(data: bytes) -> dict[str, Any]:
+    obj: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
+    return obj
+
+
+def read_layout(path: Path) -> Layout | None:
+    """The layout recorded in a checkpoint's hlat.json (None for one that records none)."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    raw = meta.get("layout")
+    return Layout(**raw) if isinstance(raw, dict) else None
+
+
+class Engine(ABC):
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def __init__(self, spec: PretrainJobSpec, job: str, backend: Backend, world: World,
+                 device: torch.device) -> None:
+        self.spec, self.job, self.backend, self.world, self.device = (
+            spec, job, backend, world, device)
+        self.root = Path(spec.checkpoint.dir)
+        self.layout = Layout.of(world, spec.parallelism.zero1)
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    @abstractmethod
+    def step(self, max_norm: float) -> Tensor | float:
+        """Average gradients over dp, clip to `max_norm` (0: off), update, clear gradients.
+        Returns the global gradient norm before clipping (a 0-d tensor may stay on device)."""
+
+    @abstractmethod
+    def param_norm(self) -> Tensor | float:
+        """Global L2 norm of the parameters."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One log line: what this rank holds and updates."""
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    @abstractmethod
+    def save(self, step: int, loop_state: bytes) -> float:
+        """Checkpoint step_<step> with this rank's loop state; the seconds training blocked."""
+
+    @abstractmethod
+    def resume(self) -> Restored | None:
+        """Load the newest complete checkpoint that loads; None when there is none."""
+
+    def wait(self) -> None:
+        """Block until an asynchronous save is durable and committed (before exit)."""
+        return None
+
+    @property
+    @abstractmethod
+    def committed(self) -> int | None:
+        """The newest complete checkpoint's step, as far as this rank knows."""
+
+    def latest_step(self) -> int | None:
+        entry = latest_complete(self.root, self.job)
+        return entry.step if entry else None
+
+    def _meta(self) -> dict[str, Any]:
+        return {"layout": self.layout.__dict__}
+
+
+def build_engine(spec: PretrainJobSpec, job: str, backend: Backend, world: World,
+                 device: torch.device) -> Engine:
+    kind = ManagedEngine if backend.parallelizes_model else TorchEngine
+    return kind(spec, job, backend, world, device)
+
+
+# --- torch-native ----------------------------------------------------------------------------
+
+
+class TorchEngine(Engine):
+    def __init__(self, spec: PretrainJobSpec, job: str, backend: Backend, world: World,
+                 device: torch.device) -> None:
+        super().__init__(spec, job, backend, world, device)
+        torch.manual_seed(spec.train.seed)
+        model = backend.build_model(device)
+        apply_tp(model, world, spec.parallelism.sequence_parallel)  # type: ignore[arg-type]
+        apply_ac(model, spec.parallelism.activation_checkpointing)  # type: ignore[arg-type]
+        self.model = model
+        self.dp = DataParallel(LocalParams.of(model), world, spec.parallelism.zero1,
+                               backend.build_optimizer)
+        self.optimizer = self.dp.optimizer
+        self.layout = Layout.of(world, self.dp.zero1)  # effective: ZeRO-1 needs dp > 1
+        self.checkpointer = Checkpointer(self.root, job, spec.checkpoint.keep,
+                                         async_=spec.checkpoint.async_, rank=world.rank,
+                                         meta=self._meta())
+
+    def describe(self) -> str:
+        w = self.world
+        return (f"rank {w.rank} (dp {w.dp_rank}, tp {w.tp_rank}) updates "
+                f"{sum(s.numel() for s in self.dp.owned)} of "
+                f"{sum(s.numel() for s in self.dp.params.shards)} parameter elements "
+                f"(zero1={self.dp.zero1})")
+
+    def step(self, max_norm: float) -> float:
+        self.dp.sync_grads()
+        norm = self.dp.clip(max_norm)
+        self.dp.step()
+        return norm
+
+    def param_norm(self) -> float:
+        return self.dp.param_norm()
+
+    @property
+    def committed(self) -> int | None:
+        return self.checkpointer.committed
+
+    def wait(self) -> None:
+        self.checkpointer.wait()
+
+    # The checkpoint's keys. The model's state dict holds DTensors (DCP reshards them). The
+    # optimizer's per-parameter state is keyed by parameter name and tp rank: whichever dp rank
+    # owns a parameter writes its entries (replicas de-duplicated by DCP), so the keys do not
+    # depend on the dp degree or on ZeRO-1. The stochastic-rounding generator and the loop state
+    # are per rank.
+
+    def _optimizer_entries(self) -> dict[str, Any]:
+        tp = self.world.tp_rank
+        entries: dict[str, Any] = {}
+        for name, shard in zip(self.dp.params.names, self.dp.params.shards, strict=True):
+            for key, value in self.optimizer.state.get(shard, {}).items():
+                entries[f"optim.tp{tp}.{name}.{key}"] = value
+        return entries
+
+    def _generator(self) -> torch.Generator | None:
+        gen = getattr(self.optimizer, "_generator", None)
+        return gen if isinstance(gen, torch.Generator) else None
+
+    def _state(self, loop_state: bytes) -> dict[str, Any]:
+        r = self.world.rank
+        state: dict[str, Any] = {"model": self.model.state_dict(), **self._optimizer_entries(),
+                                 f"loop.rank{r}": loop_state}
+        gen = self._generator()
+        if gen is not None:
+            state[f"sr_generator.rank{r}"] = gen.get_state()
+        return state
+
+    def save(self, step: int, loop_state: bytes) -> float:
+        return self.checkpointer.save(step, self._state(loop_state))
+
+    def _init_optimizer_state(self) -> None:
+        """Materialise the optimizer's state (a step with lr 0 on zero gradients) to load into."""
+        shards = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if all(p in self.optimizer.state for p in shards):
+            return
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        for p in shards:
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        for g, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            g["lr"] = lr
+        for p in shards:
+            p.grad = None
+
+    def resume(self) -> Restored | None:
+        for path in self.checkpointer.remove_incomplete():
+            log.warning("removed incomplete checkpoint %s (no `done` marker)", path)
+        entry = latest_complete(self.root, self.job)
+        if entry is None:
+            return None
+        saved = read_layout(entry.path) or self.layout
+        if saved.tp != self.world.tp:
+            raise UserError(
+                f"checkpoint {entry.path} was saved with tensor parallel degree {saved.tp}, this "
+                f"run has {self.world.tp}: resume with parallelism.tensor={saved.tp}, or start a "
+                "new run (another checkpoint.dir)"
+            )
+        same = saved.world == self.world.size and saved.dp == self.world.dp
+        self._init_optimizer_state()
+        state = self._state(b"")
+        r = self.world.rank
+        if not same:  # the loop state of every saving dp rank (its first tp rank holds it)
+            del state[f"loop.rank{r}"]
+        wanted = [r] if same else [d * saved.tp for d in range(saved.dp)]
+        state.update({f"loop.rank{w}": b"" for w in wanted})
+        same_partition = same and saved.zero1 == self.layout.zero1
+        if not same_partition:
+            state.pop(f"sr_generator.rank{r}", None)
+        step = self.checkpointer.load_latest(state)
+        if step == 0:
+            return None
+        self._restore_optimizer(state, same_partition, step)
+        return Restored(step, saved, {w: state[f"loop.rank{w}"] for w in wanted}, same)
+
+    def _restore_optimizer(self, state: dict[str, Any], same_partition: bool, step: int) -> None:
+        tp = self.world.tp_rank
+        for name, shard in zip(self.dp.params.names, self.dp.params.shards, strict=True):
+            slots = self.optimizer.state.get(shard)
+            if slots is None:
+                continue
+            for key in list(slots):
+                loaded = state[f"optim.tp{tp}.{name}.{key}"]
+                if loaded is not slots[key]:  # non-tensor entries come back as new objects
+                    slots[key] = loaded
+        gen = self._generator()
+        if gen is None:
+            return
+        if same_partition:
+            gen.set_state(state[f"sr_generator.rank{self.world.rank}"])
+        else:  # another partition: the rounding noise restarts from (seed, step), the same on
+            # every rank, so that replicas of a parameter keep rounding alike
+            gen.manual_seed(self.spec.train.seed * 1_000_003 + step)
+
+
+# --- backends that parallelise and checkpoint themselves (NxD) --------------------------------
+
+
+LOOP_DIR = "hlat"
+
+
+def loop_file(path: Path, rank: int) -> Path:
+    return path / LOOP_DIR / f"rank_{rank:05d}.pt"
+
+
+class ManagedEngine(Engine):
+    def __init__(self, spec: PretrainJobSpec, job: str, backend: Backend, world: World,
+                 device: torch.device) -> None:
+        super().__init__(spec, job, backend, world, device)
+        torch.manual_seed(spec.train.seed)
+        # tensor/sequence parallel and activation checkpointing come with the backend's model
+        self.model = backend.build_model(device)
+        self.optimizer = backend.build_optimizer(self.model.parameters())
+        self._sharded = [backend.is_tp_sharded(p) for p in self.model.parameters()]
+        self._committed = self.latest_step()
+        vote = dist.new_group(backend="gloo")  # CPU collectives beside the device's
+        assert isinstance(vote, dist.ProcessGroup)
+        self._vote = vote
+
+    def describe(self) -> str:
+        w = self.world
+        local = sum(p.numel() for p in self.model.parameters())
+        return (f"rank {w.rank} (dp {w.dp_rank}, tp {w.tp_rank}) holds {local} parameter "
+                f"elements; {self.backend.name} shards the optimizer (zero1="
+                f"{self.spec.parallelism.zero1})")
+
+    def step(self, max_norm: float) -> Tensor | float:
+        # the backend's optimizer all-reduces over dp, clips to the spec's grad clip (configured
+        # when it was built) and keeps the norm it computed
+        self.optimizer.step()
+        norm = getattr(self.optimizer, "grad_norm", None)
+        self.optimizer.zero_grad(set_to_none=True)
+        if norm is None:
+            raise RuntimeError(f"backend {self.backend.name}: its optimizer reported no "
+                               "gradient norm (grad_norm) after the step")
+        return norm  # type: ignore[no-any-return]
+
+    def param_norm(self) -> Tensor:
+        return global_norm(list(self.model.parameters()), self._sharded, self.world)
+
+    @property
+    def committed(self) -> int | None:
+        return self._committed
+
+    def save(self, step: int, loop_state: bytes) -> float:
+        start = time.perf_counter()
+        path = step_dir(self.root, self.job, step)
+        target = loop_file(path, self.world.rank)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # durable before the backend's save starts: its `done` comes after every rank returns
+        write_durably(target, loop_state)
+        if self.world.is_coordinator:
+            write_durably(path / META_FILE, json.dumps({"step": step, **self._meta()}).encode())
+        self.backend.save_checkpoint(str(self.root / self.job), step, self.model,
+                                     self.optimizer, {"step": step})
+        self._committed = self.latest_step()
+        return time.perf_counter() - start
+
+    def wait(self) -> None:
+        self.backend.finalize_checkpoint()
+        self._committed = self.latest_step()
+
+    def resume(self) -> Restored | None:
+        for path in remove_incomplete(self.root, self.job, self.world.is_coordinator, self._vote):
+            log.warning("removed incomplete checkpoint %s (no `done` marker)", path)
+        failed = []
+        for entry in reversed(list_checkpoints(self.root, self.job)):
+            if not entry.complete:
+                continue
+            saved = read_layout(entry.path) or self.layout
+            if saved != self.layout:
+                raise UserError(
+                    f"checkpoint {entry.path} was saved by {saved.world} ranks (dp {saved.dp}, "
+                    f"tp {saved.tp}, zero1 {saved.zero1}); backend {self.backend.name} resumes "
+                    f"only the same layout, this run is {self.layout.world} ranks (dp "
+                    f"{self.layout.dp}, tp {self.layout.tp}, zero1 {self.layout.zero1}): "
+                    "restore that layout or start a new run (another checkpoint.dir)"
+                )
+            loop = b""
+            try:
+                self.backend.load_checkpoint(str(self.root / self.job), entry.step, self.model,
+                                             self.optimizer)
+                loop = loop_file(entry.path, self.world.rank).read_bytes()
+            except Exception as err:  # unreadable here: the vote below moves every rank on
+                log.warning("checkpoint %s is unreadable on rank %d: %s", entry.path,
+                            self.world.rank, str(err).splitlines()[0][:300] if str(err) else err)
+            if not self._all_ok(bool(loop)):
+                log.warning("checkpoint %s did not load on every rank: trying an older one",
+                            entry.path)
+                failed.append(str(entry.path))
+                continue
+            self._committed = entry.step
+            return Restored(entry.step, saved, {self.world.rank: loop}, True)
+        if failed:
+            raise UserError(
+                f"no complete checkpoint of job {self.job} could be loaded ({', '.join(failed)} "
+                "are unreadable): move them aside to start over, or restore them"
+            )
+        return None
+
+    def _all_ok(self, ok: bool) -> bool:
+        """True only if every rank says ok (a collective: every rank calls it)."""
+        flag = torch.tensor([1 if ok else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._vote)
+        return bool(flag.item())

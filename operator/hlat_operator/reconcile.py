@@ -22,9 +22,7 @@ off exponentially, and creates attempt+1 (phase Pending, the Restarting conditio
 until the new gang runs). Suspended deletes the pods and keeps progress; resuming creates a
 new attempt. Failed and Succeeded are terminal.
 
-Uptime (the paper's Table 1 measure): running seconds are the time spent in phase Running;
-down seconds the time in Pending or Restarting after the job first ran; Suspended time is
-neither. ratio = running / (running + down).
+Progress, checkpoints, uptime and lost steps are computed by `hlat_operator.accounting`.
 """
 
 from __future__ import annotations
@@ -39,16 +37,8 @@ from hlat_api.heartbeat import Heartbeat, lease_name
 from hlat_api.labels import Reason
 from hlat_api.manifest import InvalidSpecError, parse_spec
 from hlat_api.spec import PretrainJobSpec
-from hlat_api.status import (
-    CheckpointRef,
-    Condition,
-    Failure,
-    Phase,
-    PretrainJobStatus,
-    Progress,
-    Uptime,
-)
-from hlat_operator import builders
+from hlat_api.status import Condition, Failure, Phase, PretrainJobStatus
+from hlat_operator import accounting, builders
 from hlat_operator.config import OperatorSettings
 from hlat_operator.faults import Fault, detect_fault, heartbeat_ages, node_dead
 from hlat_operator.kube import Object
@@ -605,57 +595,28 @@ def _on_fault(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> None:
 
 
 def _lost_steps(p: _Pass, checkpoint: int) -> int:
-    """Steps this attempt computed past the checkpoint the next attempt resumes from."""
     steps = [b.step for pod in p.observed.pods_of(p.status.attempt) if (b := _beat(p, pod.name))]
-    return max(0, max(steps, default=0) - max(checkpoint, 0))
+    return accounting.lost_steps(steps, checkpoint)
 
 
 # --- progress, uptime, writes ----------------------------------------------------------------
 
 
 def _update_progress(p: _Pass, spec: PretrainJobSpec) -> None:
-    attempt = p.status.attempt
-    names = [labels.worker_pod_name(p.observed.job.name, attempt, r) for r in range(spec.nodes)]
-    # a starting gang reports step 0 until it has resumed: keep the progress known so far
-    # rather than showing the job back at step 0 after every restart
-    beats = [
-        b
-        for n in names
-        if (b := _beat(p, n)) is not None and b.phase not in ("starting", "compiling")
-    ]
-    if not beats:
-        return
-    first = _beat(p, names[0])
-    lead = first if any(b is first for b in beats) and first else max(beats, key=lambda b: b.step)
-    step = max(b.step for b in beats)
-    p.status.progress = Progress(
-        step=step,
-        tokens=max(b.tokens for b in beats),
-        loss=lead.loss,
-        tokens_per_second=lead.tokens_per_second,
-    )
-    ckpts = [b.checkpoint_step for b in beats if b.checkpoint_step is not None]
-    known = p.status.latest_checkpoint.step if p.status.latest_checkpoint else -1
-    if ckpts and max(ckpts) > known:
-        p.status.latest_checkpoint = CheckpointRef(step=max(ckpts), time=p.stamp)
+    names = [labels.worker_pod_name(p.observed.job.name, p.status.attempt, r)
+             for r in range(spec.nodes)]
+    beats = [_beat(p, n) for n in names]
+    progress = accounting.progress_of(beats)
+    if progress is not None:
+        p.status.progress = progress
+    newer = accounting.newer_checkpoint(beats, p.status.latest_checkpoint, p.stamp)
+    if newer is not None:
+        p.status.latest_checkpoint = newer
 
 
 def _account_uptime(p: _Pass) -> None:
-    since = parse_time(p.observed.state.accounted_at)
-    up = p.old.uptime
-    running, down = up.running_seconds, up.down_seconds
-    if since is not None and p.now > since:
-        dt = (p.now - since).total_seconds()
-        if p.old.phase == "Running":
-            running += dt
-        elif p.old.phase in ("Pending", "Restarting") and running > 0:
-            down += dt
-    total = running + down
-    p.status.uptime = Uptime(
-        running_seconds=round(running, 3),
-        down_seconds=round(down, 3),
-        ratio=round(running / total, 6) if total > 0 else None,
-    )
+    p.status.uptime = accounting.uptime_after(
+        p.old.uptime, p.old.phase, parse_time(p.observed.state.accounted_at), p.now)
 
 
 def _should_write(p: _Pass) -> bool:

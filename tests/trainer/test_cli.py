@@ -60,6 +60,8 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["precision=fp8"], "spec.precision"),
         (["train.stpes=4"], "unknown key 'stpes'"),
         (["nodes=2"], "single process"),
+        # the NxD path is selected and driven, but its packages are not on this machine
+        (["backend=neuron-xla"], "backend neuron-xla needs the `torch-xla (Neuron build)`"),
     ]
 
 

@@ -46,8 +46,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None, *, backend: BackendFactory | None = None) -> int:
     """The command; `backend` replaces the spec's backend (a device stack out of this tree)."""
     args = parse_args(argv)
+    # every rank logs; the prefix says which (torchrun's RANK; absent for a single process)
+    rank = f"[rank {os.environ['RANK']}] " if "RANK" in os.environ else ""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s {rank}%(levelname)s %(name)s: %(message)s")
     try:
         return _run(args, backend)
     except (InvalidSpecError, UserError) as err:

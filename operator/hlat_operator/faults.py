@@ -99,10 +99,12 @@ def _terminating(pod: ObservedPod) -> Fault:
 def node_dead(node: ObservedNode | None, now: datetime, grace: float, known: bool) -> bool:
     if node is None:
         return known
+    if node.ready:
+        # a kubelet that reports Ready outweighs an unreachable taint the node lifecycle
+        # controller has not lifted yet (it does so a monitor period after recovery)
+        return False
     if node.unreachable:
         return True
-    if node.ready:
-        return False
     since = node.not_ready_since
     return since is None or (now - since).total_seconds() >= grace
 

@@ -35,6 +35,9 @@ def _quiet(_: str) -> None:
     pass
 
 
+_LIFECYCLE_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+
+
 class Cluster:
     """A handle on one local cluster (running or not)."""
 
@@ -131,13 +134,17 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             nodes: Obj = core.list_node()
+            # Ready, and the node lifecycle controller has lifted its not-ready/unreachable
+            # taints (a monitor period later): until then nothing schedules there and
+            # controllers may still treat the node as lost
             ready = {n.metadata.name for n in nodes.items
                      if any(c.type == "Ready" and c.status == "True"
-                            for c in n.status.conditions or [])}
+                            for c in n.status.conditions or [])
+                     and not any(t.key in _LIFECYCLE_TAINTS for t in n.spec.taints or [])}
             if set(names) <= ready:
                 return
             time.sleep(0.3)
-        raise controlplane.StartupError(f"nodes not Ready after {timeout}s: {names}; "
+        raise controlplane.StartupError(f"nodes not Ready and untainted after {timeout}s: {names}; "
                                         f"see {self.config.logs_dir}/kubelet-*.log")
 
     # --- down ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from opfakes import World, at, raw_spec
 from hlat_api import labels
 from hlat_api.heartbeat import Heartbeat
 from hlat_operator.config import OperatorSettings, SettingsError
+from hlat_operator.faults import node_dead
 from hlat_operator.metrics import OperatorMetrics
 from hlat_operator.observe import (
     OperatorState,
@@ -70,10 +71,18 @@ def test_a_pod_without_status_is_pending() -> None:
         ("False", [], None, True, True),
         ("Unknown", [], "Schedulable", True, True),
         (
-            "True",
+            "Unknown",
             [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}],
             None,
             True,
+            True,
+        ),
+        # recovered: Ready again while the controller has not lifted its taint yet
+        (
+            "True",
+            [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}],
+            None,
+            False,
             True,
         ),
         ("True", [], "UnschedulablePendingReplacement", False, False),
@@ -96,7 +105,8 @@ def test_node_from_raw(
             },
         }
     )
-    assert (not node.ready or node.unreachable) is dead
+    assert node.unreachable is bool(taints)
+    assert node_dead(node, at(3600), grace=40, known=True) is dead
     assert node.healthy is healthy
 
 

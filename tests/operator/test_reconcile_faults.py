@@ -116,8 +116,9 @@ def test_losing_a_workers_node_is_a_fault(how: str) -> None:
         w.node_down(node)
     elif how == "gone":
         del w.nodes[node]
-    elif how == "unreachable":
-        w.nodes[node] = replace(w.nodes[node], unreachable=True)
+    elif how == "unreachable":  # tainted by the node lifecycle controller: no grace period
+        w.nodes[node] = replace(w.nodes[node], ready=False, unreachable=True,
+                                not_ready_since=w.now)
     else:
         w.nodes[node] = replace(w.nodes[node], health="UnschedulablePendingReplacement")
     w.step()
@@ -134,6 +135,16 @@ def test_a_node_that_nobody_reported_yet_is_not_lost() -> None:
 
     d = decide(w.spec, w.status, obs, w.now, w.settings)
     assert d.fault is None
+
+
+def test_a_recovered_node_still_tainted_unreachable_is_not_lost() -> None:
+    """Ready again, the taint not yet lifted by the node lifecycle controller: no fault."""
+    w = running_world()
+    node = w.pod_of(0).node
+    assert node is not None
+    w.nodes[node] = replace(w.nodes[node], ready=True, unreachable=True)
+    w.step()
+    assert w.status.phase == "Running" and w.status.last_failure is None
 
 
 def test_node_not_ready_grace() -> None:

@@ -72,10 +72,8 @@ class StandInManagedBackend(TorchNativeBackend):
         tag.mkdir(parents=True, exist_ok=True)
         torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(),
                     "user": user_content}, tag / f"shard_{rank}.pt")
-        if self.spec.checkpoint.async_:
-            self.pending = tag
-        else:
-            self.pending = tag
+        self.pending = tag
+        if not self.spec.checkpoint.async_:
             self._mark_done()
 
     def _mark_done(self) -> None:

@@ -51,6 +51,7 @@ from hlat_trainer.backends import Backend
 from hlat_trainer.checkpoint import META_FILE, Checkpointer, remove_incomplete, write_durably
 from hlat_trainer.distributed import World
 from hlat_trainer.errors import UserError
+from hlat_trainer.optim import AdamWSR
 from hlat_trainer.parallel import DataParallel, LocalParams, apply_ac, apply_tp, global_norm
 
 log = logging.getLogger(__name__)
@@ -222,8 +223,7 @@ class TorchEngine(Engine):
         return entries
 
     def _generator(self) -> torch.Generator | None:
-        gen = getattr(self.optimizer, "_generator", None)
-        return gen if isinstance(gen, torch.Generator) else None
+        return self.optimizer.generator if isinstance(self.optimizer, AdamWSR) else None
 
     def _state(self, loop_state: bytes) -> dict[str, Any]:
         r = self.world.rank

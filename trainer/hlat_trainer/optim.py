@@ -188,6 +188,12 @@ class AdamWSR(torch.optim.Optimizer):
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
 
+    @property
+    def generator(self) -> torch.Generator:
+        """The stochastic-rounding noise source (saved with the optimizer's state)."""
+        assert self._generator is not None
+        return self._generator
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         params: list[Tensor] = self.param_groups[-1]["params"]

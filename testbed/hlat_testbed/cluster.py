@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kubernetes import client
 
-from hlat_testbed import bootstrap, build, controlplane, netns, pki, podfiles
+from hlat_testbed import bootstrap, build, cgroups, controlplane, netns, pki, podfiles
 from hlat_testbed.config import ClusterConfig
 from hlat_testbed.instancetypes import DEFAULT_INSTANCE_TYPE, instance_type
 from hlat_testbed.kube import Obj, api_client
@@ -166,7 +166,9 @@ class Cluster:
         self._kill_pod_leftovers()
 
     def _kill_pod_leftovers(self) -> None:
-        """Pod processes whose kubelet died without cleaning up (pid files tell us)."""
+        """Pod processes whose kubelet died without cleaning up: the containers' cgroups, and
+        the pid files (the main processes' groups) where cgroups are not used."""
+        cgroups.clear_leftovers(self.config.bridge)
         if not self.config.pods_dir.exists():
             return
         for pid_file in self.config.pods_dir.glob("*/*.pid"):

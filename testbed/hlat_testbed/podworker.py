@@ -2,15 +2,17 @@
 
 A ``PodWorker`` thread owns a pod from the moment it is bound to the node until it is deleted:
 it creates the pod's netns and volumes, runs init containers in order and then the containers
-as local processes (each the leader of its own process group, like a container's pid 1), applies
+as local processes (each the leader of its own process group and, where cgroup v2 can be
+written, alone in its own cgroup with everything it starts, as under a container runtime), applies
 the restart policy, and reports status after every change: Pending, then Running with podIP and
 Ready, then Succeeded or Failed with each container's exit code and reason (a signal ``n`` is
 exit code ``128+n``, as container runtimes report it).
 
-Deletion follows the kubelet's contract: SIGTERM to each main process, SIGKILL to the whole group
-after the grace period, a final status, then the pod object is deleted with grace 0 and a UID
-precondition. When the main process exits, whatever it left in its group is killed, as a
-container's pid namespace would be.
+Deletion follows the kubelet's contract: SIGTERM to each main process, SIGKILL to the whole
+container (its cgroup and process group) after the grace period, a final status, then the pod
+object is deleted with grace 0 and a UID precondition. When the main process exits, whatever it
+left behind is killed, as a container's pid namespace would be: with cgroups that includes workers
+started in other sessions (torchrun's), which a process group misses.
 
 Each container's stdout and stderr go to ``<pods_dir>/<ns>_<pod>_<uid>/<container>.log`` and its
 pid to ``<container>.pid``, which is how ``hlat-cluster logs`` and fault injection find it.
@@ -31,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hlat_testbed import netns, podfiles, podrun, podspec
+from hlat_testbed import cgroups, netns, podfiles, podrun, podspec
 from hlat_testbed.config import API_PORT, K8S_CLUSTER_DOMAIN
 from hlat_testbed.kube import Obj, Pod
 
@@ -59,6 +61,14 @@ class ContainerRun:
     message: str | None = None
     restarts: int = 0
     last_state: Status | None = None
+    group: cgroups.ContainerGroup | None = None
+
+    def kill_all(self) -> None:
+        """SIGKILL the main process's group and everything in the container's cgroup."""
+        if self.proc is not None:
+            _killpg(self.proc.pid, signal.SIGKILL)
+        if self.group is not None:
+            self.group.kill()
 
     @property
     def running(self) -> bool:
@@ -128,8 +138,8 @@ class PodWorker:
     def kill_silently(self) -> None:
         """The node went down: every process dies at once (reported when the node is back)."""
         for run in [*self.init_runs, *self.runs]:
-            if run.running and run.proc is not None:
-                _killpg(run.proc.pid, signal.SIGKILL)
+            if run.running:
+                run.kill_all()
 
     def _run(self) -> None:
         try:
@@ -171,6 +181,7 @@ class PodWorker:
                         for v in spec.volumes or []}
         base = podspec.base_env(hostname, host, API_PORT)
         for run in [*self.init_runs, *self.runs]:
+            run.group = cgroups.for_container(self.agent.config.bridge, self.uid, run.spec.name)
             env = podspec.container_env(resolver, run.spec, base)
             self._write_launch_spec(run, env, hostname)
 
@@ -194,6 +205,9 @@ class PodWorker:
         argv = ["ip", "netns", "exec", netns.pod_netns_name(self.agent.config.bridge, self.uid),
                 "unshare", "--mount", "--uts", "--propagation", "private",
                 sys.executable, podrun.__file__, str(self.dir / f"{name}.json")]
+        if run.group is not None:  # join the cgroup first, so everything started is in it
+            run.group.create()
+            argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(run.group.procs), *argv]
         with (self.dir / f"{name}.log").open("ab") as log:
             run.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
@@ -204,7 +218,7 @@ class PodWorker:
         """Record ``run``'s exit if its main process ended; True if it did."""
         if run.proc is None or run.exit_code is not None or run.proc.poll() is None:
             return False
-        _killpg(run.proc.pid, signal.SIGKILL)  # whatever the main process left behind
+        run.kill_all()  # whatever the main process left behind
         code = exit_code_of(run.proc.returncode)
         run.exit_code, run.finished_at = code, now()
         run.reason = "Completed" if code == 0 else "Error"
@@ -262,13 +276,14 @@ class PodWorker:
         while time.monotonic() < deadline and any(p.poll() is None for _, p in live):
             time.sleep(0.05)
         for run, proc in live:
-            _killpg(proc.pid, signal.SIGKILL)
+            run.kill_all()
             proc.wait()
             self._reap(run)
         return "Succeeded" if all(r.exit_code == 0 for r in self.runs) else "Failed"
 
     def _teardown(self) -> None:
         self.report()
+        self._remove_groups()
         netns.delete_pod_network(self.agent.config.bridge, self.uid)
         self.agent.release_ip(self.uid)
         self.agent.pod_gone(self)
@@ -280,7 +295,13 @@ class PodWorker:
         for run in [*self.init_runs, *self.runs]:
             if run.proc is not None:
                 run.proc.wait()
+        self._remove_groups()
         netns.delete_pod_network(self.agent.config.bridge, self.uid)
+
+    def _remove_groups(self) -> None:
+        for run in [*self.init_runs, *self.runs]:
+            if run.group is not None:
+                run.group.remove()
 
     # --- status --------------------------------------------------------------------------
     def report(self) -> None:

@@ -254,10 +254,11 @@ def test_a_hung_worker_is_detected_within_the_steady_timeout(job_env: Env) -> No
     node = pod.spec.node_name
     faults.hang(job_env.cluster.config, job_env.ns, f"{JOB}-a0-1")
     hung_at = time.monotonic()
-    restarting = job_env.wait_phase("Restarting", 40)
+    restarting = job_env.wait_phase("Restarting", 90)
     detected = time.monotonic() - hung_at
-    # timeout + one heartbeat period (2 s) + one resync (2 s) + polling slack
-    assert detected <= timeout + 2 + 2 + 3, detected
+    # not before the timeout (the hang, not something else, was seen); at most the timeout + one
+    # heartbeat period (2 s) + one resync (2 s) + slack for a machine busy with other work
+    assert timeout - 2 <= detected <= timeout + 2 + 2 + 12, detected
     assert restarting["lastFailure"]["reason"] == "HeartbeatTimeout"
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 240)
     assert done["progress"]["step"] == 60 and done["restarts"]["total"] >= 1

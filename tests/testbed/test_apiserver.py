@@ -102,7 +102,17 @@ def test_rbac_denies_a_service_account_what_it_was_not_granted(
     _grant(cluster, namespace, "reader", "configmaps", ["get", "list"])
     as_sa = client.CoreV1Api(cluster.api_for(
         cluster.service_account_kubeconfig(namespace, "reader")))
-    as_sa.list_namespaced_config_map(namespace)  # granted
+
+    def granted() -> bool:  # the authorizer sees a new RoleBinding a moment after it exists
+        try:
+            as_sa.list_namespaced_config_map(namespace)
+        except ApiException as err:
+            if err.status != 403:
+                raise
+            return False
+        return True
+
+    wait_for(granted, 30, "the grant to take effect")
     for denied in (lambda: as_sa.list_namespaced_secret(namespace),
                    lambda: as_sa.list_namespaced_config_map("default")):
         with pytest.raises(ApiException) as err:

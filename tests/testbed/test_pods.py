@@ -201,3 +201,45 @@ def test_env_and_volumes_reach_the_process(
                  "secret-file=s3cret", "scratch=scratch ok", "shared=from-envvol"):
         assert line in log.splitlines(), log
     assert (shared / "from-envvol").read_text() == "shared"
+
+
+DETACHING = """
+import os, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                          start_new_session=True)  # as torchrun starts its workers
+print(f"worker {worker.pid}", flush=True)
+if os.environ.get("LINGER"):
+    time.sleep(600)
+sys.exit(1)
+"""
+
+
+def _worker_pid(cluster: Cluster, namespace: str, pod: str) -> int:
+    wait_for(lambda: "worker " in cluster.pod_log(namespace, pod), 20, f"{pod}'s worker")
+    return int(cluster.pod_log(namespace, pod).split("worker ")[1].split()[0])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_processes_a_container_started_in_other_sessions_die_with_it(
+        cluster: Cluster, core: client.CoreV1Api, namespace: str) -> None:
+    """A worker in its own session outlives neither its container's exit nor its pod's
+    deletion: left behind it would hold its ports and block in collectives."""
+    core.create_namespaced_pod(namespace, python_pod("exits", DETACHING))  # type: ignore[arg-type]
+    core.create_namespaced_pod(namespace, python_pod(  # type: ignore[arg-type]
+        "deleted", DETACHING, container={"env": [{"name": "LINGER", "value": "1"}]}))
+    assert wait_pod_phase(core, namespace, "exits", TERMINAL).status.phase == "Failed"
+    orphan = _worker_pid(cluster, namespace, "exits")
+    wait_pod_running(core, namespace, "deleted")
+    deleted = _worker_pid(cluster, namespace, "deleted")
+    wait_for(lambda: not _alive(orphan), 15, "the exited container's worker to die")
+    assert _alive(deleted)
+    core.delete_namespaced_pod("deleted", namespace)
+    wait_pod_gone(core, namespace, "deleted", timeout=30)
+    assert not _alive(deleted)

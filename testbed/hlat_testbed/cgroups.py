@@ -98,4 +98,6 @@ def clear_leftovers(bridge: str) -> int:
             group = ContainerGroup(container)
             busy += bool(group.pids())
             group.remove()
+    with contextlib.suppress(OSError):
+        base.rmdir()
     return busy

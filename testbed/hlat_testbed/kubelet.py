@@ -32,6 +32,7 @@ from typing import Any
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
+from hlat_testbed import netns
 from hlat_testbed.build import K8S_VERSION
 from hlat_testbed.config import ClusterConfig
 from hlat_testbed.instancetypes import REGION, ZONE, InstanceType, instance_type
@@ -246,16 +247,24 @@ class NodeAgent:
 
     # --- faults and shutdown -------------------------------------------------------------
     def go_down(self) -> None:
-        self.log("node down: lease and status stop, pod processes killed")
+        """As a node that loses power: it falls silent, and its pods vanish from the network
+        before their processes die, so peers see no FIN or RST (they find out by timeouts)."""
+        self.log("node down: lease and status stop, pod network cut, pod processes killed")
         self.online.clear()
         with self.lock:
             workers = list(self.workers.values())
+        for worker in workers:
+            netns.set_pod_link(self.config.bridge, worker.uid, up=False)
         for worker in workers:
             worker.kill_silently()
 
     def go_up(self) -> None:
         self.log("node up")
         self.ready_since = _now()
+        with self.lock:
+            workers = list(self.workers.values())
+        for worker in workers:
+            netns.set_pod_link(self.config.bridge, worker.uid, up=True)
         self.online.set()
         self.renew_lease()
         self.patch_status()

@@ -87,6 +87,14 @@ def delete_pod_network(bridge: str, pod_uid: str) -> None:
         ip("link", "del", host_end, check=False)
 
 
+def set_pod_link(bridge: str, pod_uid: str, up: bool) -> None:
+    """Bring the host end of the pod's veth down (the pod is cut off the network: what it sends
+    is lost, nothing reaches it) or up again; absent links are fine."""
+    host_end, _ = _veth_names(bridge, pod_uid)
+    if link_exists(host_end):
+        ip("link", "set", host_end, "up" if up else "down", check=False)
+
+
 def _delete_netns(ns: str) -> None:
     if (NETNS_RUN / ns).exists():
         ip("netns", "del", ns, check=False)

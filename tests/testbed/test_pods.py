@@ -13,6 +13,7 @@ from kubernetes import client
 
 from hlat_testbed import faults
 from hlat_testbed.cluster import Cluster
+from hlat_testbed.procs import is_alive
 from hlat_testbed.testing import (
     python_pod,
     read_pod,
@@ -219,14 +220,6 @@ def _worker_pid(cluster: Cluster, namespace: str, pod: str) -> int:
     return int(cluster.pod_log(namespace, pod).split("worker ")[1].split()[0])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_processes_a_container_started_in_other_sessions_die_with_it(
         cluster: Cluster, core: client.CoreV1Api, namespace: str) -> None:
     """A worker in its own session outlives neither its container's exit nor its pod's
@@ -238,8 +231,8 @@ def test_processes_a_container_started_in_other_sessions_die_with_it(
     orphan = _worker_pid(cluster, namespace, "exits")
     wait_pod_running(core, namespace, "deleted")
     deleted = _worker_pid(cluster, namespace, "deleted")
-    wait_for(lambda: not _alive(orphan), 15, "the exited container's worker to die")
-    assert _alive(deleted)
+    wait_for(lambda: not is_alive(orphan), 15, "the exited container's worker to die")
+    assert is_alive(deleted)
     core.delete_namespaced_pod("deleted", namespace)
     wait_pod_gone(core, namespace, "deleted", timeout=30)
-    assert not _alive(deleted)
+    assert not is_alive(deleted)

@@ -1,18 +1,25 @@
 """The heartbeat protocol: each node's local rank 0 renews a coordination.k8s.io Lease.
 
 Who writes: the trainer (one Lease per worker pod, named by `lease_name`). Who reads: the
-operator, for liveness (renewTime) and progress (the annotations). Values are strings, as
+operator, for liveness and progress. Two clocks, both the worker's: `renewTime` says the
+process is alive (a background thread renews it), `progress_time` says the training loop moves
+(set whenever the loop reports). A worker stuck in a collective or in the device runtime keeps
+renewing but stops progressing; a frozen or dead one stops both. Values are strings, as
 annotations must be; `Heartbeat.to_annotations` / `from_annotations` are the only encoding.
 """
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, ValidationError
 
 PREFIX = "hlat.dev/"
 DEFAULT_PERIOD_SECONDS = 10.0
+EXPIRY_PERIODS = 3
+"""A Lease not renewed for this many periods has expired (its leaseDurationSeconds): the
+process is frozen or gone."""
 
 Phase = Literal["starting", "compiling", "training", "checkpointing", "finished"]
 
@@ -34,10 +41,16 @@ class Heartbeat(BaseModel):
     """Mean seconds per optimizer step recently; the operator's hang timeout learns from it."""
     checkpoint_step: int | None = None
     """Newest complete checkpoint's step."""
+    checkpoint_seconds: float | None = None
+    """Longest a checkpoint save has held the loop in this attempt: how long the operator lets
+    a worker in phase `checkpointing` go without progress (None before the first save)."""
+    progress_time: datetime | None = None
+    """When the training loop last reported (a step done, a phase begun)."""
     attempt: int | None = None
 
     def to_annotations(self) -> dict[str, str]:
-        return {PREFIX + k: str(v) for k, v in self.model_dump().items() if v is not None}
+        return {PREFIX + k: str(v) for k, v in self.model_dump(mode="json").items()
+                if v is not None}
 
     @classmethod
     def from_annotations(cls, annotations: dict[str, str] | None) -> Heartbeat | None:

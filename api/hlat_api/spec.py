@@ -191,7 +191,8 @@ class HeartbeatSpec(_Model):
     startup_timeout_seconds: Annotated[float, Field(gt=0)] = 3600
     """Longest wait for a pod's first heartbeat (process start, compile, checkpoint load)."""
     timeout_seconds: Annotated[float, Field(gt=0)] | Literal["auto"] = "auto"
-    """Longest gap between heartbeats once training; auto = observed step time x safetyFactor."""
+    """Longest a training worker may go without progress (a step); auto = observed step time x
+    safetyFactor."""
     safety_factor: Annotated[float, Field(ge=1)] = 5
     """Multiplier on the observed step time for the automatic timeout."""
 

@@ -9,13 +9,18 @@ A gang is only as alive as its least alive member, so any one of these ends the 
 - a worker pod deleted, or terminating without the operator asking;
 - the node of a worker NotReady/unreachable (after a grace), gone, or marked unhealthy by
   SageMaker HyperPod's health label;
-- a stale heartbeat. Before the first beat (and while the trainer reports starting/compiling)
-  the startup timeout applies: compiling a graph for Trainium can take most of an hour. Once
-  training, the steady timeout: explicit, or learned as observed step time x safetyFactor
-  (never below a floor), plus one heartbeat period since renewals may be a period apart.
-  While a worker reports `checkpointing` the steady timeout is paused (bounded by the startup
-  timeout), because a blocking checkpoint write is slow but not a hang.
-The blamed pod is the one that failed first; among stale heartbeats, the stalest.
+- a hang: no progress for longer than the timeout of the worker's phase. Progress is the
+  heartbeat's `progress_time` (the training loop reported), so a worker whose process is
+  frozen or dead (no renewals either) and one stuck in a collective or the device runtime
+  (still renewing) are both caught. Before the first beat (and while the trainer reports
+  starting/compiling) the startup timeout applies: compiling a graph for Trainium can take most
+  of an hour. Once training, the steady timeout: explicit, or learned as observed step time x
+  safetyFactor (never below a floor), plus one heartbeat period since renewals may be a period
+  apart. While a worker reports `checkpointing`, the longer of the steady timeout and its
+  longest save so far x safetyFactor (+ a period); before its first save, the startup timeout.
+The blamed pod is the one that failed first; among hangs, one whose Lease expired (it stopped
+renewing; the others are usually waiting for it in a collective), then the one without progress
+the longest.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from datetime import datetime
 
 from hlat_api import labels
 from hlat_api.env import ExitCode
-from hlat_api.heartbeat import lease_name
+from hlat_api.heartbeat import EXPIRY_PERIODS, lease_name
 from hlat_api.labels import Reason
 from hlat_api.spec import PretrainJobSpec
 from hlat_operator.config import OperatorSettings
@@ -144,9 +149,12 @@ def steady_timeout(
 @dataclass(frozen=True)
 class Staleness:
     since: datetime
-    """The last sign of life: the last renewal, or the container start before the first one."""
+    """The last sign of progress: the loop's last report, or the container start before the
+    first beat."""
     timeout: float
     reason: Reason
+    renewed: datetime | None = None
+    """The last renewal (the process was alive then); None before the first beat."""
 
 
 def staleness(
@@ -159,7 +167,8 @@ def staleness(
     """Which timeout applies to a running worker now, from when; None: nothing to check.
     Before the first beat the clock starts when the whole gang runs (`gang_started`): no
     worker can get past rendezvous before its last peer starts."""
-    startup = spec.fault_tolerance.heartbeat.startup_timeout_seconds
+    hb = spec.fault_tolerance.heartbeat
+    startup = hb.startup_timeout_seconds
     beat = lease.heartbeat if lease is not None and lease.renew_time is not None else None
     if beat is not None and beat.attempt is not None and beat.attempt != pod.attempt:
         beat = None  # a leftover of another attempt: not this worker's sign of life
@@ -168,14 +177,19 @@ def staleness(
         return Staleness(since, startup, Reason.STARTUP_TIMEOUT) if since else None
     if beat.phase == "finished":
         return None
+    renewed = lease.renew_time
+    progressed = min(beat.progress_time, renewed) if beat.progress_time else renewed
     if beat.phase in ("starting", "compiling"):
-        return Staleness(lease.renew_time, startup, Reason.STARTUP_TIMEOUT)
-    if beat.phase == "checkpointing":
-        return Staleness(lease.renew_time, startup, Reason.HEARTBEAT_TIMEOUT)
+        return Staleness(progressed, startup, Reason.STARTUP_TIMEOUT, renewed)
     steady = steady_timeout(spec, beat.step_seconds, settings)
-    return Staleness(
-        lease.renew_time, startup if steady is None else steady, Reason.HEARTBEAT_TIMEOUT
-    )
+    timeout = startup if steady is None else steady
+    if beat.phase == "checkpointing":
+        if beat.checkpoint_seconds is None:
+            timeout = startup
+        else:
+            saving = hb.safety_factor * beat.checkpoint_seconds + settings.heartbeat_period_seconds
+            timeout = min(startup, max(timeout, saving))
+    return Staleness(progressed, timeout, Reason.HEARTBEAT_TIMEOUT, renewed)
 
 
 def _heartbeat_fault(
@@ -185,7 +199,12 @@ def _heartbeat_fault(
     now: datetime,
     settings: OperatorSettings,
 ) -> Fault | None:
-    worst: tuple[float, ObservedPod, Staleness] | None = None
+    """A hang once any worker is past its timeout. Blamed: a worker whose Lease expired (frozen
+    or gone; its peers are usually waiting for it in a collective, still renewing), the
+    longest silent; otherwise the one longest past its timeout."""
+    expiry = EXPIRY_PERIODS * settings.heartbeat_period_seconds
+    hung: list[tuple[float, ObservedPod, Staleness]] = []
+    silent: list[tuple[float, ObservedPod, Staleness]] = []
     gang_started = max((p.started_at for p in pods if p.started_at), default=None)
     for pod in pods:
         if pod.phase != "Running" or pod.terminating:
@@ -194,18 +213,24 @@ def _heartbeat_fault(
         stale = staleness(spec, pod, lease, settings, gang_started)
         if stale is None:
             continue
-        age = (now - stale.since).total_seconds()
-        if age > stale.timeout and (worst is None or age - stale.timeout > worst[0]):
-            worst = (age - stale.timeout, pod, stale)
-    if worst is None:
+        over = (now - stale.since).total_seconds() - stale.timeout
+        if over > 0:
+            hung.append((over, pod, stale))
+        if stale.renewed is not None and (quiet := (now - stale.renewed).total_seconds()) > expiry:
+            silent.append((quiet, pod, stale))
+    if not hung:
         return None
-    _, pod, stale = worst
+    _, pod, stale = max(silent or hung, key=lambda entry: entry[0])
     age = (now - stale.since).total_seconds()
-    what = "no first heartbeat" if stale.reason == Reason.STARTUP_TIMEOUT else "no heartbeat"
+    if stale.renewed is None:
+        what = f"no first heartbeat for {age:.0f}s"
+    elif silent:
+        what = f"no heartbeat for {(now - stale.renewed).total_seconds():.0f}s"
+    else:
+        what = f"alive but no progress for {age:.0f}s"
     return Fault(
         stale.reason,
-        f"pod {pod.name} on node {pod.node or '?'}: {what} for {age:.0f}s "
-        f"(timeout {stale.timeout:.0f}s)",
+        f"pod {pod.name} on node {pod.node or '?'}: {what} (timeout {stale.timeout:.0f}s)",
         pod.name,
         pod.node,
     )

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from pathlib import Path
 
 from hlat_api import Heartbeat, latest_complete, list_checkpoints, step_dir
 
 
 def test_heartbeat_round_trips_through_annotations() -> None:
-    beat = Heartbeat(phase="training", step=120, tokens=4.9e5, loss=2.5, checkpoint_step=100)
+    beat = Heartbeat(phase="training", step=120, tokens=4.9e5, loss=2.5, checkpoint_step=100,
+                     checkpoint_seconds=1.25,
+                     progress_time=dt.datetime(2026, 11, 22, 12, 0, 1, 250000, tzinfo=dt.UTC))
     annotations = beat.to_annotations()
     assert annotations["hlat.dev/step"] == "120" and "hlat.dev/loss" in annotations
     assert all(isinstance(v, str) for v in annotations.values())

@@ -248,8 +248,11 @@ def test_a_hung_worker_is_detected_within_the_steady_timeout(job_env: Env) -> No
     timeout = 8
     job_env.create(tiny_spec(steps=60, heartbeat={"startupTimeoutSeconds": 120,
                                                   "timeoutSeconds": timeout}))
+    # past the first save: a worker frozen in one before that gets the startup timeout (how
+    # long a save takes is not known yet), after it the longer of the steady timeout and the
+    # longest save so far x safetyFactor (well under 8 s for this model)
     job_env.wait("training", lambda s: s.get("phase") == "Running"
-                 and s.get("progress", {}).get("step", 0) >= 2, 180)
+                 and s.get("progress", {}).get("step", 0) >= 2 and "latestCheckpoint" in s, 180)
     pod = next(p for p in job_env.pods() if p.metadata.name == f"{JOB}-a0-1")
     node = pod.spec.node_name
     faults.hang(job_env.cluster.config, job_env.ns, f"{JOB}-a0-1")
@@ -260,6 +263,9 @@ def test_a_hung_worker_is_detected_within_the_steady_timeout(job_env: Env) -> No
     # heartbeat period (2 s) + one resync (2 s) + slack for a machine busy with other work
     assert timeout - 2 <= detected <= timeout + 2 + 2 + 12, detected
     assert restarting["lastFailure"]["reason"] == "HeartbeatTimeout"
+    # blamed: the frozen worker, not its peer that waits for it in a collective, still renewing
+    assert restarting["lastFailure"]["pod"] == f"{JOB}-a0-1", restarting["lastFailure"]
+    assert "no heartbeat for" in restarting["lastFailure"]["message"]
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 240)
     assert done["progress"]["step"] == 60 and done["restarts"]["total"] >= 1
     new = [p for p in job_env.pods() if p.metadata.labels["hlat.dev/attempt"] != "0"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -221,6 +222,56 @@ def test_checkpointing_pauses_the_steady_timeout() -> None:
     assert w.status.phase == "Running"
     w.run(15)
     assert w.status.phase == "Restarting"
+
+
+def test_a_hang_during_a_save_is_bounded_by_the_longest_save_so_far() -> None:
+    """Longest save 2 s x safety 5 + a 2 s period = 12 s (more than the 7 s steady timeout)."""
+    w = World()
+    w.until("Running")
+    w.beat(20, phase="checkpointing", checkpoint_seconds=2.0)
+    w.run(11)
+    assert w.status.phase == "Running"
+    w.run(3)
+    assert w.status.phase == "Restarting"
+
+
+def test_a_worker_stuck_but_still_renewing_is_hung() -> None:
+    """A loop blocked in a collective or the device runtime: its heartbeat thread renews, its
+    progress stops; caught after the same steady timeout as a frozen process (7 s here)."""
+    w = running_world()
+    stuck_since = w.now
+    detected = None
+    for t in range(1, 30):
+        w.advance(1)
+        w.beat(5, progress_time=stuck_since)
+        w.step()
+        if w.status.phase == "Restarting":
+            detected = t
+            break
+    assert detected is not None and 7 <= detected <= 8
+    assert w.status.last_failure is not None
+    assert w.status.last_failure.reason == Reason.HEARTBEAT_TIMEOUT
+    assert "alive but no progress" in (w.status.last_failure.message or "")
+
+
+def test_the_worker_that_stopped_renewing_is_blamed_over_peers_waiting_for_it() -> None:
+    """Its peer, blocked in a collective with it, still renews, though it progressed last a
+    little earlier (and so passes its timeout first): the silent one is the cause."""
+    w = running_world()
+    frozen = w.pod_of(1).name
+    peer_progress = w.now - timedelta(seconds=0.4)
+    for _ in range(30):
+        w.advance(1)
+        for name, lease in list(w.leases.items()):
+            if name != frozen and lease.heartbeat is not None:
+                beat = lease.heartbeat.model_copy(update={"progress_time": peer_progress})
+                w.leases[name] = ObservedLease(name, w.now, beat)
+        w.step()
+        if w.status.phase == "Restarting":
+            break
+    failure = w.status.last_failure
+    assert failure is not None and failure.pod == frozen, failure
+    assert "no heartbeat for" in (failure.message or "")
 
 
 def test_compiling_workers_get_the_startup_timeout() -> None:

@@ -70,6 +70,9 @@ def test_trainer_renews_its_lease_with_progress(
     final, _ = read_beat(cluster, namespace, "w-0")
     assert final is not None and final.phase == "finished"
     assert (final.step, final.checkpoint_step) == (30, 30)
+    # the loop's own clock moved on with it, and the saves' length was reported
+    assert beat.progress_time and final.progress_time and final.progress_time > beat.progress_time
+    assert final.checkpoint_seconds is not None and final.checkpoint_seconds > 0
     assert len(renewals - {None}) >= 2, "renewTime advances"
 
 

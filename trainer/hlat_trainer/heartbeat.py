@@ -3,8 +3,9 @@
 The protocol (Lease name, annotation keys, period) is `hlat_api.heartbeat`; the operator reads
 it to detect hangs (a stale `renewTime`) and to report progress. Design choices:
 - A daemon thread renews at the period with the latest values the training loop handed over,
-  so a slow step never delays a beat and a hung step stops them (the operator then notices:
-  a frozen process renews nothing, a busy one keeps renewing).
+  so a slow step never delays a beat. Every hand-over stamps `progress_time`: a frozen or dead
+  process stops renewing, a loop stuck in a collective or the device runtime keeps renewing
+  with an old `progress_time`, and the operator tells the two apart.
 - The pod's own service-account token (in-cluster config), allowed by the job's Role to patch
   only this pod's Lease; the Lease is created by the operator.
 - API errors never stop training: they are logged (once per kind of error) and retried at the
@@ -22,7 +23,7 @@ import threading
 from typing import Any
 
 from hlat_api import Env, Heartbeat
-from hlat_api.heartbeat import DEFAULT_PERIOD_SECONDS
+from hlat_api.heartbeat import DEFAULT_PERIOD_SECONDS, EXPIRY_PERIODS
 
 log = logging.getLogger(__name__)
 TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount/token"
@@ -60,9 +61,11 @@ class LeaseHeartbeat:
         return self
 
     def update(self, **fields: Any) -> None:
-        """Hand over the latest values; the thread publishes them at its next beat."""
+        """Hand over the latest values (the loop moved); the thread publishes them at its next
+        beat."""
+        now = datetime.datetime.now(datetime.UTC)
         with self._lock:
-            self.beat = self.beat.model_copy(update=fields)
+            self.beat = self.beat.model_copy(update={**fields, "progress_time": now})
 
     def __call__(self, stats: dict[str, Any]) -> None:
         """A training-loop sink: one dict per step."""
@@ -78,7 +81,7 @@ class LeaseHeartbeat:
         body = {
             "metadata": {"annotations": beat.to_annotations()},
             "spec": {"holderIdentity": self.holder, "renewTime": now.isoformat(),
-                     "leaseDurationSeconds": max(1, round(self.period * 3))},
+                     "leaseDurationSeconds": max(1, round(self.period * EXPIRY_PERIODS))},
         }
         try:
             self.api.patch_namespaced_lease(self.lease, self.namespace, body)

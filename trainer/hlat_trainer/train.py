@@ -112,6 +112,7 @@ class Trainer:
             dp_rank=self.world.dp_rank, dp_size=self.world.dp, seed=spec.data.shuffle_seed,
         )
         self.state = TrainState()
+        self.longest_save = 0.0
         self.peak_flops = self._peak_flops()
         self.heartbeat = LeaseHeartbeat.from_environment(self.world.local_rank)
         if self.heartbeat is not None:
@@ -204,7 +205,8 @@ class Trainer:
     def save(self, step: int) -> float:
         self._beat(phase="checkpointing")
         blocked = self.engine.save(step, self.loop_state())
-        self._beat(phase="training")
+        self.longest_save = max(self.longest_save, blocked)
+        self._beat(phase="training", checkpoint_seconds=self.longest_save)
         log.info("checkpoint step_%d: training blocked %.3fs", step, blocked)
         return blocked
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -22,6 +23,24 @@ def running_world(**overrides: Any) -> World:
     w.beat(5)
     w.step()
     return w
+
+
+def renew_all_but(w: World, excluded: str, **update: Any) -> None:
+    """Every worker but `excluded` renews its Lease now, with `update` to its heartbeat."""
+    for name, lease in list(w.leases.items()):
+        if name != excluded and lease.heartbeat is not None:
+            w.leases[name] = ObservedLease(name, w.now, lease.heartbeat.model_copy(update=update))
+
+
+def seconds_until_restarting(w: World, each_second: Callable[[int], None]) -> int | None:
+    """Let up to 30 s pass, `each_second(t)` after each; when the job turned Restarting."""
+    for t in range(1, 30):
+        w.advance(1)
+        each_second(t)
+        w.step()
+        if w.status.phase == "Restarting":
+            return t
+    return None
 
 
 @pytest.mark.parametrize(
@@ -188,17 +207,7 @@ def test_a_hung_worker_is_detected_within_the_learned_timeout() -> None:
     """step 0.5 s x safety 5 = 2.5 s, floored at 5 s, + one 2 s heartbeat period = 7 s."""
     w = running_world()
     hung = w.pod_of(1).name
-    detected = None
-    for t in range(1, 30):
-        w.advance(1)
-        for name, lease in list(w.leases.items()):
-            if name != hung and lease.heartbeat is not None:
-                beat = lease.heartbeat.model_copy(update={"step": 5 + t})
-                w.leases[name] = ObservedLease(name, w.now, beat)
-        w.step()
-        if w.status.phase == "Restarting":
-            detected = t
-            break
+    detected = seconds_until_restarting(w, lambda t: renew_all_but(w, hung, step=5 + t))
     assert detected is not None and 7 <= detected <= 8
     assert w.status.last_failure is not None
     assert w.status.last_failure.reason == Reason.HEARTBEAT_TIMEOUT
@@ -240,14 +249,7 @@ def test_a_worker_stuck_but_still_renewing_is_hung() -> None:
     progress stops; caught after the same steady timeout as a frozen process (7 s here)."""
     w = running_world()
     stuck_since = w.now
-    detected = None
-    for t in range(1, 30):
-        w.advance(1)
-        w.beat(5, progress_time=stuck_since)
-        w.step()
-        if w.status.phase == "Restarting":
-            detected = t
-            break
+    detected = seconds_until_restarting(w, lambda _: w.beat(5, progress_time=stuck_since))
     assert detected is not None and 7 <= detected <= 8
     assert w.status.last_failure is not None
     assert w.status.last_failure.reason == Reason.HEARTBEAT_TIMEOUT
@@ -260,15 +262,9 @@ def test_the_worker_that_stopped_renewing_is_blamed_over_peers_waiting_for_it() 
     w = running_world()
     frozen = w.pod_of(1).name
     peer_progress = w.now - timedelta(seconds=0.4)
-    for _ in range(30):
-        w.advance(1)
-        for name, lease in list(w.leases.items()):
-            if name != frozen and lease.heartbeat is not None:
-                beat = lease.heartbeat.model_copy(update={"progress_time": peer_progress})
-                w.leases[name] = ObservedLease(name, w.now, beat)
-        w.step()
-        if w.status.phase == "Restarting":
-            break
+    detected = seconds_until_restarting(
+        w, lambda _: renew_all_but(w, frozen, progress_time=peer_progress))
+    assert detected is not None
     failure = w.status.last_failure
     assert failure is not None and failure.pod == frozen, failure
     assert "no heartbeat for" in (failure.message or "")

@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import subprocess
 import time
 from pathlib import Path
+
+JOIN = 'echo $$ > "$0" && exec "$@"'
+"""``sh -c JOIN <cgroup.procs> ARGV...``: move this shell into the group, then exec ARGV."""
 
 
 @functools.cache
@@ -28,14 +33,23 @@ def hierarchy() -> Path | None:
             fields = line.split()
             if len(fields) > 2 and fields[2] == "cgroup2":
                 root = Path(fields[1])
-                probe = root / "hlat"
-                try:
-                    probe.mkdir(exist_ok=True)
-                except OSError:
-                    return None
-                if (probe / "cgroup.kill").exists():
-                    return root
+                return root if _usable(root / "hlat") else None
     return None
+
+
+def _usable(base: Path) -> bool:
+    """Groups can be made under ``base``, a process moved into one, and the group killed."""
+    probe = base / f"probe-{os.getpid()}"
+    try:
+        probe.mkdir(parents=True, exist_ok=True)
+        moved = subprocess.run(["sh", "-c", JOIN, str(probe / "cgroup.procs"), "true"],
+                               capture_output=True, check=False).returncode == 0
+        return moved and (probe / "cgroup.kill").exists()
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            probe.rmdir()
 
 
 class ContainerGroup:

@@ -207,7 +207,7 @@ class PodWorker:
                 sys.executable, podrun.__file__, str(self.dir / f"{name}.json")]
         if run.group is not None:  # join the cgroup first, so everything started is in it
             run.group.create()
-            argv = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(run.group.procs), *argv]
+            argv = ["sh", "-c", cgroups.JOIN, str(run.group.procs), *argv]
         with (self.dir / f"{name}.log").open("ab") as log:
             run.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)

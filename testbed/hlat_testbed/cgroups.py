@@ -97,21 +97,16 @@ def for_container(bridge: str, pod_uid: str, container: str) -> ContainerGroup |
     return ContainerGroup(root / "hlat" / bridge / pod_uid / container)
 
 
-def clear_leftovers(bridge: str) -> int:
-    """Kill and remove every container group a previous kubelet of this cluster left; returns
-    how many groups still had processes."""
+def clear_leftovers(bridge: str) -> None:
+    """Kill and remove every container group a previous kubelet of this cluster left."""
     root = hierarchy()
     if root is None:
-        return 0
+        return
     base = root / "hlat" / bridge
     if not base.exists():
-        return 0
-    busy = 0
+        return
     for pod in sorted(p for p in base.iterdir() if p.is_dir()):
         for container in sorted(c for c in pod.iterdir() if c.is_dir()):
-            group = ContainerGroup(container)
-            busy += bool(group.pids())
-            group.remove()
+            ContainerGroup(container).remove()
     with contextlib.suppress(OSError):
         base.rmdir()
-    return busy

@@ -3,9 +3,11 @@
 - ``kill``: a signal to a pod's main process (SIGKILL by default; the pod then shows the exit
   code a container runtime would: 128 + signal);
 - ``hang`` / ``resume``: SIGSTOP / SIGCONT to the whole process group and every descendant
-  (torchrun's workers run in their own sessions), so a worker and its children freeze as a stuck collective would, without exiting;
+  (torchrun's workers run in their own sessions), so a worker and its children freeze as a
+  stuck collective would, without exiting;
 - ``node down`` / ``node up``: the node's kubelet goes silent, its pods drop off the network
-  and then their processes die, so peers get no FIN or RST (a lost instance), or it comes back; ``node delete`` also removes the Node object, as the cluster
+  and then their processes die, so peers get no FIN or RST (a lost instance), or it comes
+  back; ``node delete`` also removes the Node object, as the cluster
   autoscaler does when it replaces an instance.
 
 Processes are found through the pid files the kubelet writes, never by name.

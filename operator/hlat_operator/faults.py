@@ -221,6 +221,9 @@ def _heartbeat_fault(
     if not hung:
         return None
     _, pod, stale = max(silent or hung, key=lambda entry: entry[0])
+    # the timeout that ran out: the blamed worker's own, or, when it has been silent for less
+    # than its phase allows (frozen before it ever reported training, say), the first peer's
+    ran_out = stale if any(p is pod for _, p, _ in hung) else max(hung, key=lambda e: e[0])[2]
     age = (now - stale.since).total_seconds()
     if stale.renewed is None:
         what = f"no first heartbeat for {age:.0f}s"
@@ -229,8 +232,8 @@ def _heartbeat_fault(
     else:
         what = f"alive but no progress for {age:.0f}s"
     return Fault(
-        stale.reason,
-        f"pod {pod.name} on node {pod.node or '?'}: {what} (timeout {stale.timeout:.0f}s)",
+        ran_out.reason,
+        f"pod {pod.name} on node {pod.node or '?'}: {what} (timeout {ran_out.timeout:.0f}s)",
         pod.name,
         pod.node,
     )

@@ -270,6 +270,25 @@ def test_the_worker_that_stopped_renewing_is_blamed_over_peers_waiting_for_it() 
     assert "no heartbeat for" in (failure.message or "")
 
 
+def test_a_worker_frozen_before_it_reported_training_is_blamed_for_the_peers_timeout() -> None:
+    """Its last beat still says `starting` (startup timeout 60 s), so it is the stuck peer's
+    steady timeout that runs out: the reason is HeartbeatTimeout, the blame the silent one's."""
+    w = running_world()
+    frozen = w.pod_of(1).name
+    lease = w.leases[frozen]
+    assert lease.heartbeat is not None
+    w.leases[frozen] = replace(lease, heartbeat=lease.heartbeat.model_copy(
+        update={"phase": "starting"}))
+    stuck_since = w.now
+    detected = seconds_until_restarting(
+        w, lambda _: renew_all_but(w, frozen, progress_time=stuck_since))
+    assert detected is not None and 7 <= detected <= 8
+    failure = w.status.last_failure
+    assert failure is not None and failure.pod == frozen, failure
+    assert failure.reason == Reason.HEARTBEAT_TIMEOUT
+    assert "no heartbeat for" in (failure.message or "") and "(timeout 7s)" in (failure.message or "")
+
+
 def test_compiling_workers_get_the_startup_timeout() -> None:
     w = World()
     w.until("Running")

@@ -33,6 +33,17 @@ STATE_ANNOTATION: Final = "hlat.dev/operator-state"
 """The operator's own bookkeeping on a PretrainJob (JSON): what the status does not hold,
 e.g. nodes to avoid and the no-progress streak. Written only by the operator."""
 
+# --- the worker pod's container and node settings ------------------------------------------
+
+TRAINER_UID: Final = 10001
+"""The user Dockerfile.trainer runs as (its USER_UID build argument; a test keeps them equal).
+The node-local compile cache is handed to this user before the trainer starts."""
+NEURON_RESERVED_PORTS_SYSCTL: Final = "net.ipv4.ip_local_reserved_ports"
+NEURON_RESERVED_PORTS: Final = "44000,48620"
+"""Ports the Neuron runtime and collectives listen on, kept out of the ephemeral range so an
+outgoing connection cannot take them first (NxD's and HLAT's launch scripts reserve them with
+sysctl; a pod sets it as a namespaced "safe" sysctl, allowed since Kubernetes 1.27)."""
+
 # --- well-known keys of other systems --------------------------------------------------------
 
 INSTANCE_TYPE_LABEL: Final = "node.kubernetes.io/instance-type"

@@ -15,7 +15,14 @@ Design choices:
 - Resources come from hlat_api.presets.INSTANCE_TYPES: the whole node's Neuron devices and EFA
   interfaces (requests = limits, as extended resources require), none on `cpu`.
 - The Neuron compile cache is a node-local hostPath: the paper saw timeouts with it on the
-  shared volume, and a node that compiled once should not compile again after a restart.
+  shared volume, and a node that compiled once should not compile again after a restart. The
+  kubelet creates it root-owned (0755) while the trainer image runs as `labels.TRAINER_UID`, so
+  a small init container (root, CHOWN capability only) hands the directory to that user.
+- The Neuron compiler and runtime environment (NEURON_*, EFA's FI_*) is not set here: the
+  worker's entrypoint, `hlat-launch`, computes it from the same spec (hlat_trainer.neuron_env),
+  one source. A variable the pod does set is a deliberate override the launcher keeps.
+- Trainium pods reserve the Neuron runtime's ports (`labels.NEURON_RESERVED_PORTS`) with the
+  namespaced sysctl net.ipv4.ip_local_reserved_ports.
 """
 
 from __future__ import annotations
@@ -235,6 +242,10 @@ def build_worker_pod(
         "containers": [_container(job, spec, attempt, rank, name, settings)],
         "volumes": _volumes(job, spec, settings),
     }
+    if _is_trainium(spec):
+        pod_spec["initContainers"] = [_cache_owner(spec, settings)]
+        pod_spec["securityContext"] = {"sysctls": [
+            {"name": labels.NEURON_RESERVED_PORTS_SYSCTL, "value": labels.NEURON_RESERVED_PORTS}]}
     _apply_scheduling(pod_spec, spec, avoid_nodes or [])
     return {
         "apiVersion": "v1",
@@ -267,6 +278,23 @@ def _container(
     resources = build_resources(spec)
     if resources:
         c["resources"] = {"requests": resources, "limits": dict(resources)}
+    return c
+
+
+def _cache_owner(spec: PretrainJobSpec, settings: OperatorSettings) -> Container:
+    """Hands the node-local compile cache (a root-owned hostPath) to the trainer's user."""
+    uid = labels.TRAINER_UID
+    c: Container = {
+        "name": "neuron-cache-owner",
+        "image": resolve_image(spec, settings) or "",
+        "command": ["chown", f"{uid}:{uid}", spec.neuron.cache_dir],
+        "volumeMounts": [{"name": CACHE_VOLUME, "mountPath": spec.neuron.cache_dir}],
+        "securityContext": {"runAsUser": 0, "runAsNonRoot": False,
+                            "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}},
+    }
+    if settings.image_pull_policy:
+        c["imagePullPolicy"] = settings.image_pull_policy
     return c
 
 
@@ -313,30 +341,7 @@ def build_env(
         _field_env(Env.NODE_NAME, "spec.nodeName"),
     ]
     env += [{"name": str(k), "value": v} for k, v in plain.items()]
-    env += [{"name": k, "value": v} for k, v in _accelerator_env(spec).items()]
     return env
-
-
-def _accelerator_env(spec: PretrainJobSpec) -> dict[str, str]:
-    """EFA and Neuron runtime settings from reference/neuron-eks.md."""
-    info = INSTANCE_TYPES[spec.instance_type]
-    out: dict[str, str] = {}
-    if info.efa_interfaces:
-        out |= {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
-    if info.neuron_devices:
-        n = spec.neuron
-        flags = [*n.compiler_flags, f"--cache_dir={n.cache_dir}"]
-        out |= {
-            "NEURON_CC_FLAGS": " ".join(flags),
-            "NEURON_COMPILE_CACHE_URL": n.cache_dir,
-            "NEURON_FUSE_SOFTMAX": "1" if n.fuse_softmax else "0",
-            "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": str(n.async_exec_max_inflight_requests),
-            "NEURON_RT_NUM_CORES": str(spec.ranks_per_node),
-            "MALLOC_ARENA_MAX": "64",
-        }
-        if spec.precision == "bf16-sr":
-            out["NEURON_RT_STOCHASTIC_ROUNDING_EN"] = "1"
-    return out
 
 
 def _is_trainium(spec: PretrainJobSpec) -> bool:

@@ -57,6 +57,7 @@ class Container(TypedDict, total=False):
     ports: list[ContainerPort]
     resources: dict[str, dict[str, str]]
     volumeMounts: list[VolumeMount]
+    securityContext: dict[str, Any]
 
 
 class Volume(TypedDict, total=False):
@@ -79,8 +80,10 @@ class PodSpec(TypedDict, total=False):
     priorityClassName: str
     schedulerName: str
     containers: list[Container]
+    initContainers: list[Container]
     volumes: list[Volume]
     enableServiceLinks: bool
+    securityContext: dict[str, Any]
 
 
 class Pod(TypedDict, total=False):

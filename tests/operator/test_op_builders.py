@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -139,11 +141,10 @@ def test_resources_per_instance_type(
     assert selector.get(labels.INSTANCE_TYPE_LABEL) == (None if instance == "cpu" else instance)
     tolerated = {t["key"] for t in pod["spec"].get("tolerations", [])}
     assert (labels.NEURON_TAINT in tolerated) == (neuron is not None)
-    env = env_of(pod)
-    assert (env.get("FI_PROVIDER") == "efa") == (efa is not None)
+    assert not [k for k in env_of(pod) if k.startswith("FI_")]  # the launcher sets EFA's
 
 
-def test_trainium_pods_get_a_node_local_compile_cache_and_neuron_env() -> None:
+def test_trainium_pods_get_a_node_local_compile_cache_their_user_can_write() -> None:
     spec = spec_for(
         "trn1.32xlarge",
         **{
@@ -158,10 +159,25 @@ def test_trainium_pods_get_a_node_local_compile_cache_and_neuron_env() -> None:
     cache = vols[builders.CACHE_VOLUME]["hostPath"]
     assert cache["path"] == spec.neuron.cache_dir
     assert not cache["path"].startswith(spec.storage.mount_path)  # never on the shared volume
-    env = env_of(pod)
-    assert f"--cache_dir={spec.neuron.cache_dir}" in env["NEURON_CC_FLAGS"]
-    assert env["NEURON_RT_NUM_CORES"] == "32" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
-    assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"  # bf16-sr
+    # the kubelet creates the hostPath root-owned 0755; the image runs as its own user
+    dockerfile = (Path(__file__).parents[2] / "Dockerfile.trainer").read_text()
+    image_uid = int(re.search(r"^ARG USER_UID=(\d+)$", dockerfile, re.M)[1])  # type: ignore[index]
+    assert image_uid == labels.TRAINER_UID
+    (init,) = pod["spec"]["initContainers"]
+    assert init["command"] == ["chown", f"{image_uid}:{image_uid}", spec.neuron.cache_dir]
+    assert {m["mountPath"] for m in init["volumeMounts"]} == {spec.neuron.cache_dir}
+    assert init["securityContext"]["runAsUser"] == 0
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    sysctls = {s["name"]: s["value"] for s in pod["spec"]["securityContext"]["sysctls"]}
+    assert sysctls == {"net.ipv4.ip_local_reserved_ports": labels.NEURON_RESERVED_PORTS}
+
+
+def test_the_neuron_environment_has_one_source_the_launcher() -> None:
+    """The pod sets no NEURON_*/FI_* variable: the launcher would keep it over its own."""
+    spec = spec_for("trn1.32xlarge", **{"model.preset": "tiny", "train.globalBatch": 256,
+                                        "train.microBatch": 1, "nodes": 2})
+    env = env_of(builders.build_worker_pod(JOB, spec, 0, 0, SETTINGS))
+    assert not [k for k in env if k.startswith(("NEURON_", "FI_", "CCOM_", "MALLOC_"))]
 
 
 def test_volumes_shm_shared_claim_and_config() -> None:

@@ -4,7 +4,8 @@ NxD cannot run here, so this stand-in exercises what the training loop does with
 `parallelizes_model`: its optimizer averages gradients over data parallel, clips, and exposes
 `grad_norm`; it saves and loads the model and optimizer itself, one file per rank under
 `step_<N>/`, and writes `done` the way NxD's checkpoint does (synchronously: after a barrier;
-asynchronously: only when the next save begins or at `finalize_checkpoint`). It is not NxD and
+asynchronously: only when the next save begins or at `finalize_checkpoint`). Its load ends in
+a collective, as NxD's does, so a rank failing inside it leaves its peers waiting there. It is not NxD and
 tests nothing of NxD: it tests our engine against the contract NxD is documented to follow.
 
 Run as `torchrun ... standin_managed.py --config FILE` (the hlat-train command line).
@@ -90,12 +91,19 @@ class StandInManagedBackend(TorchNativeBackend):
         dist.barrier()
         self.pending = None
 
+    def _shard(self, directory: str, step: int) -> Path:
+        return Path(directory) / f"step_{step}" / f"shard_{dist.get_rank()}.pt"
+
+    def checkpoint_readable(self, directory: str, step: int) -> bool:
+        shard = self._shard(directory, step)
+        return shard.is_file() and shard.stat().st_size > 0
+
     def load_checkpoint(self, directory: str, step: int, model: nn.Module,
                         optimizer: torch.optim.Optimizer) -> None:
-        shard = torch.load(Path(directory) / f"step_{step}" / f"shard_{dist.get_rank()}.pt",
-                           weights_only=True)
+        shard = torch.load(self._shard(directory, step), weights_only=True)
         model.load_state_dict(shard["model"])
         optimizer.load_state_dict(shard["optim"])
+        dist.barrier()  # the ranks meet inside the load, as NxD's load_checkpoint does
 
     def finalize_checkpoint(self) -> None:
         self._mark_done()

@@ -178,3 +178,19 @@ def test_main_config_errors_exit_with_config_error(
 def test_the_launcher_does_not_import_torch() -> None:
     code = "import sys, hlat_trainer.launch; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_workers_get_the_launcher_s_compiler_flags_through_the_operator_s_pod() -> None:
+    """The pod the operator builds, then the launcher in it: the flags the launcher computes
+    (saturate-infinity on trn1, -O1 for selective recompute) reach the workers."""
+    from hlat_operator import builders
+    from hlat_operator.config import OperatorSettings
+
+    spec = make_spec(nodes=2, parallelism={"activationCheckpointing": "selective"})
+    job = builders.JobRef("llama", "ml", "uid-1")
+    pod = builders.build_worker_pod(job, spec, 0, 1, OperatorSettings())
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
+    _, extra = build_command(env, spec)
+    flags = {**env, **extra}["NEURON_CC_FLAGS"].split()
+    assert "--enable-saturate-infinity" in flags and "-O1" in flags
+    assert {**env, **extra}["NEURON_RT_NUM_CORES"] == "32"

@@ -12,7 +12,7 @@ from hlat_trainer.neuron_env import (
     compile_command_prefix,
     compiler_flags,
     extracting_graphs_only,
-    neuron_environment,
+    worker_environment,
 )
 
 
@@ -32,10 +32,11 @@ def make_spec(instance: str = "trn1.32xlarge", nodes: int = 1, **over: Any) -> P
 
 
 def test_trn1_single_node_has_the_paper_settings_and_no_efa() -> None:
-    env = neuron_environment(make_spec("trn1.32xlarge"), nnodes=1)
+    env = worker_environment(make_spec("trn1.32xlarge"), nnodes=1)
     assert env == {
         "NEURON_CC_FLAGS": "--model-type=transformer --enable-saturate-infinity "
                            "--cache_dir=/var/tmp/neuron-compile-cache",
+        "NEURON_COMPILE_CACHE_URL": "/var/tmp/neuron-compile-cache",
         "NEURON_FUSE_SOFTMAX": "1",
         "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": "3",
         "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1",
@@ -48,20 +49,20 @@ def test_trn1_single_node_has_the_paper_settings_and_no_efa() -> None:
 @pytest.mark.parametrize("instance", ["trn1.32xlarge", "trn1n.32xlarge", "trn2.48xlarge"])
 def test_efa_variables_only_when_multi_node(instance: str) -> None:
     spec = make_spec(instance, nodes=4)
-    multi = neuron_environment(spec, nnodes=4)
+    multi = worker_environment(spec, nnodes=4)
     assert {k: multi[k] for k in EFA_ENV} == dict(EFA_ENV)
     assert multi["CCOM_SOCKET_IFNAME"] == "eth0" and multi["FI_PROVIDER"] == "efa"
-    single = neuron_environment(spec, nnodes=1)  # e.g. a one-node compile run of the same spec
+    single = worker_environment(spec, nnodes=1)  # e.g. a one-node compile run of the same spec
     assert not set(EFA_ENV) & set(single)
 
 
 def test_nnodes_defaults_to_the_spec() -> None:
-    assert "FI_PROVIDER" in neuron_environment(make_spec("trn1.32xlarge", nodes=2))
+    assert "FI_PROVIDER" in worker_environment(make_spec("trn1.32xlarge", nodes=2))
 
 
 def test_instance_without_efa_gets_no_efa_variables() -> None:
     spec = make_spec("trn1.2xlarge", nodes=2, train__globalBatch=4)  # no EFA interfaces
-    assert "FI_PROVIDER" not in neuron_environment(spec, nnodes=2)
+    assert "FI_PROVIDER" not in worker_environment(spec, nnodes=2)
 
 
 @pytest.mark.parametrize(("instance", "saturate", "cores"), [
@@ -70,7 +71,7 @@ def test_instance_without_efa_gets_no_efa_variables() -> None:
 def test_saturate_infinity_on_trn1_only_and_cores_per_instance(
     instance: str, saturate: bool, cores: str
 ) -> None:
-    env = neuron_environment(make_spec(instance), nnodes=1)
+    env = worker_environment(make_spec(instance), nnodes=1)
     assert ("--enable-saturate-infinity" in env["NEURON_CC_FLAGS"].split()) is saturate
     assert env["NEURON_RT_NUM_CORES"] == cores
 
@@ -78,7 +79,7 @@ def test_saturate_infinity_on_trn1_only_and_cores_per_instance(
 @pytest.mark.parametrize(("precision", "sr"), [("bf16-sr", "1"), ("bf16", "0"), ("mixed", "0"),
                                                ("fp32", "0")])
 def test_stochastic_rounding_only_for_bf16_sr(precision: str, sr: str) -> None:
-    env = neuron_environment(make_spec(precision=precision, train__seed=42), nnodes=1)
+    env = worker_environment(make_spec(precision=precision, train__seed=42), nnodes=1)
     assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == sr
     assert env.get("NEURON_RT_STOCHASTIC_ROUNDING_SEED") == ("42" if sr == "1" else None)
 
@@ -101,21 +102,26 @@ def test_selective_checkpointing_adds_O1_unless_a_level_is_given() -> None:
 
 
 def test_fuse_softmax_and_inflight_follow_the_spec() -> None:
-    env = neuron_environment(make_spec(neuron__fuseSoftmax=False,
+    env = worker_environment(make_spec(neuron__fuseSoftmax=False,
                                        neuron__asyncExecMaxInflightRequests=7), nnodes=1)
     assert env["NEURON_FUSE_SOFTMAX"] == "0"
     assert env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "7"
 
 
-@pytest.mark.parametrize(("instance", "backend"), [("cpu", "auto"), ("p5.48xlarge", "auto"),
-                                                   ("trn1.32xlarge", "cpu")])
-def test_cpu_and_cuda_get_no_neuron_environment(instance: str, backend: str) -> None:
+@pytest.mark.parametrize(("instance", "backend"), [("cpu", "auto"), ("trn1.32xlarge", "cpu")])
+def test_cpu_gets_no_device_environment(instance: str, backend: str) -> None:
     spec = make_spec(instance, nodes=2, backend=backend, train__globalBatch=64)
-    assert neuron_environment(spec, nnodes=2) == {}
+    assert worker_environment(spec, nnodes=2) == {}
+
+
+def test_gpus_get_only_efa_and_only_across_nodes() -> None:
+    spec = make_spec("p5.48xlarge", nodes=2, train__globalBatch=64)
+    assert worker_environment(spec, nnodes=2) == dict(EFA_ENV)
+    assert worker_environment(spec, nnodes=1) == {}
 
 
 def test_neuron_native_gets_the_runtime_environment_too() -> None:
-    env = neuron_environment(make_spec("trn2.48xlarge", backend="neuron-native"), nnodes=1)
+    env = worker_environment(make_spec("trn2.48xlarge", backend="neuron-native"), nnodes=1)
     assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
 
 

@@ -1,10 +1,18 @@
 """The device stack built for the loop: the model, one optimizer step, and its checkpoints.
 
-The training loop (data, schedule, accumulation, logging, heartbeats) is one piece of code for
-every backend; what it asks of the stack is small and is this interface:
+The training loop (schedule, checkpoint cadence, logging, heartbeats) is one piece of code for
+every backend, and so is the engine's step; what differs per device stack is behind `Backend`.
+The engine owns the whole optimizer step, because that is where lazy devices (XLA) go wrong:
 
-- `model`, `set_lr(lr)`, `step(max_norm)` (average gradients over data parallel, clip the global
-  norm, update, clear the gradients; returns the norm before clipping), `param_norm()`;
+- `train_step(batches, lr)`: every micro-batch of the step (host batch -> device, forward, loss,
+  backward, then the backend's micro-batch boundary: a graph cut on XLA, so one compiled graph
+  per micro-batch whatever the accumulation count), then the update (average gradients over
+  data parallel, clip the global norm, update, clear the gradients) and the loss averaged over
+  data parallel, then the backend's step end (the optimizer's graph on XLA). It returns device
+  tensors: nothing is read back to the host here, so an XLA step never waits for the device.
+  The loop reads values (`to_host`) only on the steps it logs or checkpoints.
+- `param_norm()` (a device tensor; only asked on logged steps: it is a full pass over the
+  parameters and, under tensor parallelism, a collective);
 - `save(step, loop_state)` / `resume()`: the model and optimizer in the backend's own format,
   plus each rank's `loop_state` (bytes the trainer packs: loader position, counters, RNG),
   which is durable before the checkpoint's `done` marker can exist; `wait()` before exit;
@@ -37,6 +45,7 @@ import json
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +78,26 @@ class Layout:
     @classmethod
     def of(cls, world: World, zero1: bool) -> Layout:
         return cls(world.size, world.dp, world.tp, zero1)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step's numbers, as device tensors (read with `to_host` when needed)."""
+
+    loss: Tensor
+    """Mean loss over the step's micro-batches and the data-parallel ranks (0-d)."""
+    grad_norm: Tensor
+    """Global gradient norm before clipping (0-d)."""
+    data_wait_seconds: float
+    """Time spent waiting for the loader's batches."""
+
+
+def to_host(tensors: list[Tensor]) -> list[float]:
+    """The values of 0-d tensors, in one device-to-host transfer."""
+    if not tensors:
+        return []
+    values: list[float] = torch.stack([t.detach().float() for t in tensors]).cpu().tolist()
+    return values
 
 
 @dataclass
@@ -119,14 +148,39 @@ class Engine(ABC):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    @abstractmethod
-    def step(self, max_norm: float) -> Tensor | float:
-        """Average gradients over dp, clip to `max_norm` (0: off), update, clear gradients.
-        Returns the global gradient norm before clipping (a 0-d tensor may stay on device)."""
+    def train_step(self, batches: Iterator[tuple[Tensor, Tensor]], lr: float) -> StepResult:
+        """One optimizer step over `spec.grad_accum_steps` micro-batches of host tensors."""
+        accum, backend = self.spec.grad_accum_steps, self.backend
+        self.set_lr(lr)
+        loss_sum = torch.zeros((), device=self.device)
+        data_wait = 0.0
+        for _ in range(accum):
+            start = time.perf_counter()
+            inputs, targets = next(batches)
+            data_wait += time.perf_counter() - start
+            inputs, targets = backend.to_device(inputs, self.device), backend.to_device(
+                targets, self.device)
+            with backend.autocast():
+                logits = self.model(inputs)
+            loss = backend.loss(logits, targets) / accum
+            loss.backward()  # type: ignore[no-untyped-call]
+            loss_sum += loss.detach()
+            backend.micro_batch_end()
+        grad_norm = self._update(self.spec.optimizer.grad_clip)
+        if self.world.dp > 1:
+            dist.all_reduce(loss_sum, group=self.world.dp_group)
+            loss_sum /= self.world.dp
+        backend.step_end()
+        return StepResult(loss_sum, grad_norm, data_wait)
 
     @abstractmethod
-    def param_norm(self) -> Tensor | float:
-        """Global L2 norm of the parameters."""
+    def _update(self, max_norm: float) -> Tensor:
+        """Average gradients over dp, clip to `max_norm` (0: off), update, clear gradients.
+        Returns the global gradient norm before clipping, a 0-d tensor left on the device."""
+
+    @abstractmethod
+    def param_norm(self) -> Tensor:
+        """Global L2 norm of the parameters (0-d, on the device)."""
 
     @abstractmethod
     def describe(self) -> str:
@@ -192,14 +246,14 @@ class TorchEngine(Engine):
                 f"{sum(s.numel() for s in self.dp.params.shards)} parameter elements "
                 f"(zero1={self.dp.zero1})")
 
-    def step(self, max_norm: float) -> float:
+    def _update(self, max_norm: float) -> Tensor:
         self.dp.sync_grads()
         norm = self.dp.clip(max_norm)
         self.dp.step()
-        return norm
+        return torch.as_tensor(norm)
 
-    def param_norm(self) -> float:
-        return self.dp.param_norm()
+    def param_norm(self) -> Tensor:
+        return torch.as_tensor(self.dp.param_norm())
 
     @property
     def committed(self) -> int | None:
@@ -334,16 +388,16 @@ class ManagedEngine(Engine):
                 f"elements; {self.backend.name} shards the optimizer (zero1="
                 f"{self.spec.parallelism.zero1})")
 
-    def step(self, max_norm: float) -> Tensor | float:
+    def _update(self, max_norm: float) -> Tensor:
         # the backend's optimizer all-reduces over dp, clips to the spec's grad clip (configured
         # when it was built) and keeps the norm it computed
         self.optimizer.step()
         norm = getattr(self.optimizer, "grad_norm", None)
         self.optimizer.zero_grad(set_to_none=True)
-        if norm is None:
+        if not isinstance(norm, Tensor):
             raise RuntimeError(f"backend {self.backend.name}: its optimizer reported no "
-                               "gradient norm (grad_norm) after the step")
-        return norm  # type: ignore[no-any-return]
+                               f"gradient norm tensor (grad_norm: {norm!r}) after the step")
+        return norm
 
     def param_norm(self) -> Tensor:
         return global_norm(list(self.model.parameters()), self._sharded, self.world)
@@ -386,19 +440,24 @@ class ManagedEngine(Engine):
                     f"{self.layout.dp}, tp {self.layout.tp}, zero1 {self.layout.zero1}): "
                     "restore that layout or start a new run (another checkpoint.dir)"
                 )
-            loop = b""
-            try:
-                self.backend.load_checkpoint(str(self.root / self.job), entry.step, self.model,
-                                             self.optimizer)
-                loop = loop_file(entry.path, self.world.rank).read_bytes()
-            except Exception as err:  # unreadable here: the vote below moves every rank on
-                log.warning("checkpoint %s is unreadable on rank %d: %s", entry.path,
-                            self.world.rank, str(err).splitlines()[0][:300] if str(err) else err)
-            if not self._all_ok(bool(loop)):
-                log.warning("checkpoint %s did not load on every rank: trying an older one",
+            # Vote before loading: the backend's load runs collectives (NxD's load_checkpoint
+            # synchronises the ranks), so a rank that failed inside it would leave its peers
+            # blocked there. Each rank checks what it can alone; only a unanimous yes loads.
+            loop = self._readable_loop_state(entry.path, entry.step)
+            if not self._all_ok(loop is not None):
+                log.warning("checkpoint %s is not readable on every rank: trying an older one",
                             entry.path)
                 failed.append(str(entry.path))
                 continue
+            assert loop is not None
+            try:
+                self.backend.load_checkpoint(str(self.root / self.job), entry.step, self.model,
+                                             self.optimizer)
+            except Exception as err:  # peers may be inside the load's collectives: stop here
+                raise RuntimeError(
+                    f"checkpoint {entry.path} passed every rank's check but did not load on "
+                    f"rank {self.world.rank}; the ranks cannot agree on another one: {err}"
+                ) from err
             self._committed = entry.step
             return Restored(entry.step, saved, {self.world.rank: loop}, True)
         if failed:
@@ -407,6 +466,19 @@ class ManagedEngine(Engine):
                 "are unreadable): move them aside to start over, or restore them"
             )
         return None
+
+    def _readable_loop_state(self, path: Path, step: int) -> bytes | None:
+        """This rank's loop state of a checkpoint, if it and the backend's files are readable."""
+        try:
+            if not self.backend.checkpoint_readable(str(self.root / self.job), step):
+                raise FileNotFoundError(f"the {self.backend.name} checkpoint files of this rank")
+            loop = loop_file(path, self.world.rank).read_bytes()
+            unpack(loop)  # a truncated file fails here, not after the collective load
+            return loop
+        except Exception as err:
+            log.warning("checkpoint %s is unreadable on rank %d: %s", path, self.world.rank,
+                        str(err).splitlines()[0][:300] if str(err) else repr(err))
+            return None
 
     def _all_ok(self, ok: bool) -> bool:
         """True only if every rank says ok (a collective: every rank calls it)."""

@@ -37,7 +37,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from hlat_api import Env, ExitCode, InvalidSpecError, PretrainJobSpec, load_job
-from hlat_trainer.neuron_env import compile_command_prefix, neuron_environment
+from hlat_trainer.neuron_env import compile_command_prefix, worker_environment
 
 
 class LaunchError(ValueError):
@@ -93,7 +93,7 @@ def build_command(
         *_rendezvous_args(env, nnodes), "--max-restarts", "0",
         "-m", "hlat_trainer", "--config", config, *trainer_args,
     ]
-    computed = neuron_environment(spec, nnodes=nnodes)
+    computed = worker_environment(spec, nnodes=nnodes)
     extra = {k: v for k, v in computed.items() if k not in env}
     return argv, extra
 
@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.CONFIG_ERROR
     out = sys.stdout if args.dry_run else sys.stderr
     nnodes = _int_var(env, Env.NNODES, spec.nodes, 1)  # validated by build_command
-    kept = sorted(k for k in neuron_environment(spec, nnodes=nnodes) if k in env)
+    kept = sorted(k for k in worker_environment(spec, nnodes=nnodes) if k in env)
     if kept:
         print(f"# kept from the environment: {', '.join(kept)}", file=out)
     for key, value in sorted(extra.items()):

@@ -47,5 +47,4 @@ class TrainMetrics:
             if value is not None:
                 gauge.set(value)
         self.tokens.inc(stats.get("tokens_step", 0))
-        if stats.get("grad_spike"):
-            self.spikes.inc()
+        self.spikes.inc(stats.get("grad_spikes", 0))  # spike steps since the last report

@@ -1,8 +1,11 @@
-"""The Neuron compiler and runtime environment, computed from the spec in one place.
+"""The workers' device environment (Neuron compiler and runtime, EFA), computed from the spec in
+one place.
 
-`neuron_environment(spec, nnodes=...)` is a pure function: the launcher (`hlat-launch`) merges
+`worker_environment(spec, nnodes=...)` is a pure function: the launcher (`hlat-launch`) merges
 its result into the environment before it execs torchrun, so every worker process, and the
-neuronx-cc compiler they start, sees the same settings. Values and sources
+neuronx-cc compiler they start, sees the same settings. It is the only source: the operator's
+pods set none of these variables (one the pod does set is a deliberate override the launcher
+keeps). Values and sources
 (/shared/reference/neuron-eks.md, "Environment and flags used for LLaMA pretraining on trn1"):
 
 - NEURON_CC_FLAGS: `spec.neuron.compilerFlags`, then `--enable-saturate-infinity` on trn1 only
@@ -16,10 +19,13 @@ neuronx-cc compiler they start, sees the same settings. Values and sources
   NEURON_RT_STOCHASTIC_ROUNDING_SEED = train.seed, so runs are repeatable.
 - MALLOC_ARENA_MAX=64; NEURON_RT_NUM_CORES = the instance's NeuronCores (32 on trn1.32xlarge,
   64 logical cores on trn2.48xlarge), as the public EKS manifests set it.
-- Multi-node on an instance with EFA: FI_PROVIDER=efa, FI_EFA_USE_DEVICE_RDMA=1,
-  FI_EFA_FORK_SAFE=1, CCOM_SOCKET_IFNAME=eth0. One node needs none of them.
+- NEURON_COMPILE_CACHE_URL = spec.neuron.cacheDir (the runtime's cache lookups, as --cache_dir
+  is the compiler's).
+- Multi-node on an instance with EFA (trn1, trn1n, trn2 and p5): FI_PROVIDER=efa,
+  FI_EFA_USE_DEVICE_RDMA=1, FI_EFA_FORK_SAFE=1; on Neuron also CCOM_SOCKET_IFNAME=eth0. One
+  node needs none of them.
 
-CPU and CUDA backends get an empty mapping: nothing here applies to them.
+CPU gets an empty mapping, CUDA only the EFA variables (NCCL over aws-ofi-nccl).
 
 Compile-only (`spec.neuron.compileOnly`): `compile_command_prefix` returns
 `["neuron_parallel_compile"]`, which the launcher puts in front of the torchrun line. That tool
@@ -45,7 +51,6 @@ EFA_ENV: Final[Mapping[str, str]] = {
     "FI_PROVIDER": "efa",
     "FI_EFA_USE_DEVICE_RDMA": "1",
     "FI_EFA_FORK_SAFE": "1",
-    "CCOM_SOCKET_IFNAME": "eth0",
 }
 
 
@@ -62,16 +67,27 @@ def compiler_flags(spec: PretrainJobSpec) -> list[str]:
     return flags
 
 
-def neuron_environment(spec: PretrainJobSpec, *, nnodes: int | None = None) -> dict[str, str]:
+def worker_environment(spec: PretrainJobSpec, *, nnodes: int | None = None) -> dict[str, str]:
     """Environment for the worker processes of one node; `nnodes` defaults to `spec.nodes`
     (the launcher passes the operator's HLAT_NNODES)."""
-    if not is_neuron(resolve_backend_name(spec)):
-        return {}
     nnodes = spec.nodes if nnodes is None else nnodes
+    info, backend = INSTANCE_TYPES[spec.instance_type], resolve_backend_name(spec)
+    neuron = is_neuron(backend)
+    env = neuron_runtime_environment(spec) if neuron else {}
+    if nnodes > 1 and info.efa_interfaces > 0 and backend != "cpu":  # gloo uses TCP
+        env.update(EFA_ENV)
+        if neuron:
+            env["CCOM_SOCKET_IFNAME"] = "eth0"
+    return env
+
+
+def neuron_runtime_environment(spec: PretrainJobSpec) -> dict[str, str]:
+    """The Neuron compiler and runtime variables (any node count)."""
     n, info = spec.neuron, INSTANCE_TYPES[spec.instance_type]
     sr = spec.precision == "bf16-sr"
     env = {
         "NEURON_CC_FLAGS": " ".join(compiler_flags(spec)),
+        "NEURON_COMPILE_CACHE_URL": n.cache_dir,
         "NEURON_FUSE_SOFTMAX": "1" if n.fuse_softmax else "0",
         "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": str(n.async_exec_max_inflight_requests),
         "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1" if sr else "0",
@@ -80,8 +96,6 @@ def neuron_environment(spec: PretrainJobSpec, *, nnodes: int | None = None) -> d
     }
     if sr:
         env["NEURON_RT_STOCHASTIC_ROUNDING_SEED"] = str(spec.train.seed)
-    if nnodes > 1 and info.efa_interfaces > 0:
-        env.update(EFA_ENV)
     return env
 
 

@@ -9,6 +9,13 @@ position, spike monitor, step and token counters, and the RNG states; the LR sch
 function of the step. Per-step numbers go to the sinks (stdout JSON or a progress bar,
 Prometheus) as one dict, so adding a sink (the heartbeat) touches nothing here.
 
+The loop drives; the engine steps. Values are read back from the device only on the steps
+that are logged (`train.logInterval`) or checkpointed, in one transfer: on XLA a read is a
+wait for the device, and a read every step would serialise host and device. Every step's
+gradient norm still reaches the spike monitor (kept on the device until the next read).
+Under `neuron_parallel_compile`'s graph extraction (NEURON_EXTRACT_GRAPHS_ONLY) tensors are
+dummies, so no checkpoint is saved: a job resuming from it would start from zeros.
+
 Every run is a torch.distributed run (one rank when not under torchrun). The device stack
 (model, optimizer step, checkpoint format) is an `hlat_trainer.engine.Engine`: on the
 torch-native backends `hlat_trainer.parallel` parallelises the pure model (tensor/sequence
@@ -20,24 +27,25 @@ read the same one. The logged loss is the mean over data-parallel ranks.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from hlat_api import INSTANCE_TYPES, Job
 from hlat_trainer.backends import Backend, select_backend
 from hlat_trainer.data import PackedLoader, load_tokenizer
 from hlat_trainer.distributed import World
-from hlat_trainer.engine import Engine, build_engine, pack, unpack
+from hlat_trainer.engine import Engine, StepResult, build_engine, pack, to_host, unpack
 from hlat_trainer.errors import UserError
 from hlat_trainer.heartbeat import LeaseHeartbeat
 from hlat_trainer.model import count_params
 from hlat_trainer.monitor import GradSpikeMonitor
+from hlat_trainer.neuron_env import EXTRACT_GRAPHS_ONLY, extracting_graphs_only
 from hlat_trainer.precision import precision_policy
 from hlat_trainer.schedule import lr_at
 
@@ -46,6 +54,16 @@ Sink = Callable[[dict[str, Any]], None]
 
 # Dense BF16 peak per device for MFU where the instance table has none (GPUs by name).
 _GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0, "A10G": 70.0}
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the loop knows of a step without reading the device."""
+
+    step: int
+    lr: float
+    result: StepResult
+    seconds: float
 
 
 @dataclass
@@ -112,6 +130,8 @@ class Trainer:
             dp_rank=self.world.dp_rank, dp_size=self.world.dp, seed=spec.data.shuffle_seed,
         )
         self.state = TrainState()
+        self._unobserved: list[Tensor] = []  # grad norms not yet fed to the spike monitor
+        self.extracting_graphs = extracting_graphs_only(os.environ)
         self.longest_save = 0.0
         self.peak_flops = self._peak_flops()
         self.heartbeat = LeaseHeartbeat.from_environment(self.world.local_rank)
@@ -158,44 +178,40 @@ class Trainer:
     # --- the loop ---------------------------------------------------------------------------------
 
     def _batches(self) -> Iterator[tuple[Tensor, Tensor]]:
-        for inputs, targets in self.loader:
-            yield inputs.to(self.device), targets.to(self.device)
+        yield from self.loader  # host tensors: the engine moves each micro-batch to the device
 
-    def train_step(self, batches: Iterator[tuple[Tensor, Tensor]], step: int) -> dict[str, Any]:
-        spec, accum = self.spec, self.spec.grad_accum_steps
+    def train_step(self, batches: Iterator[tuple[Tensor, Tensor]], step: int) -> StepStats:
+        """One optimizer step, driven: the engine runs it; nothing is read from the device."""
+        spec = self.spec
         start = time.perf_counter()
         lr = lr_at(step, lr=spec.optimizer.lr, min_lr=spec.optimizer.min_lr,
                    warmup_steps=spec.optimizer.warmup_steps, total_steps=spec.total_steps)
-        self.engine.set_lr(lr)
-        loss_sum = torch.zeros((), device=self.device)
-        data_wait = 0.0
-        for _ in range(accum):
-            t0 = time.perf_counter()
-            inputs, targets = next(batches)
-            data_wait += time.perf_counter() - t0
-            with self.backend.autocast():
-                logits = self.model(inputs)
-            loss = self.backend.loss(logits, targets) / accum
-            loss.backward()  # type: ignore[no-untyped-call]
-            loss_sum += loss.detach()
-        grad_norm_t = self.engine.step(spec.optimizer.grad_clip)
-        if self.world.dp > 1:
-            dist.all_reduce(loss_sum, group=self.world.dp_group)
-            loss_sum /= self.world.dp
-        param_norm_t = self.engine.param_norm()
-        self.backend.step_end()  # on XLA: the step is one graph; the numbers below read it back
-        grad_norm, param_norm = float(grad_norm_t), float(param_norm_t)
-        seconds = time.perf_counter() - start
-        tokens = spec.tokens_per_step
-        self.state.step, self.state.tokens = step, self.state.tokens + tokens
-        tps = tokens / seconds
+        result = self.engine.train_step(batches, lr)
+        self.state.step, self.state.tokens = step, self.state.tokens + spec.tokens_per_step
+        self._unobserved.append(result.grad_norm)
+        return StepStats(step, lr, result, time.perf_counter() - start)
+
+    def observe_norms(self) -> int:
+        """Feed the spike monitor every step's gradient norm since the last call (one
+        device-to-host transfer); returns how many of those steps spiked."""
+        norms, self._unobserved = to_host(self._unobserved), []
+        return sum(self.state.monitor.observe(n) for n in norms)
+
+    def report(self, s: StepStats) -> dict[str, Any]:
+        """The numbers of a logged step: the only place a step's values leave the device."""
+        spikes = self.observe_norms()
+        loss, grad_norm, param_norm = to_host(
+            [s.result.loss, s.result.grad_norm, self.engine.param_norm()])
+        tokens = self.spec.tokens_per_step
+        tps = tokens / s.seconds
         return {
-            "step": step, "loss": loss_sum.item(), "lr": lr, "grad_norm": grad_norm,
-            "param_norm": param_norm, "tokens_per_second": tps, "step_seconds": seconds,
-            "data_wait_seconds": data_wait, "tokens": self.state.tokens, "tokens_step": tokens,
-            "mfu": self.dims.flops_per_token(spec.data.seq_len) * tps
-            / (self.peak_flops * spec.world_size),
-            "grad_spike": self.state.monitor.observe(grad_norm),
+            "step": s.step, "loss": loss, "lr": s.lr, "grad_norm": grad_norm,
+            "param_norm": param_norm, "tokens_per_second": tps, "step_seconds": s.seconds,
+            "data_wait_seconds": s.result.data_wait_seconds, "tokens": self.state.tokens,
+            "tokens_step": tokens,
+            "mfu": self.dims.flops_per_token(self.spec.data.seq_len) * tps
+            / (self.peak_flops * self.spec.world_size),
+            "grad_spikes": spikes,
         }
 
     def _beat(self, **fields: Any) -> None:
@@ -203,6 +219,11 @@ class Trainer:
             self.heartbeat.update(checkpoint_step=self.engine.committed, **fields)
 
     def save(self, step: int) -> float:
+        if self.extracting_graphs:  # tensors hold dummy values: a checkpoint would be zeros
+            log.info("graph extraction (%s): checkpoint step_%d not saved",
+                     EXTRACT_GRAPHS_ONLY, step)
+            return 0.0
+        self.observe_norms()  # the monitor is part of the saved loop state
         self._beat(phase="checkpointing")
         blocked = self.engine.save(step, self.loop_state())
         self.longest_save = max(self.longest_save, blocked)
@@ -227,10 +248,14 @@ class Trainer:
         finished = False
         try:
             for step in range(first, total + 1):
-                stats = self.train_step(batches, step)
+                done = self.train_step(batches, step)
+                blocked = None
                 if step % self.spec.checkpoint.interval == 0 or step == total:
-                    stats["checkpoint_blocking_seconds"] = self.save(step)
+                    blocked = self.save(step)
                 if step % self.spec.train.log_interval == 0 or step == total:
+                    stats = self.report(done)
+                    if blocked is not None:
+                        stats["checkpoint_blocking_seconds"] = blocked
                     for sink in self.sinks:
                         sink(stats)
                 self._beat()

@@ -77,6 +77,16 @@ class Backend(ABC):
         with precision_policy(self.spec.precision).autocast(self.autocast_device_type):
             yield
 
+    def to_device(self, batch: Tensor, device: torch.device) -> Tensor:
+        """A host batch on the device (asynchronously where the device allows)."""
+        return batch.to(device, non_blocking=True)
+
+    def micro_batch_end(self) -> None:
+        """Called after each micro-batch's backward: cut the lazy graph on XLA, so a step is
+        one graph per micro-batch (the same graph for each) whatever the accumulation count;
+        nothing on eager devices."""
+        return None
+
     def step_end(self) -> None:
         """Called after each optimizer step: cut the lazy graph on XLA; nothing elsewhere."""
         return None
@@ -109,6 +119,14 @@ class Backend(ABC):
                         optimizer: torch.optim.Optimizer, user_content: dict[str, int]) -> None:
         """Save `<directory>/step_<step>/`, `done` written last once every rank's shards are."""
         raise NotImplementedError(f"{self.name}: checkpoints go through hlat_trainer.checkpoint")
+
+    def checkpoint_readable(self, directory: str, step: int) -> bool:
+        """Whether this rank's files of `<directory>/step_<step>/` are there to load, checked
+        without collectives (the ranks vote on it before `load_checkpoint`, which may run
+        collectives a failing rank would leave its peers waiting in)."""
+        from pathlib import Path
+
+        return (Path(directory) / f"step_{step}").is_dir()
 
     def load_checkpoint(self, directory: str, step: int, model: nn.Module,
                         optimizer: torch.optim.Optimizer) -> None:

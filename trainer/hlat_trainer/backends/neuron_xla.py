@@ -116,6 +116,12 @@ class NeuronXlaBackend(Backend):
         else:
             require_neuron("torch_xla.core.xla_model").mark_step()
 
+    def micro_batch_end(self) -> None:
+        # a graph cut per micro-batch: without it every micro-batch of the step is traced into
+        # one graph (64 unrolled forward/backward passes at the paper's 7B layout), which also
+        # changes whenever the accumulation count (the node count) does
+        self.step_end()
+
     def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
         lf = require_neuron("neuronx_distributed.parallel_layers.loss_functions")
         per_token = lf.parallel_cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

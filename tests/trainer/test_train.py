@@ -88,3 +88,31 @@ def test_prometheus_endpoint_serves_training_metrics(make_job: Callable[..., Job
     for name in ("grad_norm", "param_norm", "lr", "tokens_per_second", "mfu", "step_seconds",
                  "data_wait_seconds", "checkpoint_blocking_seconds"):
         assert f"hlat_train_{name}" in values, name
+
+
+def test_graph_extraction_runs_save_no_checkpoint(
+    make_job: Callable[..., Job], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under neuron_parallel_compile's extraction tensors are dummies: a `done` checkpoint of
+    them would be what the real job resumes from."""
+    monkeypatch.setenv("NEURON_EXTRACT_GRAPHS_ONLY", "1")
+    job = make_job(train__steps=2, checkpoint__interval=1)
+    collect(job)
+    assert not list(Path(job.spec.checkpoint.dir).glob("*/step_*"))
+
+
+def test_the_spike_monitor_sees_every_step_while_values_are_read_only_when_logged(
+    make_job: Callable[..., Job], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hlat_trainer.train as train_module
+
+    reads: list[int] = []
+    real = train_module.to_host
+    monkeypatch.setattr(train_module, "to_host", lambda ts: reads.append(len(ts)) or real(ts))
+    job = make_job(train__steps=6, train__logInterval=3, checkpoint__interval=6)
+    trainer, seen = collect(job)
+    assert [r["step"] for r in seen] == [3, 6]
+    # per logged step: the pending grad norms, then loss + grad norm + param norm; the save
+    # at step 6 comes first and takes that step's norm
+    assert [n for n in reads if n] == [3, 3, 3, 3]
+    assert len(trainer.state.monitor.recent) == 6

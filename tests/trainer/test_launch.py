@@ -194,3 +194,16 @@ def test_workers_get_the_launcher_s_compiler_flags_through_the_operator_s_pod() 
     flags = {**env, **extra}["NEURON_CC_FLAGS"].split()
     assert "--enable-saturate-infinity" in flags and "-O1" in flags
     assert {**env, **extra}["NEURON_RT_NUM_CORES"] == "32"
+
+
+def test_main_refuses_a_node_whose_neuron_driver_is_too_old(
+    config_file: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config_file)}))
+    version = tmp_path / "version"
+    version.write_text("2.26.5.0\n")
+    monkeypatch.setattr(launch, "NEURON_DRIVER_VERSION_FILE", str(version))
+    monkeypatch.setattr(os, "execvpe", lambda *a: pytest.fail("must not start torchrun"))
+    assert launch.main([]) == ExitCode.CONFIG_ERROR
+    assert "Neuron driver is 2.26.5.0" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import pytest
 from hlat_api import PretrainJobSpec, parse_spec
 from hlat_trainer.neuron_env import (
     EFA_ENV,
+    check_neuron_driver,
     compile_command_prefix,
     compiler_flags,
     extracting_graphs_only,
@@ -137,3 +138,14 @@ def test_extracting_graphs_only_reads_the_tools_variable() -> None:
     assert extracting_graphs_only({"NEURON_EXTRACT_GRAPHS_ONLY": "1"})
     assert not extracting_graphs_only({"NEURON_EXTRACT_GRAPHS_ONLY": "0"})
     assert not extracting_graphs_only({})
+
+
+@pytest.mark.parametrize(("version", "ok"), [
+    ("2.26.5.0", False), ("2.19.64.0", False), ("2.27.0.0", True), ("2.30.1.0", True),
+    ("3.0.0", True), (None, True),
+])
+def test_neuron_driver_older_than_the_image_needs_is_named(version: str | None, ok: bool) -> None:
+    problem = check_neuron_driver(version)
+    assert (problem is None) is ok
+    if not ok:
+        assert version in problem and "aws-neuronx-dkms" in problem  # type: ignore[operator]

@@ -22,6 +22,9 @@ Choices:
   `env:` in the pod is a deliberate override); the overrides are printed.
 - The launcher does not import torch: errors in the env or config are reported at once.
 
+On a Neuron backend the node's driver (`/sys/module/neuron/version`) is checked against the
+oldest the pinned image's runtime supports, before anything starts.
+
 Missing or invalid variables and bad configs print one line naming the variable or field and
 exit with `ExitCode.CONFIG_ERROR` (permanent: restarting the gang cannot fix them).
 `hlat-launch --dry-run` prints the environment it adds and the command instead of running it.
@@ -37,7 +40,13 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from hlat_api import Env, ExitCode, InvalidSpecError, PretrainJobSpec, load_job
-from hlat_trainer.neuron_env import compile_command_prefix, worker_environment
+from hlat_trainer.backends import is_neuron, resolve_backend_name
+from hlat_trainer.neuron_env import (
+    NEURON_DRIVER_VERSION_FILE,
+    check_neuron_driver,
+    compile_command_prefix,
+    worker_environment,
+)
 
 
 class LaunchError(ValueError):
@@ -98,6 +107,15 @@ def build_command(
     return argv, extra
 
 
+def read_driver_version() -> str | None:
+    """The node's Neuron kernel driver version (sysfs is visible in containers), if readable."""
+    try:
+        with open(NEURON_DRIVER_VERSION_FILE) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     args = list(sys.argv[1:] if argv is None else argv)
     trainer_args: list[str] = []
@@ -119,6 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise LaunchError(f"${Env.CONFIG} is not set (path of the PretrainJob spec, JSON/YAML)")
         spec = load_job(config).spec
         command, extra = build_command(env, spec, trainer_args)
+        if is_neuron(resolve_backend_name(spec)) and not args.dry_run:
+            problem = check_neuron_driver(read_driver_version())
+            if problem:
+                raise LaunchError(problem)
     except (LaunchError, InvalidSpecError) as err:
         print(f"hlat-launch: {err}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR

@@ -45,6 +45,11 @@ from hlat_api import INSTANCE_TYPES, PretrainJobSpec
 from hlat_trainer.backends import is_neuron, resolve_backend_name
 
 PARALLEL_COMPILE: Final = "neuron_parallel_compile"
+NEURON_SDK: Final = "2.30"
+"""The Neuron SDK of the trainer image Dockerfile.trainer pins."""
+NEURON_DRIVER_VERSION_FILE: Final = "/sys/module/neuron/version"
+MIN_NEURON_DRIVER: Final = (2, 27)
+"""The SDK 2.30 runtime needs a host driver newer than 2.26 (Neuron 2.30 release notes)."""
 EXTRACT_GRAPHS_ONLY: Final = "NEURON_EXTRACT_GRAPHS_ONLY"
 MALLOC_ARENA_MAX: Final = "64"
 EFA_ENV: Final[Mapping[str, str]] = {
@@ -97,6 +102,26 @@ def neuron_runtime_environment(spec: PretrainJobSpec) -> dict[str, str]:
     if sr:
         env["NEURON_RT_STOCHASTIC_ROUNDING_SEED"] = str(spec.train.seed)
     return env
+
+
+def check_neuron_driver(version: str | None) -> str | None:
+    """What is wrong with the node's Neuron driver for the pinned image, or None.
+
+    `version` is the kernel module's version (NEURON_DRIVER_VERSION_FILE, e.g. "2.26.5.0"),
+    None when it cannot be read (then nothing is claimed: the runtime reports its own error).
+    """
+    if version is None:
+        return None
+    try:
+        found = tuple(int(part) for part in version.strip().split(".")[:2])
+    except ValueError:
+        return f"cannot parse the Neuron driver version {version.strip()!r}"
+    if found < MIN_NEURON_DRIVER:
+        need = ".".join(map(str, MIN_NEURON_DRIVER))
+        return (f"the node's Neuron driver is {version.strip()}, older than {need}, the oldest "
+                f"the trainer image's Neuron SDK {NEURON_SDK} runtime supports: upgrade the "
+                "aws-neuronx-dkms package on the nodes (or use a current EKS Neuron AMI)")
+    return None
 
 
 def compile_command_prefix(spec: PretrainJobSpec) -> list[str]:

@@ -104,11 +104,12 @@ def test_graph_extraction_runs_save_no_checkpoint(
 def test_the_spike_monitor_sees_every_step_while_values_are_read_only_when_logged(
     make_job: Callable[..., Job], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hlat_trainer.train as train_module
+    from hlat_trainer.backends.base import Backend
 
     reads: list[int] = []
-    real = train_module.to_host
-    monkeypatch.setattr(train_module, "to_host", lambda ts: reads.append(len(ts)) or real(ts))
+    real = Backend.to_host
+    monkeypatch.setattr(Backend, "to_host",
+                        lambda self, ts: reads.append(len(ts)) or real(self, ts))
     job = make_job(train__steps=6, train__logInterval=3, checkpoint__interval=6)
     trainer, seen = collect(job)
     assert [r["step"] for r in seen] == [3, 6]

@@ -10,7 +10,7 @@ The engine owns the whole optimizer step, because that is where lazy devices (XL
   data parallel, clip the global norm, update, clear the gradients) and the loss averaged over
   data parallel, then the backend's step end (the optimizer's graph on XLA). It returns device
   tensors: nothing is read back to the host here, so an XLA step never waits for the device.
-  The loop reads values (`to_host`) only on the steps it logs or checkpoints.
+  The loop reads values (`Backend.to_host`) only on the steps it logs or checkpoints.
 - `param_norm()` (a device tensor; only asked on logged steps: it is a full pass over the
   parameters and, under tensor parallelism, a collective);
 - `save(step, loop_state)` / `resume()`: the model and optimizer in the backend's own format,
@@ -82,7 +82,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class StepResult:
-    """One optimizer step's numbers, as device tensors (read with `to_host` when needed)."""
+    """One optimizer step's numbers, as device tensors (`Backend.to_host` reads them)."""
 
     loss: Tensor
     """Mean loss over the step's micro-batches and the data-parallel ranks (0-d)."""
@@ -90,14 +90,6 @@ class StepResult:
     """Global gradient norm before clipping (0-d)."""
     data_wait_seconds: float
     """Time spent waiting for the loader's batches."""
-
-
-def to_host(tensors: list[Tensor]) -> list[float]:
-    """The values of 0-d tensors, in one device-to-host transfer."""
-    if not tensors:
-        return []
-    values: list[float] = torch.stack([t.detach().float() for t in tensors]).cpu().tolist()
-    return values
 
 
 @dataclass

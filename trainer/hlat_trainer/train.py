@@ -40,7 +40,7 @@ from hlat_api import INSTANCE_TYPES, Job
 from hlat_trainer.backends import Backend, select_backend
 from hlat_trainer.data import PackedLoader, load_tokenizer
 from hlat_trainer.distributed import World
-from hlat_trainer.engine import Engine, StepResult, build_engine, pack, to_host, unpack
+from hlat_trainer.engine import Engine, StepResult, build_engine, pack, unpack
 from hlat_trainer.errors import UserError
 from hlat_trainer.heartbeat import LeaseHeartbeat
 from hlat_trainer.model import count_params
@@ -194,13 +194,13 @@ class Trainer:
     def observe_norms(self) -> int:
         """Feed the spike monitor every step's gradient norm since the last call (one
         device-to-host transfer); returns how many of those steps spiked."""
-        norms, self._unobserved = to_host(self._unobserved), []
+        norms, self._unobserved = self.backend.to_host(self._unobserved), []
         return sum(self.state.monitor.observe(n) for n in norms)
 
     def report(self, s: StepStats) -> dict[str, Any]:
         """The numbers of a logged step: the only place a step's values leave the device."""
         spikes = self.observe_norms()
-        loss, grad_norm, param_norm = to_host(
+        loss, grad_norm, param_norm = self.backend.to_host(
             [s.result.loss, s.result.grad_norm, self.engine.param_norm()])
         tokens = self.spec.tokens_per_step
         tps = tokens / s.seconds

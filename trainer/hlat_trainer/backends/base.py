@@ -81,6 +81,15 @@ class Backend(ABC):
         """A host batch on the device (asynchronously where the device allows)."""
         return batch.to(device, non_blocking=True)
 
+    def to_host(self, tensors: list[Tensor]) -> list[float]:
+        """The values of 0-d device tensors: one device-to-host transfer (one sync)."""
+        import torch
+
+        if not tensors:
+            return []
+        values: list[float] = torch.stack([t.detach().float() for t in tensors]).cpu().tolist()
+        return values
+
     def micro_batch_end(self) -> None:
         """Called after each micro-batch's backward: cut the lazy graph on XLA, so a step is
         one graph per micro-batch (the same graph for each) whatever the accumulation count;

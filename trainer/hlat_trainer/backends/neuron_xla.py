@@ -116,6 +116,11 @@ class NeuronXlaBackend(Backend):
         else:
             require_neuron("torch_xla.core.xla_model").mark_step()
 
+    def to_host(self, tensors: list[Tensor]) -> list[float]:
+        # each tensor is already device data (the step ended in a sync): copy them as they are.
+        # Stacking first, as eager devices do, would trace a new graph for every list length.
+        return [float(t.detach().cpu()) for t in tensors]
+
     def micro_batch_end(self) -> None:
         # a graph cut per micro-batch: without it every micro-batch of the step is traced into
         # one graph (64 unrolled forward/backward passes at the paper's 7B layout), which also

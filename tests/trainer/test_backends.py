@@ -7,13 +7,13 @@ from __future__ import annotations
 import importlib.util
 import socket
 import sys
-import types
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from nxd_fakes import Calls, fake_modules
 from torch import nn
 
 from hlat_api import PretrainJobSpec, parse_spec
@@ -167,30 +167,10 @@ def test_neuron_native_without_torch_neuronx_says_what_to_install() -> None:
 # --- the NxD model port against model.py --------------------------------------------------------
 
 
-class _FakeEmbedding(nn.Embedding):
-    """ParallelEmbedding at TP 1: under SP it hands on [T, B, H] (layers.py transposes)."""
-
-    def __init__(self, num: int, dim: int, *, sequence_parallel_enabled: bool, **_: Any) -> None:
-        super().__init__(num, dim)
-        self.sp = sequence_parallel_enabled
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        out = super().forward(tokens)
-        return out.transpose(0, 1).contiguous() if self.sp else out
-
-
-class _FakeLinear(nn.Linear):
-    def __init__(self, n_in: int, n_out: int, *, bias: bool, **_: Any) -> None:
-        super().__init__(n_in, n_out, bias=bias)
-
-
 @pytest.fixture
 def fake_nxd(monkeypatch: pytest.MonkeyPatch) -> None:
-    layers = types.SimpleNamespace(ColumnParallelLinear=_FakeLinear, RowParallelLinear=_FakeLinear,
-                                   ParallelEmbedding=_FakeEmbedding)
-    state = types.SimpleNamespace(get_tensor_model_parallel_size=lambda: 1)
-    modules = {"neuronx_distributed.parallel_layers.layers": layers,
-               "neuronx_distributed.parallel_layers.parallel_state": state}
+    """NxD's layers at tp 1, with NxD's recorded signatures (nxd_fakes.py)."""
+    modules = fake_modules(Calls())
     import hlat_trainer.backends.nxd_model as nm
 
     monkeypatch.setattr(nm, "require_neuron", modules.__getitem__)

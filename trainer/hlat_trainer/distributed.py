@@ -40,14 +40,18 @@ class World:
     tp_group: dist.ProcessGroup
     tp_mesh: DeviceMesh | None = None
     """The tp dimension of the DeviceMesh (torch-native backends): what DTensor shards over."""
+    dp_rank: int = -1
+    """This rank's index in its data-parallel group (which data stream it reads); by default
+    from the [dp, tp] layout. NxD's layouts are not always that one (trn2 at LNC=2, trn1 at
+    tp 4 interleave their groups), so the NxD backend passes its own."""
+    tp_rank: int = -1
+    """This rank's index in its tensor-parallel group; by default from the [dp, tp] layout."""
 
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // self.tp
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp
+    def __post_init__(self) -> None:
+        if self.dp_rank < 0:
+            object.__setattr__(self, "dp_rank", self.rank // self.tp)
+        if self.tp_rank < 0:
+            object.__setattr__(self, "tp_rank", self.rank % self.tp)
 
     @property
     def is_coordinator(self) -> bool:

@@ -61,6 +61,11 @@ _PACKAGES = {"torch_xla": "torch-xla (Neuron build)", "torch_neuronx": "torch-ne
              "neuronx_distributed": "neuronx-distributed"}
 
 
+def logical_nc_size(instance_type: str) -> int:
+    """Physical NeuronCores per logical one: 2 on trn2 (its default LNC=2), 1 on trn1."""
+    return 2 if instance_type.startswith("trn2") else 1
+
+
 def require_neuron(module: str) -> ModuleType:
     """Import a Neuron-stack module, or raise a UserError that says where to get it."""
     try:
@@ -95,8 +100,11 @@ class NeuronXlaBackend(Backend):
         return dev
 
     def init_world(self) -> World:
-        """Join the "xla" process group, let NxD lay out the ranks ([PP, DP, TP], TP fastest:
-        the same order as hlat_trainer.distributed) and take its dp and tp groups."""
+        """Join the "xla" process group, let NxD lay out the ranks and take its dp and tp groups
+        and this rank's place in them (NxD's layout is [PP, DP, TP] with TP fastest, except
+        where its replica groups interleave: trn2 at LNC=2, trn1 at tp 4)."""
+        import torch.distributed as dist
+
         from hlat_trainer.distributed import World, join, local_rank
 
         require_neuron("torch_xla.distributed.xla_backend")  # registers the "xla" backend
@@ -104,10 +112,11 @@ class NeuronXlaBackend(Backend):
         self.nxd_config()  # initialize_model_parallel
         ps = require_neuron("neuronx_distributed.parallel_layers.parallel_state")
         tp, dp = ps.get_tensor_model_parallel_size(), ps.get_data_parallel_size()
-        return World(ps.get_data_parallel_rank() * tp + ps.get_tensor_model_parallel_rank(),
-                     dp * tp, local_rank(), dp, tp,
+        return World(dist.get_rank(), dp * tp, local_rank(), dp, tp,
                      dp_group=ps.get_data_parallel_group(),
-                     tp_group=ps.get_tensor_model_parallel_group())
+                     tp_group=ps.get_tensor_model_parallel_group(),
+                     dp_rank=ps.get_data_parallel_rank(),
+                     tp_rank=ps.get_tensor_model_parallel_rank())
 
     def step_end(self) -> None:
         txla = require_neuron("torch_xla")
@@ -135,23 +144,30 @@ class NeuronXlaBackend(Backend):
 
     # --- model and optimizer --------------------------------------------------------------
 
+    def _max_norm(self) -> float:
+        # clipping stays on so that the optimizer always computes the norm the loop logs;
+        # gradClip 0 (off) becomes a bound no gradient reaches
+        clip = self.spec.optimizer.grad_clip
+        return clip if clip > 0 else _NO_CLIP
+
     def nxd_config(self) -> dict[str, Any]:
         """One NxD config shared by the model and the optimizer (it also initialises the TP/DP
-        groups: parallel_state.initialize_model_parallel, ranks laid out [PP, DP, TP])."""
+        groups: parallel_state.initialize_model_parallel)."""
         if self._nxd_config is None:
             nxd = require_neuron("neuronx_distributed")
-            p, clip = self.spec.parallelism, self.spec.optimizer.grad_clip
+            p = self.spec.parallelism
             self._nxd_config = nxd.neuronx_distributed_config(
                 tensor_parallel_size=p.tensor,
                 pipeline_parallel_size=p.pipeline,
-                # clipping stays on so that the optimizer always computes the norm the loop
-                # logs; gradClip 0 (off) becomes a bound no gradient reaches
                 optimizer_config={"zero_one_enabled": p.zero1, "grad_clipping": True,
-                                  "max_grad_norm": clip if clip > 0 else _NO_CLIP},
+                                  "max_grad_norm": self._max_norm()},
                 sequence_parallel=p.sequence_parallel,
                 activation_checkpoint_config=self._activation_checkpoint_config(),
                 mixed_precision_config={"use_master_weights": False, "use_fp32_grad_acc": False,
                                         "use_master_weights_in_ckpt": False},
+                # trn2 runs 2 physical cores per logical one by default (LNC=2); NxD does not
+                # infer it and needs it to lay out replica groups (parallel_state.py)
+                lnc_size=logical_nc_size(self.spec.instance_type),
             )
         return self._nxd_config
 
@@ -168,20 +184,36 @@ class NeuronXlaBackend(Backend):
 
         nxd = require_neuron("neuronx_distributed")
         s = self.spec
+        dtype = precision_policy(s.precision).param_dtype
+        # initialize_parallel_model(nxd_config, model_fn, include_buffers, *model_args): the
+        # third positional is include_buffers (meta-device init only), then the model's args.
+        # The layers are built in the parameter dtype: NxD's ParallelEmbedding picks its output
+        # dtype from that argument, not from its weight (layers.py), so a cast afterwards would
+        # leave the residual stream fp32 under tensor parallelism.
         model: nn.Module = nxd.initialize_parallel_model(
-            self.nxd_config(), build_nxd_model, s.model.dims(), s.parallelism.sequence_parallel,
-            s.train.seed)
+            self.nxd_config(), build_nxd_model, False, s.model.dims(),
+            s.parallelism.sequence_parallel, s.train.seed, dtype)
         # bf16 / bf16-sr: parameters in bf16, rounding done by the runtime (env), not XLA_USE_BF16
         return precision_policy(s.precision).apply(model)
 
     def build_optimizer(self, params: Iterable[Tensor]) -> torch.optim.Optimizer:
         import torch
 
+        from hlat_trainer.precision import precision_policy
+
         nxd = require_neuron("neuronx_distributed")
         o = self.spec.optimizer
+        extra: dict[str, Any] = {}
+        if self.spec.parallelism.zero1:
+            # NeuronZero1Optimizer (torch-xla's ZeroRedundancyOptimizer) takes neither the
+            # config's max_grad_norm (it clips at 1.0 unless given max_norm) nor the parameter
+            # dtype (it keeps master weights and moments in optimizer_dtype, fp32 by default):
+            # both are passed here, where they reach it and not plain AdamW, which refuses them
+            extra = {"max_norm": self._max_norm(),
+                     "optimizer_dtype": precision_policy(self.spec.precision).param_dtype}
         opt: torch.optim.Optimizer = nxd.initialize_parallel_optimizer(
             self.nxd_config(), torch.optim.AdamW, params, lr=o.lr, betas=o.betas,
-            eps=o.eps, weight_decay=o.weight_decay)
+            eps=o.eps, weight_decay=o.weight_decay, **extra)
         return opt
 
     def is_tp_sharded(self, param: Tensor) -> bool:

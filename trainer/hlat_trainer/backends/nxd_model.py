@@ -8,10 +8,14 @@ modeling_llama_nxd.py, neuron-eks.md "neuronx-distributed"):
 - Fused QKV: a `ColumnParallelLinear(gather_output=False)` over model.py's row layout, which is
   grouped per key/value head ([q heads of the group, k, v]). NxD splits the output rows
   contiguously, so each tensor-parallel rank gets whole kv groups: the same sharding as the
-  torch-native path, and the same weights (a row slice of model.py's). NxD's
-  `GQAQKVColumnParallelLinear` is not needed: it exists to replicate kv heads when
-  tp > kvHeads (`kv_size_multiplier`), which the spec rejects (tensor must divide kvHeads), and
-  its separate q/k/v weights would break the one-to-one weight mapping.
+  torch-native path, and the same weights (a row slice of model.py's).
+- Tensor parallelism beyond the kv-head count (70B: 8 kv heads, tp 32): NxD's
+  `GQAQKVColumnParallelLinear(kv_size_multiplier=tp / kvHeads)` replicates each kv head on
+  that many ranks, sums the replicas' gradients over its kv groups, and returns (q, k, v)
+  (modules/qkv_linear.py). Each rank then holds heads/tp query heads and one kv head. Which
+  query heads share a kv head follows NxD's replica layout (it differs between trn1 and trn2),
+  a relabelling of heads: the same model family, but not model.py's weight layout, so such a
+  model does not map one to one onto model.py's (its checkpoints are NxD's own anyway).
 - Fused gate/up: `ColumnParallelLinear(gather_output=False)`; rows alternate (gate_i, up_i), so
   a contiguous split hands each rank whole pairs. wo and w_down: `RowParallelLinear(
   input_is_parallel=True)`. Embedding: `ParallelEmbedding` (vocab-sharded). Head:
@@ -84,31 +88,57 @@ class CoreAttention(nn.Module):
         return torch.matmul(probs, v)
 
 
+def kv_size_multiplier(dims: ModelDims, tp: int) -> int:
+    """How many ranks hold each kv head: tp / kvHeads when tp exceeds it, else 1."""
+    return max(1, tp // dims.kv_heads)
+
+
 class NxDAttention(nn.Module):
     def __init__(self, dims: ModelDims, layer_id: int, sp: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        L = _layers()
+        L, tp = _layers(), _tp_size()
         self.sp, self.head_dim = sp, dims.head_dim
-        self.q_per_kv = dims.heads // dims.kv_heads
-        qkv_rows = dims.kv_heads * (self.q_per_kv + 2) * dims.head_dim
         out_std = INIT_STD / math.sqrt(2 * (layer_id + 1))
-        self.wqkv = L.ColumnParallelLinear(
-            dims.hidden_size, qkv_rows, bias=False, gather_output=False, dtype=dtype,
-            init_method=_normal(INIT_STD), sequence_parallel_enabled=sp)
+        multiplier = kv_size_multiplier(dims, tp)
+        self.replicated_kv = multiplier > 1
+        if self.replicated_kv:
+            qkv = require_neuron("neuronx_distributed.modules.qkv_linear")
+            self.wqkv = qkv.GQAQKVColumnParallelLinear(
+                dims.hidden_size, [dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim],
+                bias=False, gather_output=False, dtype=dtype, init_method=_normal(INIT_STD),
+                sequence_parallel_enabled=sp, kv_size_multiplier=multiplier)
+            self.q_per_kv = (dims.heads // tp) // (dims.kv_heads * multiplier // tp)
+        else:
+            self.q_per_kv = dims.heads // dims.kv_heads
+            qkv_rows = dims.kv_heads * (self.q_per_kv + 2) * dims.head_dim
+            self.wqkv = L.ColumnParallelLinear(
+                dims.hidden_size, qkv_rows, bias=False, gather_output=False, dtype=dtype,
+                init_method=_normal(INIT_STD), sequence_parallel_enabled=sp)
         self.wo = L.RowParallelLinear(
             dims.heads * dims.head_dim, dims.hidden_size, bias=False, input_is_parallel=True,
             dtype=dtype, init_method=_normal(out_std), sequence_parallel_enabled=sp)
         self.core_attention = CoreAttention(self.q_per_kv)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        qkv = self.wqkv(x)  # [B, T, local rows], or [T, B, local rows] under SP
-        if self.sp:
-            qkv = qkv.transpose(0, 1)
-        b, t, _ = qkv.shape
-        qkv = qkv.reshape(b, t, -1, self.q_per_kv + 2, self.head_dim)
+    def _heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, local heads, T, D] and k, v [B, local kv heads, T, D] of the input."""
+        def batch_first(t: Tensor) -> Tensor:  # [T, B, rows] under SP
+            return t.transpose(0, 1) if self.sp else t
+
+        def split(t: Tensor) -> Tensor:
+            return t.reshape(*t.shape[:-1], -1, self.head_dim).transpose(1, 2)
+
+        if self.replicated_kv:
+            q, k, v = (batch_first(t) for t in self.wqkv(x))
+            return split(q), split(k), split(v)
+        qkv = batch_first(self.wqkv(x))
+        qkv = qkv.reshape(*qkv.shape[:-1], -1, self.q_per_kv + 2, self.head_dim)
         q = qkv[:, :, :, : self.q_per_kv].flatten(2, 3).transpose(1, 2)
-        k = qkv[:, :, :, self.q_per_kv].transpose(1, 2)
-        v = qkv[:, :, :, self.q_per_kv + 1].transpose(1, 2)
+        return q, qkv[:, :, :, self.q_per_kv].transpose(1, 2), qkv[
+            :, :, :, self.q_per_kv + 1].transpose(1, 2)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        q, k, v = self._heads(x)
+        b, t = q.shape[0], q.shape[2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core_attention(q, k, v).transpose(1, 2).reshape(b, t, -1)
         if self.sp:
@@ -187,7 +217,9 @@ class NxDTransformer(nn.Module):
         return logits.transpose(0, 1) if self.sp else logits
 
 
-def build_nxd_model(dims: ModelDims, sequence_parallel: bool, seed: int) -> NxDTransformer:
-    """The model function handed to `nxd.initialize_parallel_model` (which moves it to XLA)."""
+def build_nxd_model(dims: ModelDims, sequence_parallel: bool, seed: int,
+                    dtype: torch.dtype) -> NxDTransformer:
+    """The model function handed to `nxd.initialize_parallel_model` (which moves it to XLA);
+    the parallel layers are built in `dtype`, as NxD's LLaMA passes `config.torch_dtype`."""
     torch.manual_seed(seed)
-    return NxDTransformer(dims, sequence_parallel=sequence_parallel)
+    return NxDTransformer(dims, sequence_parallel=sequence_parallel, dtype=dtype)

@@ -75,6 +75,7 @@ def test_saturate_infinity_on_trn1_only_and_cores_per_instance(
     env = worker_environment(make_spec(instance), nnodes=1)
     assert ("--enable-saturate-infinity" in env["NEURON_CC_FLAGS"].split()) is saturate
     assert env["NEURON_RT_NUM_CORES"] == cores
+    assert env.get("NEURON_LOGICAL_NC_CONFIG") == (None if saturate else "2")
 
 
 @pytest.mark.parametrize(("precision", "sr"), [("bf16-sr", "1"), ("bf16", "0"), ("mixed", "0"),

@@ -19,6 +19,8 @@ keeps). Values and sources
   NEURON_RT_STOCHASTIC_ROUNDING_SEED = train.seed, so runs are repeatable.
 - MALLOC_ARENA_MAX=64; NEURON_RT_NUM_CORES = the instance's NeuronCores (32 on trn1.32xlarge,
   64 logical cores on trn2.48xlarge), as the public EKS manifests set it.
+- NEURON_LOGICAL_NC_CONFIG = 2 on trn2 (its runtime default, stated so that it and the
+  `lnc_size` the NxD backend passes cannot drift apart; logical-neuroncore-config.rst).
 - NEURON_COMPILE_CACHE_URL = spec.neuron.cacheDir (the runtime's cache lookups, as --cache_dir
   is the compiler's).
 - Multi-node on an instance with EFA (trn1, trn1n, trn2 and p5): FI_PROVIDER=efa,
@@ -57,6 +59,11 @@ EFA_ENV: Final[Mapping[str, str]] = {
     "FI_EFA_USE_DEVICE_RDMA": "1",
     "FI_EFA_FORK_SAFE": "1",
 }
+
+
+def logical_nc_size(instance_type: str) -> int:
+    """Physical NeuronCores per logical one: 2 on trn2 (its default LNC=2), 1 on trn1."""
+    return 2 if instance_type.startswith("trn2") else 1
 
 
 def compiler_flags(spec: PretrainJobSpec) -> list[str]:
@@ -101,6 +108,8 @@ def neuron_runtime_environment(spec: PretrainJobSpec) -> dict[str, str]:
     }
     if sr:
         env["NEURON_RT_STOCHASTIC_ROUNDING_SEED"] = str(spec.train.seed)
+    if spec.instance_type.startswith("trn2"):  # said explicitly: NxD's lnc_size must match it
+        env["NEURON_LOGICAL_NC_CONFIG"] = str(logical_nc_size(spec.instance_type))
     return env
 
 

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from hlat_trainer.backends.base import Backend, BackendName
 from hlat_trainer.errors import UserError
+from hlat_trainer.neuron_env import logical_nc_size
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -59,11 +60,6 @@ _NO_CLIP = 1e30
 NEURON_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.30.0-ubuntu24.04"
 _PACKAGES = {"torch_xla": "torch-xla (Neuron build)", "torch_neuronx": "torch-neuronx",
              "neuronx_distributed": "neuronx-distributed"}
-
-
-def logical_nc_size(instance_type: str) -> int:
-    """Physical NeuronCores per logical one: 2 on trn2 (its default LNC=2), 1 on trn1."""
-    return 2 if instance_type.startswith("trn2") else 1
 
 
 def require_neuron(module: str) -> ModuleType:

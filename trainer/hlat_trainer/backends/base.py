@@ -87,7 +87,8 @@ class Backend(ABC):
 
         if not tensors:
             return []
-        values: list[float] = torch.stack([t.detach().float() for t in tensors]).cpu().tolist()
+        flat = [t.detach().float().reshape(()) for t in tensors]  # 0-d or NxD's [1]
+        values: list[float] = torch.stack(flat).cpu().tolist()
         return values
 
     def micro_batch_end(self) -> None:

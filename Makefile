@@ -7,7 +7,7 @@ UV_VERSION := 0.13.9
 DATA  := data/sample
 RUNS  := runs
 
-.PHONY: setup lint test test-fast demo demo-local bench generate cluster-build cluster-up cluster-down clean
+.PHONY: setup lint test test-fast test-xla demo demo-local bench generate cluster-build cluster-up cluster-down clean
 
 $(UV):
 	python3 -m venv .tools
@@ -19,17 +19,27 @@ $(UV):
 
 setup: .venv/.synced
 
+# the torch-xla tier: its own environment (torch-xla pins another torch), from xla/uv.lock
+.venv-xla/.synced: $(UV) xla/pyproject.toml xla/uv.lock pyproject.toml
+	UV_PROJECT_ENVIRONMENT=$(CURDIR)/.venv-xla $(UV) sync --frozen --project xla
+	touch $@
+
 lint: setup
 	.venv/bin/ruff check .
 	.venv/bin/mypy api/hlat_api trainer/hlat_trainer operator/hlat_operator
 	.venv/bin/lint-imports
 	.venv/bin/hadolint Dockerfile.trainer Dockerfile.operator
 
-test: lint
-	.venv/bin/pytest
+test: lint .venv-xla/.synced
+	.venv/bin/pytest --ignore=tests/xla
+	$(MAKE) --no-print-directory test-xla
 
 test-fast: setup
-	.venv/bin/pytest -m "not slow and not cluster"
+	.venv/bin/pytest --ignore=tests/xla -m "not slow and not cluster"
+
+# tests/xla on real torch-xla, PJRT's CPU device (tests/xla/conftest.py sets PJRT_DEVICE=CPU)
+test-xla: .venv-xla/.synced
+	.venv-xla/bin/pytest -c xla/pytest.ini --rootdir=. tests/xla
 
 $(DATA)/tokenizer.json: | setup
 	.venv/bin/hlat-data sample --out $(DATA)

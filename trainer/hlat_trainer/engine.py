@@ -450,6 +450,10 @@ class ManagedEngine(Engine):
                     f"checkpoint {entry.path} passed every rank's check but did not load on "
                     f"rank {self.world.rank}; the ranks cannot agree on another one: {err}"
                 ) from err
+            # the loaded values as device data now (on XLA a graph of their own): left pending,
+            # the copies would join the first micro-batch's graph, a graph no run before the
+            # restart compiled (on Neuron, a fresh compilation at every restart)
+            self.backend.step_end()
             self._committed = entry.step
             return Restored(entry.step, saved, {self.world.rank: loop}, True)
         if failed:

@@ -1,0 +1,150 @@
+"""The neuron-xla engine on real torch-xla (PJRT CPU): graphs, compilations, host transfers.
+
+What a Trainium user would otherwise find out on the device, at the cost of hours of
+compilation: a step must be one graph per micro-batch plus one for the optimizer, the same
+graphs every step (whatever the accumulation count, i.e. the node count), across a checkpoint
+save and across a resume; nothing read back to the host except on the steps that are logged or
+checkpointed; and bf16 parameters (hardware stochastic rounding on Trainium) stay bf16.
+Counts come from `torch_xla.debug.metrics` (CompileTime, ExecuteTime, TransferFromDeviceTime).
+The backend is the real NeuronXlaBackend with NxD's model/optimizer/checkpoint replaced by
+torch's on the XLA device (xla_standin.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch_xla.core.xla_model as xm
+import torch_xla.debug.metrics as met
+from torch import Tensor
+from xla_standin import CpuXlaBackend
+
+from hlat_api import Job
+from hlat_trainer.train import Trainer
+
+NAMES = ("CompileTime", "ExecuteTime", "TransferFromDeviceTime")
+
+
+def counts() -> dict[str, int]:
+    """The metrics' counts once the device has finished what was scheduled (executions are
+    asynchronous: their count would otherwise lag)."""
+    xm.wait_device_ops()
+    out = {}
+    for name in NAMES:
+        data = met.metric_data(name)
+        out[name] = int(data[0]) if data else 0
+    return out
+
+
+@dataclass
+class Probe:
+    """Metric counts at the start and end of every engine step of a trainer."""
+
+    starts: list[dict[str, int]] = field(default_factory=list)
+    ends: list[dict[str, int]] = field(default_factory=list)
+
+    def attach(self, trainer: Trainer) -> None:
+        step = trainer.engine.train_step
+
+        def probed(batches: Iterator[tuple[Tensor, Tensor]], lr: float) -> Any:
+            self.starts.append(counts())
+            out = step(batches, lr)
+            self.ends.append(counts())
+            return out
+
+        trainer.engine.train_step = probed  # type: ignore[method-assign]
+
+    def within(self, name: str) -> list[int]:
+        """Per step: counted inside the engine's step."""
+        return [e[name] - s[name] for s, e in zip(self.starts, self.ends, strict=True)]
+
+    def between(self, name: str, last: dict[str, int]) -> list[int]:
+        """Per step: counted from its start to the next step's start (its logging and save)."""
+        nxt = [*self.starts[1:], last]
+        return [n[name] - s[name] for s, n in zip(self.starts, nxt, strict=True)]
+
+
+def train(job: Job) -> tuple[Trainer, Probe, dict[str, int]]:
+    trainer = Trainer(job, backend=CpuXlaBackend(job.spec))
+    probe = Probe()
+    probe.attach(trainer)
+    trainer.run()
+    return trainer, probe, counts()
+
+
+def test_a_step_is_one_graph_per_micro_batch_plus_the_update_and_compiles_nothing_new(
+    make_job: Callable[..., Job],
+) -> None:
+    """12 steps of 4 micro-batches, logged every 4, saved every 6 (warm-up: up to the first
+    logged and the first saved step, which compile the parameter norm and nothing else)."""
+    job = make_job(train__steps=12, train__globalBatch=8, train__microBatch=2,
+                   train__logInterval=4, checkpoint__interval=6)
+    assert job.spec.grad_accum_steps == 4
+    trainer, probe, last = train(job)
+    assert probe.within("ExecuteTime") == [4 + 1] * 12
+    compiled = probe.between("CompileTime", last)
+    assert sum(compiled[6:]) == 0, compiled  # the second half: a save, logging, schedule moving
+    assert trainer.state.step == 12
+
+
+def test_the_graphs_do_not_depend_on_the_accumulation_count(
+    make_job: Callable[..., Job],
+) -> None:
+    """The node count sets the accumulation count; the compiled graphs must not change with it."""
+    train(make_job(name="a", train__steps=3, train__globalBatch=4, train__microBatch=2))
+    before = counts()["CompileTime"]
+    _, probe, _ = train(make_job(name="b", train__steps=3, train__globalBatch=12,
+                                 train__microBatch=2))
+    assert probe.within("ExecuteTime") == [6 + 1] * 3
+    assert counts()["CompileTime"] == before
+
+
+def test_nothing_is_read_back_to_the_host_except_on_logged_and_checkpointed_steps(
+    make_job: Callable[..., Job],
+) -> None:
+    job = make_job(train__steps=10, train__logInterval=5, checkpoint__interval=4)
+    _, probe, last = train(job)
+    reads = probe.between("TransferFromDeviceTime", last)
+    assert all(n == 0 for n in probe.within("TransferFromDeviceTime")), reads
+    quiet = [step for step, n in enumerate(reads, start=1) if n == 0]
+    assert quiet == [1, 2, 3, 6, 7, 9], reads  # 4, 8 saved; 5, 10 logged (10 also saved)
+
+
+def test_after_a_resume_the_steps_are_the_graphs_compiled_before_it(
+    make_job: Callable[..., Job],
+) -> None:
+    """8 steps saved at 4 and 8; step_8 is lost and the job restarts from step_4. The loaded
+    state becomes device data in a graph of its own; the training steps that follow are the
+    graphs compiled before the restart (on Neuron: found in the persistent compile cache, not
+    compiled again), and they end where the uninterrupted run ended."""
+    job = make_job(train__steps=8, checkpoint__interval=4)
+    straight, _, _ = train(job)
+    final = {k: v.cpu() for k, v in straight.model.state_dict().items()}
+    shutil.rmtree(Path(job.spec.checkpoint.dir, "job", "step_8"))
+    resumed, probe, last = train(job)
+    assert len(probe.starts) == 4  # steps 5..8
+    compiled = probe.between("CompileTime", last)
+    assert sum(compiled) == 0, compiled
+    for name, tensor in final.items():
+        torch.testing.assert_close(resumed.model.state_dict()[name].cpu(), tensor, msg=name)
+
+
+def test_bf16_parameters_with_hardware_stochastic_rounding_stay_bf16(
+    make_job: Callable[..., Job], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("NEURON_RT_STOCHASTIC_ROUNDING_EN", "1")  # what worker_environment sets
+    job = make_job(precision="bf16-sr", train__steps=3)
+    trainer, _, _ = train(job)
+    dtypes = {p.dtype for p in trainer.model.parameters()}
+    assert dtypes == {torch.bfloat16}
+    state = trainer.engine.optimizer.state
+    moments = {v.dtype for s in state.values() for k, v in s.items() if k != "step"}
+    assert moments == {torch.bfloat16}
+    assert all(p.device.type == "xla" for p in trainer.model.parameters())
+    assert Path(job.spec.checkpoint.dir, "job", "step_3", "done").exists()

@@ -59,6 +59,11 @@ MODEL_PRESETS: Final[dict[str, ModelDims]] = {
 }
 
 
+PAPER_TENSOR_PARALLEL: Final[dict[str, int]] = {"7b": 8, "70b": 32}
+"""The tensor-parallel degree of the HLAT paper's runs on trn1.32xlarge (section 3.5 and
+awslabs/HLAT's scripts): the default `parallelism.tensor` for these presets."""
+
+
 @dataclass(frozen=True)
 class InstanceInfo:
     """What one node of an instance type offers a PretrainJob."""

@@ -15,12 +15,20 @@ raise with the offending field's camelCase path, so both the operator (InvalidSp
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from hlat_api.presets import INSTANCE_TYPES, MODEL_PRESETS, InstanceType, ModelDims, ModelPreset
+from hlat_api.memory import MEMORY_HEADROOM, state_bytes_per_rank
+from hlat_api.presets import (
+    INSTANCE_TYPES,
+    MODEL_PRESETS,
+    PAPER_TENSOR_PARALLEL,
+    InstanceType,
+    ModelDims,
+    ModelPreset,
+)
 
 Precision = Literal["fp32", "mixed", "bf16", "bf16-sr"]
 ActivationCheckpointing = Literal["none", "selective", "full"]
@@ -81,11 +89,17 @@ class ModelSpec(_Model):
         return ModelDims(**{**base.__dict__, **overrides})
 
 
+def _no_schema_default(schema: dict[str, Any]) -> None:
+    # the API server must leave the field unset, so that the spec's own default (which depends
+    # on the model and the instance type) applies rather than a fixed 1
+    schema.pop("default", None)
+
+
 class ParallelismSpec(_Model):
     """How the model is split over the ranks; the data-parallel degree is what remains."""
 
-    tensor: PositiveInt = 1
-    """Tensor-parallel degree (within a node); must divide heads and kvHeads."""
+    tensor: PositiveInt = Field(default=1, json_schema_extra=_no_schema_default)
+    """Tensor-parallel degree within a node: divides heads; divides kvHeads or is a multiple of it (kv heads replicated). Unset: the paper's layout for the preset (7b 8, 70b 32, else 1), lowered to fit a node and the heads."""
     pipeline: PositiveInt = 1
     """Pipeline-parallel degree. Only 1 is supported for now."""
     sequence_parallel: bool = False
@@ -325,11 +339,47 @@ class PretrainJobSpec(_Model):
 
     # --- cross-field validation ---------------------------------------------------------------
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_tensor(cls, raw: Any) -> Any:
+        """An unset `parallelism.tensor` becomes the paper's layout for the preset."""
+        if not isinstance(raw, dict):
+            return raw
+        par = _field(raw, "parallelism")
+        if par is None:
+            par = {}
+        if not isinstance(par, dict) or _field(par, "tensor") is not None:
+            return raw
+        try:  # a bad model or instance type is reported by the field's own validation
+            dims = ModelSpec.model_validate(_field(raw, "model") or {}).dims()
+            instance = _field(raw, "instanceType") or "trn1.32xlarge"
+            ranks = _field(raw, "processesPerNode") or INSTANCE_TYPES[instance].ranks_per_node
+            preset = (_field(raw, "model") or {}).get("preset", "7b")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return raw
+        return {**raw, "parallelism": {**par, "tensor": default_tensor(dims, preset, ranks)}}
+
     @model_validator(mode="after")
     def _check(self) -> PretrainJobSpec:
         for check in _CHECKS:
             check(self)
         return self
+
+
+def _field(raw: dict[str, Any], camel: str) -> Any:
+    """A raw field by its camelCase alias or its snake_case name."""
+    snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in camel)
+    return raw.get(camel, raw.get(snake))
+
+
+def default_tensor(dims: ModelDims, preset: str | None, ranks_per_node: int) -> int:
+    """The paper's tensor-parallel degree for the preset (PAPER_TENSOR_PARALLEL), halved until
+    it fits one node and divides the heads (and divides, or is a multiple of, the kv heads)."""
+    tp = min(PAPER_TENSOR_PARALLEL.get(preset or "", 1), ranks_per_node)
+    while tp > 1 and (dims.heads % tp or (dims.kv_heads % tp and tp % dims.kv_heads)
+                      or ranks_per_node % tp):
+        tp //= 2
+    return max(tp, 1)
 
 
 def _check_model(spec: PretrainJobSpec) -> None:
@@ -354,11 +404,12 @@ def _check_parallelism(spec: PretrainJobSpec) -> None:
             f"{p.tensor} does not divide the model's {d.heads} attention heads: "
             f"use a divisor of {d.heads}",
         )
-    if d.kv_heads % p.tensor:
+    if d.kv_heads % p.tensor and p.tensor % d.kv_heads:
         raise SpecError(
             "parallelism.tensor",
-            f"{p.tensor} does not divide the model's {d.kv_heads} key/value heads "
-            "(each tensor-parallel rank owns whole kv heads): lower parallelism.tensor",
+            f"{p.tensor} neither divides the model's {d.kv_heads} key/value heads (each rank "
+            f"owning whole kv heads) nor is a multiple of them (each kv head replicated on "
+            f"tensor / kvHeads ranks): use a divisor or a multiple of {d.kv_heads}",
         )
     if p.tensor > spec.ranks_per_node:
         raise SpecError(
@@ -406,19 +457,18 @@ def _check_lengths(spec: PretrainJobSpec) -> None:
         raise SpecError("faultTolerance.backoff.initialSeconds", "is above maxSeconds")
 
 
-# Bytes per parameter: weights + gradients, and optimizer state (sharded by ZeRO-1).
-_WEIGHT_GRAD_BYTES = {"fp32": 8, "mixed": 8, "bf16": 4, "bf16-sr": 4}
-_OPTIMIZER_BYTES = {"fp32": 8, "mixed": 8, "bf16": 4, "bf16-sr": 8}
-_MEMORY_HEADROOM = 0.8  # the rest is left for activations, buffers and the runtime
+def uses_nxd(spec: PretrainJobSpec) -> bool:
+    """Whether the spec runs on the neuron-xla stack (explicitly, or `auto` on trn)."""
+    return spec.backend == "neuron-xla" or (
+        spec.backend == "auto" and spec.instance_type.startswith("trn"))
 
 
 def estimate_state_bytes_per_rank(spec: PretrainJobSpec) -> float:
-    """Weights, gradients and optimizer state on one rank (activations not included)."""
-    params = spec.model.dims().param_count() / (spec.parallelism.tensor * spec.parallelism.pipeline)
-    opt_shards = spec.data_parallel if spec.parallelism.zero1 else 1
-    return params * (
-        _WEIGHT_GRAD_BYTES[spec.precision] + _OPTIMIZER_BYTES[spec.precision] / opt_shards
-    )
+    """Weights, gradients and optimizer state on one rank (hlat_api.memory; no activations)."""
+    p = spec.parallelism
+    return state_bytes_per_rank(spec.model.dims(), tp=p.tensor * p.pipeline,
+                                dp=spec.data_parallel, precision=spec.precision,
+                                managed=uses_nxd(spec), zero1=p.zero1 and spec.data_parallel > 1)
 
 
 def _check_memory(spec: PretrainJobSpec) -> None:
@@ -426,11 +476,11 @@ def _check_memory(spec: PretrainJobSpec) -> None:
     if mem is None:
         return
     need = estimate_state_bytes_per_rank(spec) / 2**30
-    if need > mem * _MEMORY_HEADROOM:
+    if need > mem * MEMORY_HEADROOM:
         raise SpecError(
             "parallelism.tensor",
             f"the {spec.precision} model state needs about {need:.1f} GiB per rank but a "
-            f"{spec.instance_type} rank has {mem:g} GiB (at most {_MEMORY_HEADROOM:.0%} usable "
+            f"{spec.instance_type} rank has {mem:g} GiB (at most {MEMORY_HEADROOM:.0%} usable "
             "for state): raise parallelism.tensor, enable zero1, or add nodes",
         )
 

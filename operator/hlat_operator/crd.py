@@ -135,20 +135,24 @@ def _rule(
 
 
 # Rules per schema node (path of property names from spec). Defaults are applied before
-# validation, but `has()` guards keep a rule meaningful when a field was explicitly nulled.
+# validation, but `has()` guards keep a rule meaningful when a field was explicitly nulled, and
+# parallelism.tensor has no schema default (its default depends on the model and instance
+# type, filled in by the pydantic model), so every rule on it is guarded.
 SPEC_RULES: dict[tuple[str, ...], list[Schema]] = {
     (): [
         _rule(
-            "!has(self.model) || !has(self.model.heads) || !has(self.parallelism) || "
+            "!has(self.model) || !has(self.model.heads) || !has(self.parallelism) || !has(self.parallelism.tensor) || "
             "self.model.heads % self.parallelism.tensor == 0",
             "parallelism.tensor must divide model.heads (each tensor-parallel rank owns whole heads)",
             ".parallelism.tensor",
         ),
         _rule(
-            "!has(self.model) || !has(self.model.kvHeads) || !has(self.parallelism) || "
-            "self.model.kvHeads % self.parallelism.tensor == 0",
+            "!has(self.model) || !has(self.model.kvHeads) || !has(self.parallelism) || !has(self.parallelism.tensor) || "
+            "self.model.kvHeads % self.parallelism.tensor == 0 || "
+            "self.parallelism.tensor % self.model.kvHeads == 0",
             "parallelism.tensor must divide model.kvHeads (each tensor-parallel rank owns whole "
-            "key/value heads): lower parallelism.tensor",
+            "key/value heads) or be a multiple of it (each kv head replicated on tensor / "
+            "kvHeads ranks)",
             ".parallelism.tensor",
         ),
         _rule(
@@ -158,14 +162,14 @@ SPEC_RULES: dict[tuple[str, ...], list[Schema]] = {
             ".data.seqLen",
         ),
         _rule(
-            "!has(self.processesPerNode) || !has(self.parallelism) || "
+            "!has(self.processesPerNode) || !has(self.parallelism) || !has(self.parallelism.tensor) || "
             "self.parallelism.tensor <= self.processesPerNode",
             "parallelism.tensor must not exceed processesPerNode: tensor parallelism stays "
             "within a node",
             ".parallelism.tensor",
         ),
         _rule(
-            "!has(self.processesPerNode) || !has(self.parallelism) || "
+            "!has(self.processesPerNode) || !has(self.parallelism) || !has(self.parallelism.tensor) || "
             "(self.nodes * self.processesPerNode) % self.parallelism.tensor == 0",
             "nodes x processesPerNode must be divisible by parallelism.tensor",
             ".nodes",

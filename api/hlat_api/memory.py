@@ -70,3 +70,33 @@ def state_bytes_per_rank(dims: ModelDims, *, tp: int, dp: int, precision: str, m
     b = bytes_per_param(precision, managed, zero1)
     shards = dp if zero1 else 1
     return params_per_rank(dims, tp) * (b.weights_grads + b.optimizer / shards)
+
+
+def table(nodes: tuple[int, ...] = (4, 8, 16, 32, 64)) -> str:
+    """docs/neuron.md's "Memory per rank" table: the paper's layouts (7b tp 8, 70b tp 32) in
+    bf16-sr with ZeRO-1 on the neuron-xla stack, GiB of model state per rank."""
+    from hlat_api.presets import INSTANCE_TYPES, MODEL_PRESETS, PAPER_TENSOR_PARALLEL
+
+    instances = ("trn1.32xlarge", "trn1n.32xlarge", "trn2.48xlarge")
+    lines = ["| model | tp | instance (GiB/rank, 80% for state) | "
+             + " | ".join(f"{n} nodes" for n in nodes) + " |",
+             "|---|---|---|" + "---|" * len(nodes)]
+    for preset in ("7b", "70b"):
+        dims, tp = MODEL_PRESETS[preset], PAPER_TENSOR_PARALLEL[preset]
+        for instance in instances:
+            info = INSTANCE_TYPES[instance]
+            assert info.device_memory_gib is not None
+            cells = []
+            for n in nodes:
+                gib = state_bytes_per_rank(dims, tp=tp, dp=n * info.ranks_per_node // tp,
+                                           precision="bf16-sr", managed=True,
+                                           zero1=True) / 2**30
+                fits = gib <= info.device_memory_gib * MEMORY_HEADROOM
+                cells.append(f"{gib:.1f}" + ("" if fits else " (too big)"))
+            lines.append(f"| {preset} | {tp} | {instance} ({info.device_memory_gib:g}) | "
+                         + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table())

@@ -43,6 +43,8 @@ def _type_name(annotation: Any) -> str:
 def _default(info: Any) -> str:
     if info.is_required():
         return "required"
+    if info.json_schema_extra is not None and not isinstance(info.json_schema_extra, dict):
+        return "from the spec"  # a default the spec computes (no schema default)
     if info.default_factory is not None:
         return ""
     return f"`{json.dumps(info.default)}`"

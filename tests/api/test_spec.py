@@ -175,3 +175,10 @@ def test_example_manifest_is_valid() -> None:
     job = load_job(EXAMPLES / "pretrainjob-tiny.yaml")
     assert job.name == "tiny"
     assert job.spec.world_size == 2 and job.spec.model.preset == "tiny"  # 2 CPU nodes
+
+
+def test_docs_memory_table_is_current() -> None:
+    from hlat_api.memory import table
+
+    docs = (Path(__file__).parents[2] / "docs" / "neuron.md").read_text()
+    assert table() in docs, "run: .venv/bin/python -c 'from hlat_api.memory import table; print(table())'"

@@ -220,11 +220,11 @@ class TorchEngine(Engine):
         super().__init__(spec, job, backend, world, device)
         torch.manual_seed(spec.train.seed)
         model = backend.build_model(device)
-        apply_tp(model, world, spec.parallelism.sequence_parallel)  # type: ignore[arg-type]
+        kv = apply_tp(model, world, spec.parallelism.sequence_parallel)  # type: ignore[arg-type]
         apply_ac(model, spec.parallelism.activation_checkpointing)  # type: ignore[arg-type]
         self.model = model
         self.dp = DataParallel(LocalParams.of(model), world, spec.parallelism.zero1,
-                               backend.build_optimizer)
+                               backend.build_optimizer, kv)
         self.optimizer = self.dp.optimizer
         self.layout = Layout.of(world, self.dp.zero1)  # effective: ZeRO-1 needs dp > 1
         self.checkpointer = Checkpointer(self.root, job, spec.checkpoint.keep,
@@ -242,10 +242,10 @@ class TorchEngine(Engine):
         self.dp.sync_grads()
         norm = self.dp.clip(max_norm)
         self.dp.step()
-        return torch.as_tensor(norm)
+        return norm
 
     def param_norm(self) -> Tensor:
-        return torch.as_tensor(self.dp.param_norm())
+        return self.dp.param_norm()
 
     @property
     def committed(self) -> int | None:

@@ -19,6 +19,13 @@ Design choices:
   optimizer state per rank is about 1/dp of the whole.
 - The gradient norm is global: squares of tensor-parallel shards are summed over the tp group,
   replicated parameters are counted once.
+- Tensor parallelism beyond the kv-head count (70B: 8 kv heads at tp 32): each kv head is
+  replicated on m = tp / kvHeads ranks. Before sharding, every fused QKV weight is re-laid out
+  as kvHeads x m groups [q_per_kv / m query heads, k, v] (k and v copied into each replica), so
+  the plain row split hands each rank one group; after backward, the replicas' k/v gradient rows
+  are summed over their m ranks (each replica saw only its own query heads' share), so the
+  replicas get the canonical gradient and stay identical; norms count those rows once. The
+  model computes exactly what it computes at tp 1 (tests/trainer/test_kv_replication.py).
 """
 
 from __future__ import annotations
@@ -47,10 +54,75 @@ from hlat_trainer.model import Attention, DecoderLayer, Transformer
 BUCKET_ELEMENTS = 1 << 24
 
 
-def apply_tp(model: Transformer, world: World, sequence_parallel: bool) -> None:
-    """Shard the model over the tp mesh dimension (no-op when tp == 1)."""
+def replicate_kv_rows(weight: Tensor, kv_heads: int, q_per_kv: int, head_dim: int,
+                      m: int) -> Tensor:
+    """model.py's fused QKV weight ([kv groups of (q_per_kv q heads, k, v)] rows) re-laid out
+    with each kv group split into m groups of q_per_kv / m query heads, each with its own copy
+    of the group's k and v."""
+    hidden = weight.shape[-1]
+    groups = weight.reshape(kv_heads, q_per_kv + 2, head_dim, hidden)
+    q, kv = groups[:, :q_per_kv], groups[:, q_per_kv:]
+    q = q.reshape(kv_heads, m, q_per_kv // m, head_dim, hidden)
+    kv = kv.unsqueeze(1).expand(-1, m, -1, -1, -1)  # [kv, m, 2, hd, hidden]
+    return torch.cat((q, kv), dim=2).flatten(0, 3)
+
+
+@dataclass
+class KvReplication:
+    """Which local gradient rows are replicas, and the process group of each rank's replicas."""
+
+    params: list[Tensor]
+    rows: int
+    """Trailing rows of each local wqkv shard that are the (replicated) k and v."""
+    m: int
+    group: dist.ProcessGroup
+
+    def sum_grads(self, grads: list[Tensor]) -> None:
+        """Sum the replicas' k/v gradient rows over the ranks holding the same kv head."""
+        chunk = torch.cat([g[-self.rows:].reshape(-1) for g in grads])
+        dist.all_reduce(chunk, group=self.group)
+        _unflatten_into(chunk, [g[-self.rows:] for g in grads])
+
+
+def _kv_groups(world: World, m: int) -> dist.ProcessGroup:
+    """This rank's group of kv replicas: m consecutive tp ranks (every rank makes every group)."""
+    mine: dist.ProcessGroup | None = None
+    for d in range(world.dp):
+        for block in range(world.tp // m):
+            ranks = [d * world.tp + block * m + i for i in range(m)]
+            group = dist.new_group(ranks)
+            if world.rank in ranks:
+                assert isinstance(group, dist.ProcessGroup)
+                mine = group
+    assert mine is not None
+    return mine
+
+
+def _replicate_kv(model: Transformer, world: World) -> KvReplication | None:
+    dims = model.dims
+    if world.tp <= dims.kv_heads:
+        return None
+    m = world.tp // dims.kv_heads
+    params: list[Tensor] = []
+    for layer in model.layers:
+        attn: Attention = layer.attention  # type: ignore[assignment]
+        old = attn.wqkv.weight
+        new = replicate_kv_rows(old.detach(), dims.kv_heads, attn.q_per_kv, dims.head_dim, m)
+        attn.wqkv = nn.Linear(dims.hidden_size, new.shape[0], bias=False, device=old.device,
+                              dtype=old.dtype)
+        with torch.no_grad():
+            attn.wqkv.weight.copy_(new)
+        attn.q_per_kv //= m
+        params.append(attn.wqkv.weight)
+    return KvReplication(params, 2 * dims.head_dim, m, _kv_groups(world, m))
+
+
+def apply_tp(model: Transformer, world: World, sequence_parallel: bool) -> KvReplication | None:
+    """Shard the model over the tp mesh dimension (no-op when tp == 1); returns the kv-head
+    replication when tp exceeds the kv heads (its gradients need summing), else None."""
     if world.tp == 1:
-        return
+        return None
+    replication = _replicate_kv(model, world)
     mesh = world.tp_mesh
     if mesh is None:
         raise ValueError("apply_tp needs a World built on a DeviceMesh (init_distributed)")
@@ -79,6 +151,11 @@ def apply_tp(model: Transformer, world: World, sequence_parallel: bool) -> None:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(layer, mesh, plan)
+    if replication is not None:  # the parameters are DTensors now
+        replication.params = [
+            layer.attention.wqkv.weight for layer in model.layers  # type: ignore[union-attr,misc]
+        ]
+    return replication
 
 
 def apply_ac(model: Transformer, mode: str) -> None:
@@ -162,17 +239,23 @@ def _buckets(tensors: list[Tensor]) -> Iterable[list[Tensor]]:
         yield bucket
 
 
-def global_norm(tensors: list[Tensor | None], tp_sharded: list[bool], world: World) -> Tensor:
+def global_norm(tensors: list[Tensor | None], tp_sharded: list[bool], world: World,
+                kv_rows: list[int] | None = None, kv_m: int = 1) -> Tensor:
     """L2 norm over the whole model of the local tensors (gradients or parameters): squares of
-    tensor-parallel shards summed over the tp group, replicated tensors counted once. A 0-d
-    tensor on the tensors' device (no host sync here: on XLA it stays in the step's graph)."""
-    present = [(t, s) for t, s in zip(tensors, tp_sharded, strict=True) if t is not None]
+    tensor-parallel shards summed over the tp group, replicated tensors counted once (and the
+    last `kv_rows[i]` rows of tensor i, replicated on `kv_m` tp ranks, once). A 0-d tensor on
+    the tensors' device (no host sync here: on XLA it stays in the step's graph)."""
+    rows = kv_rows or [0] * len(tensors)
+    present = [(t, s, r) for t, s, r in zip(tensors, tp_sharded, rows, strict=True)
+               if t is not None]
     device = present[0][0].device if present else torch.device("cpu")
     dtype = torch.float64 if device.type == "cpu" else torch.float32
     sharded = torch.zeros((), dtype=dtype, device=device)
     replicated = torch.zeros((), dtype=dtype, device=device)
-    for t, is_sharded in present:
+    for t, is_sharded, r in present:
         sq = t.to(dtype).pow(2).sum()
+        if r:
+            sq = sq - t[-r:].to(dtype).pow(2).sum() * (1 - 1 / kv_m)
         if is_sharded:
             sharded += sq
         else:
@@ -197,8 +280,11 @@ class DataParallel:
     """Gradient averaging over dp, the global grad norm, and (optionally) ZeRO-1."""
 
     def __init__(self, params: LocalParams, world: World, zero1: bool,
-                 build_optimizer: Callable[[list[Tensor]], torch.optim.Optimizer]) -> None:
-        self.params, self.world = params, world
+                 build_optimizer: Callable[[list[Tensor]], torch.optim.Optimizer],
+                 kv: KvReplication | None = None) -> None:
+        self.params, self.world, self.kv = params, world, kv
+        replicas = {id(p) for p in kv.params} if kv else set()
+        self.kv_rows = [kv.rows if kv and id(p) in replicas else 0 for p in params.params]
         self.zero1 = zero1 and world.dp > 1
         numels = [s.numel() for s in params.shards]
         self.owners = partition(numels, world.dp) if self.zero1 else [world.dp_rank] * len(numels)
@@ -207,25 +293,35 @@ class DataParallel:
         self.optimizer = build_optimizer(self.owned)
 
     def sync_grads(self) -> None:
-        """Bind local grads and average them over the dp group."""
+        """Bind local grads, sum kv replicas' rows, and average over the dp group."""
         self.params.bind_grads()
+        if self.kv is not None:
+            self.kv.sum_grads([s.grad for s, r in zip(self.params.shards, self.kv_rows,
+                                                      strict=True) if r and s.grad is not None])
         grads = [s.grad for s in self.params.shards if s.grad is not None]
         if self.world.dp > 1:
             _flat_all_reduce(grads, self.world.dp_group, self.world.dp)
 
-    def grad_norm(self) -> float:
+    def _norm(self, tensors: list[Tensor | None]) -> Tensor:
         sharded = [is_tp_sharded(p) for p in self.params.params]
-        return global_norm([s.grad for s in self.params.shards], sharded, self.world).item()
+        return global_norm(tensors, sharded, self.world, self.kv_rows,
+                           self.kv.m if self.kv else 1)
 
-    def param_norm(self) -> float:
-        sharded = [is_tp_sharded(p) for p in self.params.params]
-        return global_norm(list(self.params.shards), sharded, self.world).item()
+    def grad_norm(self) -> Tensor:
+        """0-d, on the device: nothing is read back to the host."""
+        return self._norm([s.grad for s in self.params.shards])
 
-    def clip(self, max_norm: float) -> float:
+    def param_norm(self) -> Tensor:
+        return self._norm(list(self.params.shards))
+
+    def clip(self, max_norm: float) -> Tensor:
+        """Scale the gradients so that their global norm is at most `max_norm` (0: off) and
+        return the norm before; no host sync and no branch on the norm's value."""
         norm = self.grad_norm()
-        if max_norm > 0 and norm > max_norm:
-            coef = max_norm / (norm + 1e-6)
-            torch._foreach_mul_([s.grad for s in self.params.shards if s.grad is not None], coef)
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            grads = [s.grad for s in self.params.shards if s.grad is not None]
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype) if grads else coef)
         return norm
 
     def step(self) -> None:

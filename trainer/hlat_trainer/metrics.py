@@ -16,9 +16,9 @@ _GAUGES = {
     "grad_norm": "Global gradient L2 norm before clipping",
     "param_norm": "Global parameter L2 norm",
     "lr": "Learning rate of the last step",
-    "tokens_per_second": "Training throughput over the last step",
+    "tokens_per_second": "Training throughput over the steps since the last report",
     "mfu": "Model FLOPs utilisation of the last step (0..1)",
-    "step_seconds": "Wall time of the last optimizer step",
+    "step_seconds": "Mean wall time of an optimizer step since the last report (saves excluded)",
     "data_wait_seconds": "Time the last step waited for the data loader",
     "checkpoint_blocking_seconds": "Time the last checkpoint blocked training",
 }

@@ -102,16 +102,17 @@ def _replicate_kv(model: Transformer, world: World) -> KvReplication | None:
     dims = model.dims
     if world.tp <= dims.kv_heads:
         return None
+    if world.tp % dims.kv_heads or dims.heads % world.tp:
+        raise ValueError(f"tensor parallel degree {world.tp} beyond {dims.kv_heads} kv heads "
+                         f"must be a multiple of them and divide the {dims.heads} heads")
     m = world.tp // dims.kv_heads
     params: list[Tensor] = []
     for layer in model.layers:
         attn: Attention = layer.attention  # type: ignore[assignment]
-        old = attn.wqkv.weight
-        new = replicate_kv_rows(old.detach(), dims.kv_heads, attn.q_per_kv, dims.head_dim, m)
-        attn.wqkv = nn.Linear(dims.hidden_size, new.shape[0], bias=False, device=old.device,
-                              dtype=old.dtype)
-        with torch.no_grad():
-            attn.wqkv.weight.copy_(new)
+        new = replicate_kv_rows(attn.wqkv.weight.detach(), dims.kv_heads, attn.q_per_kv,
+                                dims.head_dim, m)
+        attn.wqkv.weight = nn.Parameter(new)  # no second init, no draw from the global RNG
+        attn.wqkv.out_features = new.shape[0]
         attn.q_per_kv //= m
         params.append(attn.wqkv.weight)
     return KvReplication(params, 2 * dims.head_dim, m, _kv_groups(world, m))

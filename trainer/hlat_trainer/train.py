@@ -63,7 +63,6 @@ class StepStats:
     step: int
     lr: float
     result: StepResult
-    seconds: float
 
 
 @dataclass
@@ -133,6 +132,7 @@ class Trainer:
         self._unobserved: list[Tensor] = []  # grad norms not yet fed to the spike monitor
         self.extracting_graphs = extracting_graphs_only(os.environ)
         self.longest_save = 0.0
+        self._window = (time.perf_counter(), 0, 0.0)  # last report: when, at which step, saves
         self.peak_flops = self._peak_flops()
         self.heartbeat = LeaseHeartbeat.from_environment(self.world.local_rank)
         if self.heartbeat is not None:
@@ -183,13 +183,12 @@ class Trainer:
     def train_step(self, batches: Iterator[tuple[Tensor, Tensor]], step: int) -> StepStats:
         """One optimizer step, driven: the engine runs it; nothing is read from the device."""
         spec = self.spec
-        start = time.perf_counter()
         lr = lr_at(step, lr=spec.optimizer.lr, min_lr=spec.optimizer.min_lr,
                    warmup_steps=spec.optimizer.warmup_steps, total_steps=spec.total_steps)
         result = self.engine.train_step(batches, lr)
         self.state.step, self.state.tokens = step, self.state.tokens + spec.tokens_per_step
         self._unobserved.append(result.grad_norm)
-        return StepStats(step, lr, result, time.perf_counter() - start)
+        return StepStats(step, lr, result)
 
     def observe_norms(self) -> int:
         """Feed the spike monitor every step's gradient norm since the last call (one
@@ -198,15 +197,22 @@ class Trainer:
         return sum(self.state.monitor.observe(n) for n in norms)
 
     def report(self, s: StepStats) -> dict[str, Any]:
-        """The numbers of a logged step: the only place a step's values leave the device."""
+        """The numbers of a logged step: the only place a step's values leave the device.
+
+        Step time and throughput are averaged over the steps since the last report, measured
+        once the values are read (the device has then finished them) and less the time saves
+        blocked: on a lazy device (XLA) one step's host time is only its tracing time."""
         spikes = self.observe_norms()
         loss, grad_norm, param_norm = self.backend.to_host(
             [s.result.loss, s.result.grad_norm, self.engine.param_norm()])
+        now, (since, last_step, saved) = time.perf_counter(), self._window
+        seconds = max(now - since - saved, 1e-9) / max(s.step - last_step, 1)
+        self._window = (now, s.step, 0.0)
         tokens = self.spec.tokens_per_step
-        tps = tokens / s.seconds
+        tps = tokens / seconds
         return {
             "step": s.step, "loss": loss, "lr": s.lr, "grad_norm": grad_norm,
-            "param_norm": param_norm, "tokens_per_second": tps, "step_seconds": s.seconds,
+            "param_norm": param_norm, "tokens_per_second": tps, "step_seconds": seconds,
             "data_wait_seconds": s.result.data_wait_seconds, "tokens": self.state.tokens,
             "tokens_step": tokens,
             "mfu": self.dims.flops_per_token(self.spec.data.seq_len) * tps
@@ -243,6 +249,7 @@ class Trainer:
             self.spec.precision, first,
         )
         stats: dict[str, Any] = {"step": first - 1}
+        self._window = (time.perf_counter(), first - 1, 0.0)  # since, at step, saves blocked
         self._beat(phase="training", step=first - 1, tokens=self.state.tokens)
         batches = self._batches()
         finished = False
@@ -252,6 +259,8 @@ class Trainer:
                 blocked = None
                 if step % self.spec.checkpoint.interval == 0 or step == total:
                     blocked = self.save(step)
+                    since, last_step, saved = self._window
+                    self._window = (since, last_step, saved + blocked)
                 if step % self.spec.train.log_interval == 0 or step == total:
                     stats = self.report(done)
                     if blocked is not None:

@@ -121,6 +121,11 @@ class NeuronXlaBackend(Backend):
         else:
             require_neuron("torch_xla.core.xla_model").mark_step()
 
+    # to_device is the base one, `batch.to(device)`: an upload, not a graph. torch-xla's
+    # MpDeviceLoader would overlap it with compute but prefetches (16 batches by default) from
+    # the loader, whose saved position would then run ahead of what was trained: exact resume
+    # needs the loader to yield only what a step takes.
+
     def to_host(self, tensors: list[Tensor]) -> list[float]:
         # each tensor is already device data (the step ended in a sync): copy them as they are.
         # Stacking first, as eager devices do, would trace a new graph for every list length.

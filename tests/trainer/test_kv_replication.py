@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_distributed import layout, run, torchrun
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from hlat_api.presets import ModelDims
 from hlat_trainer.model import build_model
@@ -56,3 +57,14 @@ def test_tp_beyond_the_kv_heads_trains_like_tp_1(write_config: Callable[..., Pat
         assert len(base) == 4
         assert series(four.stdout, key) == pytest.approx(base, rel=1e-5), key
     assert len(re.findall(r"updates \d+ of \d+ parameter elements", four.stderr)) == 4
+    # the replicas of each kv head are still bit-identical in the saved model
+    saved = config.parent / "b4.pt"
+    dcp_to_torch_save(config.parent / "b" / "job" / "step_4", saved)
+    state = torch.load(saved, weights_only=False)
+    head_dim, q_local = 64 // 8, 8 // 4
+    weights = [v for k, v in state["model"].items() if k.endswith("wqkv.weight")]
+    assert len(weights) == 2
+    for w in weights:
+        groups = w.view(4, q_local + 2, head_dim, -1)  # one group per tp rank
+        for kv in range(2):  # ranks 2kv and 2kv+1 hold kv head kv
+            assert torch.equal(groups[2 * kv, q_local:], groups[2 * kv + 1, q_local:])

@@ -6,11 +6,12 @@ client (an import-linter contract keeps it so), so both sides can depend on it c
 """
 
 from hlat_api.env import Env, ExitCode
+from hlat_api.errors import SpecError
 from hlat_api.heartbeat import Heartbeat, lease_name
 from hlat_api.layout import CheckpointEntry, latest_complete, list_checkpoints, step_dir
 from hlat_api.manifest import InvalidSpecError, Job, apply_overrides, load_job, parse_spec
 from hlat_api.presets import INSTANCE_TYPES, MODEL_PRESETS, InstanceInfo, ModelDims
-from hlat_api.spec import PretrainJobSpec, SpecError
+from hlat_api.spec import PretrainJobSpec
 from hlat_api.status import PretrainJobStatus
 
 __all__ = [

@@ -6,11 +6,15 @@ the same label keys, object names and reason strings; keeping them here means th
 never scatters literals and nobody else has to guess them.
 
 Object names are short on purpose: a worker's hostname `<job>-<rank>` must be a DNS label
-(63 characters), so the CRD limits job names to `MAX_JOB_NAME` characters.
+(63 characters), so the CRD limits job names to `MAX_JOB_NAME` characters. A job name that is
+not itself a DNS label (dots, a leading digit) is turned into one for the Service and the
+hostnames (`dns_label`); every other derived name is a DNS subdomain, as the job's is.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from enum import StrEnum
 from typing import Final
 
@@ -65,9 +69,30 @@ CONFIG_FILE: Final = "config.json"
 CONFIG_DIR: Final = "/etc/hlat"
 
 
+_DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+
+def dns_label(job: str) -> str:
+    """The job's name as a DNS-1035 label, the base of its Service and worker hostnames.
+
+    A PretrainJob's name is a DNS subdomain: it may hold dots (`llama-3.1-8b`) and start with a
+    digit (`7b-run`), which a Service name and a hostname may not. Such a name is made a label
+    (dots to dashes, a leading `j` before a digit) plus 5 hex digits of its SHA-256, so two jobs
+    whose names differ only in what was replaced (`a.b`, `a-b`) never share a Service. A name
+    that already is a label is used as it is.
+    """
+    if _DNS_1035.fullmatch(job):
+        return job
+    safe = re.sub(r"[^a-z0-9-]", "-", job.lower())
+    if not safe[:1].isalpha():
+        safe = "j" + safe
+    digest = hashlib.sha256(job.encode()).hexdigest()[:5]
+    return f"{safe[:MAX_JOB_NAME - 6].rstrip('-')}-{digest}"
+
+
 def service_name(job: str) -> str:
     """The headless Service whose DNS the workers rendezvous through."""
-    return job
+    return dns_label(job)
 
 
 def config_map_name(job: str) -> str:
@@ -86,7 +111,7 @@ def worker_pod_name(job: str, attempt: int, rank: int) -> str:
 
 def worker_hostname(job: str, rank: int) -> str:
     """Stable across attempts: `<job>-0.<service>` is always the rendezvous master."""
-    return f"{job}-{rank}"
+    return f"{dns_label(job)}-{rank}"
 
 
 def master_addr(job: str) -> str:
@@ -141,6 +166,16 @@ class Reason(StrEnum):
     NO_PROGRESS = "NoProgress"
     """faultTolerance.noProgressRestarts restarts in a row without a new complete checkpoint."""
     DEADLINE_EXCEEDED = "DeadlineExceeded"
+    REJECTED = "Rejected"
+    """The API server refused an object the job needs (invalid, or forbidden by policy such as
+    Pod Security admission): retrying cannot help, the job is Failed with its message."""
+    # placement (the Schedulable condition)
+    UNSCHEDULABLE = "Unschedulable"
+    """Worker pods the scheduler cannot place, for longer than the operator's bound."""
+    SCHEDULED = "Scheduled"
+    """Every worker pod of the attempt is placed on a node."""
+    API_ERROR = "ApiError"
+    """A request to the API server failed in a way a retry can fix; retried with backoff."""
 
 
 INFRA_REASONS: Final = frozenset(

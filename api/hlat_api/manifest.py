@@ -17,7 +17,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from hlat_api.spec import PretrainJobSpec, SpecError
+from hlat_api.errors import SpecError
+from hlat_api.spec import PretrainJobSpec
 
 _FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 API_GROUP = "hlat.dev"

@@ -74,15 +74,30 @@ class InstanceInfo:
     efa_interfaces: int  # vpc.amazonaws.com/efa requested per pod
     gpus: int = 0  # nvidia.com/gpu requested per pod
     peak_tflops_per_rank: float | None = None  # dense BF16, for MFU
+    cpu: str | None = None  # cpu request = limit of the trainer container (Guaranteed QoS)
+    memory: str | None = None  # memory request = limit of the trainer container
 
 
+# cpu/memory: the node's vCPUs and memory less what EKS reserves (kube-reserved, eviction
+# threshold: under 0.5 vCPU and 3.1 GiB on a 32xlarge) and headroom for the usual DaemonSets
+# (VPC CNI, kube-proxy, the Neuron/EFA/NVIDIA device plugins, node monitoring), so one worker
+# fits its node with requests = limits: Guaranteed QoS, the last class the kubelet evicts.
 INSTANCE_TYPES: Final[dict[str, InstanceInfo]] = {
     # trn1: 16 Trainium chips = 32 NeuronCores of 16 GiB HBM, 95 TFLOPS BF16 each (paper, section 2)
-    "trn1.2xlarge": InstanceInfo(2, 16.0, 1, 0, peak_tflops_per_rank=95.0),
-    "trn1.32xlarge": InstanceInfo(32, 16.0, 16, 8, peak_tflops_per_rank=95.0),
-    "trn1n.32xlarge": InstanceInfo(32, 16.0, 16, 16, peak_tflops_per_rank=95.0),
-    # trn2: 16 Trainium2 chips, 96 GiB each, 4 logical NeuronCores per chip (LNC=2)
-    "trn2.48xlarge": InstanceInfo(64, 24.0, 16, 16, peak_tflops_per_rank=167.0),
-    "p5.48xlarge": InstanceInfo(8, 80.0, 0, 32, gpus=8, peak_tflops_per_rank=989.0),
+    # trn1.2xlarge: 8 vCPU, 32 GiB; trn1(n).32xlarge: 128 vCPU, 512 GiB
+    "trn1.2xlarge": InstanceInfo(2, 16.0, 1, 0, peak_tflops_per_rank=95.0,
+                                 cpu="6", memory="26Gi"),
+    "trn1.32xlarge": InstanceInfo(32, 16.0, 16, 8, peak_tflops_per_rank=95.0,
+                                  cpu="120", memory="480Gi"),
+    "trn1n.32xlarge": InstanceInfo(32, 16.0, 16, 16, peak_tflops_per_rank=95.0,
+                                   cpu="120", memory="480Gi"),
+    # trn2: 16 Trainium2 chips, 96 GiB each, 4 logical NeuronCores per chip (LNC=2);
+    # 192 vCPU, 2 TiB
+    "trn2.48xlarge": InstanceInfo(64, 24.0, 16, 16, peak_tflops_per_rank=167.0,
+                                  cpu="184", memory="1900Gi"),
+    # p5.48xlarge: 192 vCPU, 2 TiB
+    "p5.48xlarge": InstanceInfo(8, 80.0, 0, 32, gpus=8, peak_tflops_per_rank=989.0,
+                                cpu="184", memory="1900Gi"),
+    # the local rig and CI: no requests (BestEffort) unless the template sets them
     "cpu": InstanceInfo(1, None, 0, 0),
 }

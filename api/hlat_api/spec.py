@@ -20,7 +20,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from hlat_api.errors import SpecError
 from hlat_api.memory import MEMORY_HEADROOM, state_bytes_per_rank
+from hlat_api.podtemplate import PodTemplate
 from hlat_api.presets import (
     INSTANCE_TYPES,
     MODEL_PRESETS,
@@ -33,15 +35,6 @@ from hlat_api.presets import (
 Precision = Literal["fp32", "mixed", "bf16", "bf16-sr"]
 ActivationCheckpointing = Literal["none", "selective", "full"]
 PositiveInt = Annotated[int, Field(ge=1)]
-
-
-class SpecError(ValueError):
-    """A spec that cannot run; `field` is the camelCase path, e.g. `parallelism.tensor`."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"spec.{field}: {message}")
-        self.field = field
-        self.reason = message
 
 
 class _Model(BaseModel):
@@ -225,7 +218,10 @@ class FaultToleranceSpec(_Model):
     no_progress_restarts: PositiveInt = 3
     """Restarts in a row without a new complete checkpoint before the job is Failed."""
     avoid_failed_nodes: bool = True
-    """Keep nodes that failed out of the next attempt (node affinity)."""
+    """Keep nodes that failed out of the next attempts (node affinity), never so many that
+    fewer usable nodes than `nodes` remain (the least recently failed are let back first)."""
+    avoid_failed_nodes_seconds: Annotated[float, Field(ge=0)] = 3600
+    """How long a failed node stays avoided; shown in status.avoidedNodes."""
 
 
 class Toleration(_Model):
@@ -248,7 +244,11 @@ class SchedulingSpec(_Model):
     priority_class_name: str | None = None
     """PriorityClass of the worker pods."""
     scheduler_name: str | None = None
-    """Scheduler for the worker pods (e.g. a gang scheduler); default scheduler if unset."""
+    """Scheduler for the worker pods; unset: the operator's default (HLAT_OPERATOR_SCHEDULER_NAME,
+    else Kubernetes' default scheduler). `volcano`: the operator creates a PodGroup (minMember
+    = nodes) so the gang is placed whole or not at all."""
+    queue: str | None = None
+    """Volcano queue of the job's PodGroup (with schedulerName volcano); unset: `default`."""
 
 
 class NeuronSpec(_Model):
@@ -307,6 +307,10 @@ class PretrainJobSpec(_Model):
     """Delete the job this long after it Succeeded or Failed."""
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     """Placement extras."""
+    template: PodTemplate | None = None
+    """A PodTemplateSpec the worker pods are built on: service account, image pull secrets,
+    env, volumes, labels, tolerations, affinity, priority class, security context, resources,
+    sidecars. Its container named `trainer` is merged into the worker's container."""
 
     # --- derived quantities (pure functions of the spec) -------------------------------------
 
@@ -485,4 +489,14 @@ def _check_memory(spec: PretrainJobSpec) -> None:
         )
 
 
-_CHECKS = (_check_model, _check_parallelism, _check_batch, _check_lengths, _check_memory)
+def _check_image(spec: PretrainJobSpec) -> None:
+    theirs = spec.template.trainer().get("image") if spec.template else None
+    if theirs and spec.image and theirs != spec.image:
+        raise SpecError(
+            "template.spec.containers",
+            f"the trainer container's image {theirs!r} differs from spec.image {spec.image!r}: "
+            "set one of them",
+        )
+
+
+_CHECKS = (_check_image, _check_model, _check_parallelism, _check_batch, _check_lengths, _check_memory)

@@ -12,7 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
-ConditionType = Literal["Ready", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
+ConditionType = Literal[
+    "Ready", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "Schedulable"
+]
 
 
 class _Model(BaseModel):
@@ -62,6 +64,18 @@ class CheckpointRef(_Model):
     time: str | None = None
 
 
+class AvoidedNode(_Model):
+    """A node that failed this job and is kept out of its next attempts, for a while."""
+
+    node: str
+    failed_at: str
+    """When the fault that implicated it was detected."""
+    until: str
+    """When it becomes usable again (faultTolerance.avoidFailedNodesSeconds after the fault)."""
+    reason: str = ""
+    """The fault's reason, e.g. NodeLost, HeartbeatTimeout."""
+
+
 class Uptime(_Model):
     """The paper's Table 1 measure: time training over time since the job first started."""
 
@@ -81,6 +95,9 @@ class PretrainJobStatus(_Model):
     uptime: Uptime = Field(default_factory=Uptime)
     lost_steps: int = 0
     """Steps computed again after restarts (progress lost since the last checkpoint)."""
+    avoided_nodes: list[AvoidedNode] = Field(default_factory=list)
+    """Nodes kept out of the next attempts; the next gang may still use some of them when
+    fewer usable nodes than `nodes` would remain (the least recently failed first)."""
     start_time: str | None = None
     completion_time: str | None = None
     observed_generation: int | None = None

@@ -35,6 +35,14 @@ from hlat_api import labels
 from hlat_api.env import Env
 from hlat_api.heartbeat import lease_name
 from hlat_api.manifest import API_GROUP, API_VERSION, KIND
+from hlat_api.podtemplate import (
+    CACHE_OWNER_CONTAINER,
+    CACHE_VOLUME,
+    CONFIG_VOLUME,
+    DATA_VOLUME,
+    SHM_VOLUME,
+    TRAINER_CONTAINER,
+)
 from hlat_api.presets import INSTANCE_TYPES
 from hlat_api.spec import PretrainJobSpec
 from hlat_operator.config import OperatorSettings
@@ -46,6 +54,7 @@ from hlat_operator.kube import (
     ObjectMeta,
     OwnerReference,
     Pod,
+    PodGroup,
     PodSpec,
     Role,
     RoleBinding,
@@ -54,9 +63,19 @@ from hlat_operator.kube import (
     Volume,
     VolumeMount,
 )
+from hlat_operator.podmerge import merge_pod
 
-CONTAINER = "trainer"
-SHM_VOLUME, DATA_VOLUME, CACHE_VOLUME, CONFIG_VOLUME = "shm", "data", "neuron-cache", "config"
+CONTAINER = TRAINER_CONTAINER
+VOLCANO = "volcano"
+"""schedulerName of Volcano's scheduler: the gang gets a PodGroup."""
+VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
+"""The pod annotation naming its Volcano PodGroup."""
+VOLCANO_API = "scheduling.volcano.sh/v1beta1"
+AVOIDED_ANNOTATION = "hlat.dev/avoided-nodes"
+"""Comma-separated nodes a worker pod was created to avoid (its node affinity), so the operator
+can tell when a pending pod's placement rule is out of date and create it again."""
+CACHE_OWNER_RESOURCES = {"cpu": "100m", "memory": "64Mi"}
+"""The init container's requests = limits (Guaranteed QoS counts init containers too)."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +121,25 @@ def _meta(job: JobRef, name: str, extra_labels: dict[str, str] | None = None) ->
 
 
 def resolve_image(spec: PretrainJobSpec, settings: OperatorSettings) -> str | None:
-    return spec.image or settings.default_image
+    """spec.image, else the template's trainer image, else the operator's default."""
+    theirs = spec.template.trainer().get("image") if spec.template else None
+    return spec.image or theirs or settings.default_image
+
+
+def scheduler_name(spec: PretrainJobSpec, settings: OperatorSettings) -> str | None:
+    """The worker pods' scheduler: the template's, spec.scheduling's, the operator's default."""
+    theirs = spec.template.spec.get("schedulerName") if spec.template else None
+    return theirs or spec.scheduling.scheduler_name or settings.scheduler_name
+
+
+def uses_volcano(spec: PretrainJobSpec, settings: OperatorSettings) -> bool:
+    return scheduler_name(spec, settings) == VOLCANO
+
+
+def user_service_account(spec: PretrainJobSpec) -> str | None:
+    """The template's serviceAccountName, when it names one."""
+    name = spec.template.spec.get("serviceAccountName") if spec.template else None
+    return name if isinstance(name, str) and name else None
 
 
 # --- per-job objects -------------------------------------------------------------------------
@@ -170,14 +207,31 @@ def build_role(job: JobRef, spec: PretrainJobSpec, attempt: int) -> Role:
     }
 
 
-def build_role_binding(job: JobRef) -> RoleBinding:
+def build_role_binding(job: JobRef, spec: PretrainJobSpec) -> RoleBinding:
+    """Binds the heartbeat Role to the per-job account and to the template's own account
+    (IRSA / Pod Identity), so heartbeats work whichever the pods run as."""
     name = labels.service_account_name(job.name)
+    accounts = [name]
+    theirs = user_service_account(spec)
+    if theirs and theirs != name:
+        accounts.append(theirs)
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
         "metadata": _meta(job, name),
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job.namespace}],
+        "subjects": [{"kind": "ServiceAccount", "name": a, "namespace": job.namespace}
+                     for a in accounts],
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+    }
+
+
+def build_pod_group(job: JobRef, spec: PretrainJobSpec) -> PodGroup:
+    """Volcano's PodGroup: the gang is bound only when all `nodes` pods can be (minMember)."""
+    return {
+        "apiVersion": VOLCANO_API,
+        "kind": "PodGroup",
+        "metadata": _meta(job, job.name),
+        "spec": {"minMember": spec.nodes, "queue": spec.scheduling.queue or "default"},
     }
 
 
@@ -246,13 +300,20 @@ def build_worker_pod(
         pod_spec["initContainers"] = [_cache_owner(spec, settings)]
         pod_spec["securityContext"] = {"sysctls": [
             {"name": labels.NEURON_RESERVED_PORTS_SYSCTL, "value": labels.NEURON_RESERVED_PORTS}]}
-    _apply_scheduling(pod_spec, spec, avoid_nodes or [])
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": _meta(job, name, extra),
-        "spec": pod_spec,
-    }
+    _apply_scheduling(pod_spec, spec, avoid_nodes or [], settings)
+    meta = _meta(job, name, extra)
+    meta["annotations"] = {AVOIDED_ANNOTATION: ",".join(avoid_nodes or [])}
+    if uses_volcano(spec, settings):
+        meta["annotations"][VOLCANO_GROUP_ANNOTATION] = job.name
+    ours: Pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    merged: Pod = merge_pod(dict(ours), spec.template)  # type: ignore[assignment]
+    return merged
+
+
+def pod_avoided_nodes(pod: Pod) -> list[str]:
+    """The nodes a pod built here avoids (from its annotation)."""
+    raw = (pod["metadata"].get("annotations") or {}).get(AVOIDED_ANNOTATION, "")
+    return [n for n in raw.split(",") if n]
 
 
 def _container(
@@ -281,17 +342,32 @@ def _container(
     return c
 
 
+def trainer_uid(spec: PretrainJobSpec) -> int:
+    """The user the trainer runs as: the template's runAsUser (container, else pod), else the
+    image's (labels.TRAINER_UID)."""
+    if spec.template is None:
+        return labels.TRAINER_UID
+    for ctx in (spec.template.trainer().get("securityContext"),
+                spec.template.spec.get("securityContext")):
+        uid = (ctx or {}).get("runAsUser")
+        if isinstance(uid, int):
+            return uid
+    return labels.TRAINER_UID
+
+
 def _cache_owner(spec: PretrainJobSpec, settings: OperatorSettings) -> Container:
     """Hands the node-local compile cache (a root-owned hostPath) to the trainer's user."""
-    uid = labels.TRAINER_UID
+    uid = trainer_uid(spec)
     c: Container = {
-        "name": "neuron-cache-owner",
+        "name": CACHE_OWNER_CONTAINER,
         "image": resolve_image(spec, settings) or "",
         "command": ["chown", f"{uid}:{uid}", spec.neuron.cache_dir],
         "volumeMounts": [{"name": CACHE_VOLUME, "mountPath": spec.neuron.cache_dir}],
         "securityContext": {"runAsUser": 0, "runAsNonRoot": False,
                             "allowPrivilegeEscalation": False,
                             "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]}},
+        "resources": {"requests": dict(CACHE_OWNER_RESOURCES),
+                      "limits": dict(CACHE_OWNER_RESOURCES)},
     }
     if settings.image_pull_policy:
         c["imagePullPolicy"] = settings.image_pull_policy
@@ -299,9 +375,12 @@ def _cache_owner(spec: PretrainJobSpec, settings: OperatorSettings) -> Container
 
 
 def build_resources(spec: PretrainJobSpec) -> dict[str, str]:
-    """The whole node's accelerators and EFA interfaces; nothing on `cpu`."""
+    """The whole node: its accelerators, EFA interfaces, and the instance type's cpu and
+    memory (requests = limits: Guaranteed QoS); nothing on `cpu`."""
     info = INSTANCE_TYPES[spec.instance_type]
-    wanted = {
+    wanted: dict[str, int | str | None] = {
+        "cpu": info.cpu,
+        "memory": info.memory,
         labels.NEURON_RESOURCE: info.neuron_devices,
         labels.EFA_RESOURCE: info.efa_interfaces,
         labels.GPU_RESOURCE: info.gpus,
@@ -385,7 +464,18 @@ def _mounts(spec: PretrainJobSpec) -> list[VolumeMount]:
     return mounts
 
 
-def _apply_scheduling(pod: PodSpec, spec: PretrainJobSpec, avoid_nodes: list[str]) -> None:
+def node_selector(spec: PretrainJobSpec) -> dict[str, str]:
+    """The labels a worker's node must carry (spec.scheduling, the instance type, the
+    template's nodeSelector winning), as the merged pod will have them."""
+    selector = dict(spec.scheduling.node_selector)
+    if spec.instance_type != "cpu":
+        selector.setdefault(labels.INSTANCE_TYPE_LABEL, spec.instance_type)
+    theirs = spec.template.spec.get("nodeSelector") if spec.template else None
+    return {**selector, **(theirs if isinstance(theirs, dict) else {})}
+
+
+def _apply_scheduling(pod: PodSpec, spec: PretrainJobSpec, avoid_nodes: list[str],
+                      settings: OperatorSettings) -> None:
     s = spec.scheduling
     selector = dict(s.node_selector)
     if spec.instance_type != "cpu":
@@ -406,8 +496,9 @@ def _apply_scheduling(pod: PodSpec, spec: PretrainJobSpec, avoid_nodes: list[str
         pod["affinity"] = build_avoid_affinity(avoid_nodes)
     if s.priority_class_name:
         pod["priorityClassName"] = s.priority_class_name
-    if s.scheduler_name:
-        pod["schedulerName"] = s.scheduler_name
+    scheduler = s.scheduler_name or settings.scheduler_name
+    if scheduler:
+        pod["schedulerName"] = scheduler
 
 
 def build_avoid_affinity(nodes: list[str]) -> dict[str, Any]:

@@ -62,6 +62,12 @@ class OperatorSettings(BaseModel):
     lifecycle controller already waits its own grace period before marking NotReady)."""
     termination_grace_seconds: int = 60
     """terminationGracePeriodSeconds of worker pods: time to finish an async checkpoint write."""
+    scheduler_name: str | None = None
+    """schedulerName of worker pods whose job sets none (spec.scheduling or the template), e.g.
+    "volcano" for gang admission on every job; None: Kubernetes' default scheduler."""
+    unschedulable_after_seconds: float = 120.0
+    """A worker pod the scheduler reports Unschedulable for this long sets the job's
+    `Schedulable` condition False (with the scheduler's message), an Event and a metric."""
     shm_size_limit: str | None = None
     """sizeLimit of the /dev/shm memory volume (e.g. "64Gi"); None: no limit (node memory)."""
     log_format: str = "json"

@@ -25,20 +25,22 @@ import kopf
 from kubernetes import client
 from kubernetes import config as kube_config
 
-from hlat_api.labels import JOB
+from hlat_api.labels import JOB, Reason
 from hlat_api.manifest import API_GROUP, API_VERSION
 from hlat_operator import observe
 from hlat_operator.builders import JobRef
 from hlat_operator.config import OperatorSettings
-from hlat_operator.k8s import PLURAL, Conflict, K8sError, Kube
+from hlat_operator.k8s import PLURAL, Conflict, K8sError, Kube, Rejected
 from hlat_operator.metrics import OperatorMetrics
-from hlat_operator.reconcile import decide
+from hlat_operator.reconcile import decide, reject
 
 log = logging.getLogger("hlat_operator")
 
 MAX_IDLE_SECONDS = 30.0
 """Longest sleep between passes of a job even when the Decision asks for none."""
 ERROR_RETRY_SECONDS = 2.0
+"""First retry after a failed pass; doubles per failure in a row (429, 5xx, timeouts)."""
+MAX_ERROR_RETRY_SECONDS = 60.0
 
 
 class JobGone(Exception):
@@ -100,6 +102,10 @@ def reconcile_once(rt: Runtime, namespace: str, name: str) -> float | None:
     except Conflict as err:
         log.info("%s/%s: stale view, deciding again (%s)", namespace, name, err)
         return rt.settings.fast_requeue_seconds
+    except Rejected as err:
+        log.warning("%s/%s: %s; the job fails", namespace, name, err)
+        decision = reject(status, observed, now, rt.settings, str(err))
+        rt.kube.execute(job, decision)
     rt.metrics.observe(namespace, name, decision)
     if decision.status.phase != status.phase:
         log.info(
@@ -117,27 +123,50 @@ def reconcile_once(rt: Runtime, namespace: str, name: str) -> float | None:
 async def _job_loop(rt: Runtime, namespace: str, name: str) -> None:
     key = (namespace, name)
     wake = rt.wakes.setdefault(key, asyncio.Event())
+    errors = 0
     try:
         while True:
             wake.clear()
             try:
                 requeue = await asyncio.to_thread(reconcile_once, rt, namespace, name)
+                errors = 0
             except JobGone:
                 log.info("%s/%s: gone; its loop ends", namespace, name)
                 rt.metrics.forget(namespace, name)
                 return
             except K8sError as err:
-                log.warning("%s/%s: %s; retrying", namespace, name, err)
-                requeue = ERROR_RETRY_SECONDS
+                errors += 1
+                requeue = error_backoff(errors)
+                log.warning("%s/%s: %s; retrying in %gs", namespace, name, err, requeue)
+                if errors == 1 or errors % 10 == 0:  # said once, then now and again
+                    await asyncio.to_thread(
+                        rt.kube.emit_event, JobRef(name, namespace, _uid(rt, namespace, name)),
+                        "Warning", Reason.API_ERROR,
+                        f"{err}; retrying with backoff (failure {errors} in a row)")
             except Exception:  # a bug must not kill the loop of this job for good
                 log.exception("%s/%s: pass failed; retrying", namespace, name)
-                requeue = ERROR_RETRY_SECONDS
+                errors += 1
+                requeue = error_backoff(errors)
             delay = MAX_IDLE_SECONDS if requeue is None else min(requeue, MAX_IDLE_SECONDS)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout=max(0.05, delay))
     finally:
         rt.tasks.pop(key, None)
         rt.wakes.pop(key, None)
+
+
+def error_backoff(failures: int) -> float:
+    """Seconds before the next pass after `failures` failed passes in a row."""
+    return float(min(MAX_ERROR_RETRY_SECONDS, ERROR_RETRY_SECONDS * 2 ** (failures - 1)))
+
+
+def _uid(rt: Runtime, namespace: str, name: str) -> str:
+    """The job's uid for an Event about it ("" when even that read fails)."""
+    try:
+        body = rt.kube.get_job(namespace, name)
+    except K8sError:
+        return ""
+    return str(((body or {}).get("metadata") or {}).get("uid", ""))
 
 
 def _poke(namespace: str, name: str, start: bool = False) -> None:

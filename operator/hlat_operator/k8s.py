@@ -8,6 +8,7 @@ kopf would hand over, so there is one representation of a Kubernetes object in t
 decides again from what it then observes):
 - CreateObject: create; AlreadyExists is fine (deterministic names make a replayed pass a
   no-op), or, with `replace`, the existing object is replaced (ConfigMap, Role of a new attempt);
+  a refusal no retry can fix (`permanent`: 400/403/422) raises `Rejected`, which ends the job;
 - DeletePod: delete (grace None: the pod's own grace period; 0: force); NotFound is fine;
 - DeleteObject("Lease"): delete; NotFound is fine;
 - PatchStatus: JSON merge patch of the status subresource carrying the resourceVersion read, so
@@ -69,6 +70,26 @@ class Conflict(K8sError):
 
 class NotFound(K8sError):
     """404: the object is gone."""
+
+
+_PERMANENT = {400, 403, 422}
+_QUOTA_HINTS = ("exceeded quota", "is being terminated")
+
+
+def permanent(err: K8sError, kind: str | None = None) -> bool:
+    """Whether creating an object failed in a way no retry can fix: invalid (400, 422) or
+    forbidden by policy (403: RBAC, Pod Security admission). A 403 for an exhausted
+    ResourceQuota is not: quota frees up when other work ends. A 404 on creating a kind whose
+    API is not installed (Volcano's PodGroup without Volcano) is permanent too."""
+    if err.status == 404:
+        return kind == "PodGroup"
+    if err.status not in _PERMANENT:
+        return False
+    return not any(hint in str(err) for hint in _QUOTA_HINTS)
+
+
+class Rejected(K8sError):
+    """The API server refused to create an object the job needs, for good (see `permanent`)."""
 
 
 def _wrap(what: str, err: Exception) -> K8sError:
@@ -217,6 +238,8 @@ class Kube:
             return
         except _API_ERRORS as err:
             wrapped = _wrap(what, err)
+            if permanent(wrapped, kind):
+                raise Rejected(str(wrapped), wrapped.status) from err
             if wrapped.status != 409:
                 raise wrapped from err
         if not action.replace:
@@ -243,6 +266,10 @@ class Kube:
             self.rbac.create_namespaced_role_binding(ns, body, _preload_content=False)
         elif kind == "Lease":
             self.coordination.create_namespaced_lease(ns, body, _preload_content=False)
+        elif kind == "PodGroup":
+            group, version = str(obj["apiVersion"]).split("/")
+            self.custom.create_namespaced_custom_object(
+                group, version, ns, "podgroups", body, _preload_content=False)
         else:
             raise K8sError(f"create {kind}: kind not supported by the operator")
 
@@ -256,6 +283,8 @@ class Kube:
             self.coordination.replace_namespaced_lease(name, ns, body, _preload_content=False)
         elif kind == "Service":
             self.core.replace_namespaced_service(name, ns, body, _preload_content=False)
+        elif kind == "RoleBinding":
+            self.rbac.replace_namespaced_role_binding(name, ns, body, _preload_content=False)
         else:
             raise K8sError(f"replace {kind}: kind not supported by the operator")
 

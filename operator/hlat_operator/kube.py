@@ -175,5 +175,19 @@ class Lease(TypedDict):
     spec: LeaseSpec
 
 
-Object = Pod | Service | ConfigMap | ServiceAccount | Role | RoleBinding | Lease
+class PodGroupSpec(TypedDict):
+    minMember: int
+    queue: str
+
+
+class PodGroup(TypedDict):
+    """Volcano's scheduling.volcano.sh/v1beta1 PodGroup."""
+
+    apiVersion: str
+    kind: str
+    metadata: ObjectMeta
+    spec: PodGroupSpec
+
+
+Object = Pod | Service | ConfigMap | ServiceAccount | Role | RoleBinding | Lease | PodGroup
 """Anything the operator creates for a job."""

@@ -67,6 +67,13 @@ class OperatorMetrics:
             JOB_LABELS,
             registry=r,
         )
+        self.unschedulable = Gauge(
+            "hlat_job_unschedulable_seconds",
+            "How long the longest-waiting worker pod of the current gang has been unschedulable "
+            "(0 once every pod is placed).",
+            JOB_LABELS,
+            registry=r,
+        )
         self.step = Gauge("hlat_job_step", "Latest training step reported.", JOB_LABELS, registry=r)
         self.attempt = Gauge("hlat_job_attempt", "Current restart attempt.", JOB_LABELS, registry=r)
         self.jobs = Gauge("hlat_jobs", "PretrainJobs by phase.", ("phase",), registry=r)
@@ -85,6 +92,7 @@ class OperatorMetrics:
         self.lost_steps.labels(*labels).set(s.lost_steps)
         self.step.labels(*labels).set(s.progress.step)
         self.attempt.labels(*labels).set(s.attempt)
+        self.unschedulable.labels(*labels).set(decision.unschedulable_seconds)
         if decision.restarted and decision.fault is not None:
             self.restarts.labels(*labels, str(decision.fault.reason)).inc()
         if decision.recovered_seconds is not None:
@@ -105,6 +113,7 @@ class OperatorMetrics:
             self.heartbeat_age,
             self.step,
             self.attempt,
+            self.unschedulable,
         ):
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)

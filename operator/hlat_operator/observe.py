@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hlat_api import labels
 from hlat_api.heartbeat import Heartbeat
 from hlat_api.status import PretrainJobStatus
-from hlat_operator.builders import JobRef
+from hlat_operator.builders import AVOIDED_ANNOTATION, JobRef
 
 UNREACHABLE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
 
@@ -66,6 +66,13 @@ class ObservedPod:
     created_at: datetime | None = None
     disruption: str | None = None
     """Reason of a DisruptionTarget condition (PreemptionByScheduler, EvictionByEvictionAPI, ...)."""
+    unschedulable_since: datetime | None = None
+    """Since when the scheduler has reported it cannot place the pod (PodScheduled=False,
+    reason Unschedulable); None once placed or before the scheduler looked at it."""
+    schedule_message: str = ""
+    """The scheduler's message, e.g. `0/3 nodes are available: 3 Insufficient cpu.`"""
+    avoided: tuple[str, ...] | None = None
+    """The nodes its affinity avoids (the operator's annotation); None: not annotated."""
 
     @property
     def terminating(self) -> bool:
@@ -84,6 +91,9 @@ class ObservedNode:
     unreachable: bool = False
     health: str | None = None
     """The HyperPod node-health-status label, if any."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    cordoned: bool = False
+    """spec.unschedulable (kubectl cordon)."""
 
     @property
     def healthy(self) -> bool:
@@ -106,8 +116,6 @@ class OperatorState(BaseModel):
     """Time up to which status.uptime has been accumulated."""
     status_written_at: str | None = None
     """Last time progress/uptime were written (they are written at a bounded rate)."""
-    avoid_nodes: list[str] = Field(default_factory=list)
-    """Nodes that failed this job; kept out of later attempts when avoidFailedNodes."""
     checkpoint_at_attempt_start: int | None = None
     """Latest complete checkpoint step when the current attempt was created."""
     no_progress_streak: int = 0
@@ -172,6 +180,9 @@ def pod_from_raw(raw: Mapping[str, Any], container: str = "trainer") -> Observed
     running = state.get("running") or {}
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
     disruption = conditions.get("DisruptionTarget") or {}
+    scheduled = conditions.get("PodScheduled") or {}
+    stuck = scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
+    avoided = (meta.get("annotations") or {}).get(AVOIDED_ANNOTATION)
     return ObservedPod(
         name=meta.get("name", ""),
         attempt=_int(pod_labels.get(labels.ATTEMPT)),
@@ -187,6 +198,9 @@ def pod_from_raw(raw: Mapping[str, Any], container: str = "trainer") -> Observed
         or parse_time(status.get("startTime")),
         created_at=parse_time(meta.get("creationTimestamp")),
         disruption=disruption.get("reason") if disruption.get("status") == "True" else None,
+        unschedulable_since=parse_time(scheduled.get("lastTransitionTime")) if stuck else None,
+        schedule_message=str(scheduled.get("message") or "") if stuck else "",
+        avoided=None if avoided is None else tuple(n for n in avoided.split(",") if n),
     )
 
 
@@ -203,6 +217,8 @@ def node_from_raw(raw: Mapping[str, Any]) -> ObservedNode:
         not_ready_since=None if is_ready else parse_time(ready.get("lastTransitionTime")),
         unreachable=any(t.get("key") in UNREACHABLE_TAINTS for t in taints),
         health=(meta.get("labels") or {}).get(labels.NODE_HEALTH_LABEL),
+        labels=dict(meta.get("labels") or {}),
+        cordoned=bool((raw.get("spec") or {}).get("unschedulable")),
     )
 
 

@@ -37,13 +37,14 @@ from hlat_api.heartbeat import Heartbeat, lease_name
 from hlat_api.labels import Reason
 from hlat_api.manifest import InvalidSpecError, parse_spec
 from hlat_api.spec import PretrainJobSpec
-from hlat_api.status import Condition, Failure, Phase, PretrainJobStatus
+from hlat_api.status import AvoidedNode, Condition, Failure, Phase, PretrainJobStatus
 from hlat_operator import accounting, builders
 from hlat_operator.config import OperatorSettings
 from hlat_operator.faults import Fault, detect_fault, heartbeat_ages, node_dead
 from hlat_operator.kube import Object
 from hlat_operator.observe import (
     Observed,
+    ObservedNode,
     ObservedPod,
     format_micro_time,
     format_time,
@@ -123,6 +124,8 @@ class Decision:
     recovered_seconds: float | None = None
     """Set on the pass a restarted gang became Ready: seconds since the fault."""
     heartbeat_ages: dict[str, float] = field(default_factory=dict)
+    unschedulable_seconds: float = 0.0
+    """How long the longest-waiting worker pod of the attempt has been unschedulable."""
 
 
 # --- the pass --------------------------------------------------------------------------------
@@ -148,6 +151,7 @@ class _Pass:
         self.restarted = False
         self.recovered: float | None = None
         self.force_write = False
+        self.unschedulable = 0.0
 
     @property
     def stamp(self) -> str:
@@ -175,7 +179,7 @@ class _Pass:
                     }
                 )
                 return
-        if true or type_ == "Ready":
+        if true or type_ in ("Ready", "Schedulable"):
             conds.append(
                 Condition.model_validate(
                     {
@@ -241,6 +245,7 @@ class _Pass:
             restarted=self.restarted,
             recovered_seconds=self.recovered,
             heartbeat_ages=ages,
+            unschedulable_seconds=self.unschedulable,
         )
 
 
@@ -260,6 +265,7 @@ def decide(
     if parsed is None:
         return p.finish(None)
     _update_progress(p, parsed)
+    _expire_avoided(p, parsed)
     if parsed.suspend:
         _suspend(p)
     elif status.phase == "Suspended":
@@ -271,6 +277,21 @@ def decide(
     else:
         _active(p, parsed)
     return p.finish(parsed)
+
+
+def reject(
+    status: PretrainJobStatus,
+    observed: Observed,
+    now: datetime,
+    settings: OperatorSettings,
+    message: str,
+) -> Decision:
+    """The API server refused, for good, an object the job needs: end it Failed with the
+    server's message (and stop whatever pods it has), rather than retry forever."""
+    p = _Pass(status, observed, now, settings)
+    if status.phase not in TERMINAL:
+        _fail(p, Reason.REJECTED, f"the API server refused an object the job needs: {message}")
+    return p.finish(None)
 
 
 def _parse(p: _Pass, spec: Mapping[str, Any] | PretrainJobSpec) -> PretrainJobSpec | None:
@@ -419,9 +440,42 @@ def _restarting(p: _Pass, spec: PretrainJobSpec) -> None:
 
 
 def _avoided_nodes(p: _Pass, spec: PretrainJobSpec) -> list[str]:
-    unhealthy = [n.name for n in p.observed.nodes.values() if not n.healthy]
-    failed = p.state.avoid_nodes if spec.fault_tolerance.avoid_failed_nodes else []
-    return sorted({*failed, *unhealthy})
+    """Nodes the next pods must not use: unhealthy ones, and the job's failed ones still
+    within their expiry, unless that leaves fewer usable nodes than the job needs: then the
+    least recently failed are let back first (a gang that cannot be placed helps nobody)."""
+    unhealthy = {n.name for n in p.observed.nodes.values() if not n.healthy}
+    entries = p.status.avoided_nodes if spec.fault_tolerance.avoid_failed_nodes else []
+    avoid = {e.node for e in entries}
+    if p.observed.nodes_known:
+        selector = builders.node_selector(spec)
+        usable = {n.name for n in p.observed.nodes.values()
+                  if _usable(n, selector) and n.name not in unhealthy}
+        for entry in sorted(entries, key=lambda e: e.failed_at):
+            if len(usable - avoid) >= spec.nodes:
+                break
+            avoid.discard(entry.node)
+    return sorted(avoid | unhealthy)
+
+
+def _usable(node: ObservedNode, selector: Mapping[str, str]) -> bool:
+    """Could take a worker pod now: Ready, not cordoned, carrying the selector's labels."""
+    return node.ready and not node.cordoned and all(
+        node.labels.get(k) == v for k, v in selector.items())
+
+
+def _expire_avoided(p: _Pass, spec: PretrainJobSpec) -> None:
+    """Drop avoided nodes whose time is up; wake up when the next one's is."""
+    kept = []
+    for entry in p.status.avoided_nodes:
+        until = parse_time(entry.until)
+        if until is not None and until <= p.now:
+            p.event(Reason.SCHEDULED, f"node {entry.node} is no longer avoided "
+                    f"(faultTolerance.avoidFailedNodesSeconds passed since it failed)")
+            continue
+        kept.append(entry)
+        if until is not None:
+            p.after((until - p.now).total_seconds())
+    p.status.avoided_nodes = kept
 
 
 def _new_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> None:
@@ -443,7 +497,9 @@ def _new_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> None:
     p.actions.append(CreateObject(builders.build_role(job, spec, attempt), replace=True))
     # after the Role: the API server resolves a binding's roleRef (RBAC escalation check),
     # and a binding to a Role that does not exist yet is rejected with 404 for the operator
-    p.actions.append(CreateObject(builders.build_role_binding(job)))
+    p.actions.append(CreateObject(builders.build_role_binding(job, spec), replace=True))
+    if builders.uses_volcano(spec, p.settings):
+        p.actions.append(CreateObject(builders.build_pod_group(job, spec)))
     current = set(builders.lease_names(job, spec, attempt))
     p.actions += [
         DeleteObject("Lease", name) for name in sorted(p.observed.leases) if name not in current
@@ -473,6 +529,44 @@ def _create_missing(p: _Pass, spec: PretrainJobSpec) -> None:
     p.actions += [CreateObject(pod) for pod in pods if pod["metadata"]["name"] not in present]
 
 
+# --- placement -------------------------------------------------------------------------------
+
+
+def _check_placement(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) -> None:
+    """Pods the scheduler cannot place: say so after the bound (Schedulable=False, with the
+    scheduler's message, and an Event), and recreate those whose avoid rule is out of date
+    (node affinity is immutable; an unplaced pod is deleted at once)."""
+    stuck = [pod for pod in pods if pod.unschedulable_since is not None and not pod.terminating]
+    if not stuck:
+        if pods and all(pod.node for pod in pods) and _has_condition(p, "Schedulable", "False"):
+            p.condition("Schedulable", True, Reason.SCHEDULED,
+                        f"all {len(pods)} worker pods are placed")
+        return
+    avoid = set(_avoided_nodes(p, spec))
+    for pod in stuck:
+        if pod.avoided is not None and set(pod.avoided) != avoid:
+            p.actions.append(DeletePod(pod.name, grace_seconds=0))
+            p.event(Reason.UNSCHEDULABLE, f"pod {pod.name} is recreated to avoid "
+                    f"{sorted(avoid) or 'no node'} instead of {sorted(pod.avoided) or 'no node'}")
+    oldest = min(stuck, key=lambda pod: pod.unschedulable_since or p.now)
+    since = oldest.unschedulable_since or p.now
+    waited = (p.now - since).total_seconds()
+    p.unschedulable = waited
+    bound = p.settings.unschedulable_after_seconds
+    if waited < bound:
+        p.after(bound - waited)
+        return
+    message = (f"{len(stuck)} of {spec.nodes} worker pods cannot be placed for {waited:.0f}s: "
+               f"{oldest.schedule_message or 'the scheduler gave no reason'}")
+    if not _has_condition(p, "Schedulable", "False"):
+        p.event(Reason.UNSCHEDULABLE, message, warning=True)
+    p.condition("Schedulable", False, Reason.UNSCHEDULABLE, message)
+
+
+def _has_condition(p: _Pass, type_: str, value: str) -> bool:
+    return any(c.type == type_ and c.status == value for c in p.status.conditions)
+
+
 # --- a live gang -----------------------------------------------------------------------------
 
 
@@ -490,6 +584,8 @@ def _active(p: _Pass, spec: PretrainJobSpec) -> None:
         _on_fault(p, spec, fault)
         return
     pods = p.observed.pods_of(attempt)
+    if p.status.phase == "Pending":
+        _check_placement(p, spec, pods)
     if p.status.phase == "Pending" and len(pods) < spec.nodes:
         _create_missing(p, spec)
         p.after(p.settings.resync_seconds)
@@ -549,11 +645,13 @@ def _on_fault(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> None:
         streak = (
             0 if latest > (start if start is not None else -1) else p.state.no_progress_streak + 1
         )
-    avoid = list(p.state.avoid_nodes)
     if ft.avoid_failed_nodes and fault.node and fault.reason in labels.NODE_REASONS:
-        avoid = [n for n in avoid if n != fault.node] + [fault.node]
+        until = p.now + timedelta(seconds=ft.avoid_failed_nodes_seconds)
+        entry = AvoidedNode(node=fault.node, failed_at=format_micro_time(p.now),
+                            until=format_time(until), reason=str(fault.reason))
+        s.avoided_nodes = [e for e in s.avoided_nodes if e.node != fault.node] + [entry]
     p.state = p.state.model_copy(
-        update={"faulted_attempt": attempt, "no_progress_streak": streak, "avoid_nodes": avoid}
+        update={"faulted_attempt": attempt, "no_progress_streak": streak}
     )
     s.last_failure = Failure(
         reason=fault.reason,

@@ -43,7 +43,7 @@ def test_every_object_is_owned_by_the_job_and_labelled() -> None:
         builders.build_config_map(JOB, spec),
         builders.build_service_account(JOB),
         builders.build_role(JOB, spec, 0),
-        builders.build_role_binding(JOB),
+        builders.build_role_binding(JOB, spec),
         *builders.build_leases(JOB, spec, 0, SETTINGS),
         *builders.build_worker_pods(JOB, spec, 0, SETTINGS),
     ]
@@ -80,7 +80,7 @@ def test_workers_may_touch_only_their_own_attempts_leases() -> None:
     assert rule["resources"] == ["leases"] and rule["apiGroups"] == ["coordination.k8s.io"]
     assert rule["resourceNames"] == ["tiny-a2-0", "tiny-a2-1", "tiny-a2-2"]
     assert set(rule["verbs"]) == {"get", "update", "patch"}  # no create/list/delete
-    binding = builders.build_role_binding(JOB)
+    binding = builders.build_role_binding(JOB, spec)
     sa = builders.build_service_account(JOB)
     assert binding["subjects"][0]["name"] == sa["metadata"]["name"]
     leases = builders.build_leases(JOB, spec, 2, SETTINGS)

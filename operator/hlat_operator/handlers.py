@@ -84,15 +84,19 @@ def _api_client() -> client.ApiClient:
 # --- one pass ------------------------------------------------------------------------------
 
 
-def reconcile_once(rt: Runtime, namespace: str, name: str) -> float | None:
-    """observe -> decide -> execute -> metrics for one job; returns the requeue delay."""
+def _observe(rt: Runtime, namespace: str, name: str) -> tuple[Any, observe.Observed]:
     body = rt.kube.get_job(namespace, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         raise JobGone(f"{namespace}/{name}")
     pods = rt.kube.job_pods(namespace, name)
     leases = rt.kube.job_leases(namespace, name)
     nodes = rt.kube.nodes()
-    observed = observe.observe(body, pods, nodes, leases)
+    return body, observe.observe(body, pods, nodes, leases)
+
+
+def reconcile_once(rt: Runtime, namespace: str, name: str) -> float | None:
+    """observe -> decide -> execute -> metrics for one job; returns the requeue delay."""
+    body, observed = _observe(rt, namespace, name)
     status = observe.status_from_raw(body.get("status"))
     now = datetime.now(UTC)
     decision = decide(body.get("spec") or {}, status, observed, now, rt.settings)
@@ -104,7 +108,9 @@ def reconcile_once(rt: Runtime, namespace: str, name: str) -> float | None:
         return rt.settings.fast_requeue_seconds
     except Rejected as err:
         log.warning("%s/%s: %s; the job fails", namespace, name, err)
-        decision = reject(status, observed, now, rt.settings, str(err))
+        body, observed = _observe(rt, namespace, name)  # the pass may have written status
+        status = observe.status_from_raw(body.get("status"))
+        decision = reject(status, observed, datetime.now(UTC), rt.settings, str(err))
         rt.kube.execute(job, decision)
     rt.metrics.observe(namespace, name, decision)
     if decision.status.phase != status.phase:

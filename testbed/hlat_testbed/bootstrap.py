@@ -60,6 +60,7 @@ OPERATOR_RBAC: list[Manifest] = [
             _rule(["coordination.k8s.io"], ["leases"], _ALL),
             _rule(["rbac.authorization.k8s.io"], ["roles", "rolebindings"], _ALL),
             _rule(["apiextensions.k8s.io"], ["customresourcedefinitions"], _READ),
+            _rule(["scheduling.volcano.sh"], ["podgroups"], _ALL),
         ],
     },
     {

@@ -2,7 +2,9 @@
 
 No kube-apiserver, etcd or CoreDNS in a usable version ships in the registries this project can
 reach, so we compile them from the upstream Go modules through small wrapper modules kept in the
-repository (``testbed/k8s``, ``testbed/etcd``, ``testbed/coredns``). Design choices:
+repository (``testbed/k8s``, ``testbed/etcd``, ``testbed/coredns``, ``testbed/volcano``: Volcano's
+scheduler, whose module resolves only with the ``replace`` block of its own go.mod, which the
+wrapper carries). Design choices:
 
 - The cache lives outside the repository, keyed by version (``~/.cache/hlat/k8s-v1.35.4/``):
   a pin change builds a new directory, an unchanged pin never rebuilds.
@@ -28,6 +30,7 @@ from pathlib import Path
 K8S_VERSION = "v1.35.4"
 ETCD_VERSION = "v3.6.6"
 COREDNS_VERSION = "v1.13.1"
+VOLCANO_VERSION = "v1.10.0"
 
 TESTBED_DIR = Path(__file__).resolve().parent.parent
 """The ``testbed/`` source root, which holds the Go wrapper modules."""
@@ -61,6 +64,9 @@ class Component:
     get: tuple[str, ...] = ()
     """Packages to ``go get`` first (adds what the command imports to the wrapper's go.mod)."""
     ldflags: tuple[str, ...] = field(default=())
+    files: dict[str, str] = field(default_factory=dict)
+    """File name in the cache's ``files/`` -> (module, path inside it) to copy there after the
+    build, as ``module@version/path`` (e.g. the CRDs a component's binaries need)."""
 
     @property
     def bin_dir(self) -> Path:
@@ -69,8 +75,13 @@ class Component:
     def binary(self, command: str) -> Path:
         return self.bin_dir / command
 
+    @property
+    def files_dir(self) -> Path:
+        return cache_root() / f"{self.name}-{self.version}" / "files"
+
     def is_built(self) -> bool:
-        return all(self.binary(c).exists() for c in self.commands)
+        return all(self.binary(c).exists() for c in self.commands) and all(
+            (self.files_dir / f).exists() for f in self.files)
 
 
 def _k8s_ldflags(version: str) -> tuple[str, ...]:
@@ -111,7 +122,19 @@ COREDNS = Component(
     commands={"coredns": "github.com/coredns/coredns"},
     get=(f"github.com/coredns/coredns@{COREDNS_VERSION}",),
 )
-COMPONENTS = (ETCD, KUBERNETES, COREDNS)
+_VOLCANO_CRDS = "installer/helm/chart/volcano/crd/bases"
+VOLCANO = Component(
+    name="volcano",
+    version=VOLCANO_VERSION,
+    module_dir="volcano",
+    commands={"vc-scheduler": "volcano.sh/volcano/cmd/scheduler"},
+    get=(f"volcano.sh/volcano/cmd/scheduler@{VOLCANO_VERSION}",),
+    files={name: f"volcano.sh/volcano@{VOLCANO_VERSION}/{_VOLCANO_CRDS}/{name}" for name in (
+        "scheduling.volcano.sh_podgroups.yaml", "scheduling.volcano.sh_queues.yaml",
+        "nodeinfo.volcano.sh_numatopologies.yaml")},
+)
+"""Volcano's gang scheduler (its go.mod's `replace` block is carried by testbed/volcano)."""
+COMPONENTS = (ETCD, KUBERNETES, COREDNS, VOLCANO)
 
 
 def _go_env() -> dict[str, str]:
@@ -163,13 +186,33 @@ def build_component(component: Component, progress: Progress = print) -> None:
         _run_go(["build", "-p", "2", "-trimpath", "-ldflags", ldflags, "-o", str(tmp), package],
                 work, log)
         tmp.rename(component.binary(command))
+    _copy_files(component, work, log)
     progress(f"[build] {component.name} {component.version} done in {time.monotonic() - started:.0f}s")
+
+
+def _copy_files(component: Component, work: Path, log: Path) -> None:
+    """Copy the component's files out of the Go module cache (the module is downloaded)."""
+    if not component.files:
+        return
+    modcache = subprocess.run([go_binary(), "env", "GOMODCACHE"], cwd=work, env=_go_env(),
+                              capture_output=True, text=True, check=True).stdout.strip()
+    component.files_dir.mkdir(parents=True, exist_ok=True)
+    for name, source in component.files.items():
+        path = Path(modcache) / source
+        if not path.exists():
+            raise RuntimeError(f"{source} is not in the Go module cache {modcache} (log {log})")
+        shutil.copyfile(path, component.files_dir / name)
 
 
 def ensure_built(progress: Progress = print) -> None:
     """Build whatever is missing from the cache; a no-op when everything is there."""
     for component in COMPONENTS:
         build_component(component, progress)
+
+
+def component_file(component: Component, name: str) -> Path:
+    """A file copied into the component's cache at build time (see Component.files)."""
+    return component.files_dir / name
 
 
 def binary(command: str) -> Path:

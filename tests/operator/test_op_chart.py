@@ -143,10 +143,11 @@ def test_cluster_role_covers_what_the_operator_does() -> None:
         ("", "serviceaccounts"): {"create"},
         ("", "configmaps"): {"create", "update"},
         ("rbac.authorization.k8s.io", "roles"): {"create", "update"},
-        ("rbac.authorization.k8s.io", "rolebindings"): {"create"},
+        ("rbac.authorization.k8s.io", "rolebindings"): {"create", "update"},
         ("coordination.k8s.io", "leases"): {"list", "create", "delete", "get", "update", "patch"},
         ("", "nodes"): {"list", "watch"},
         ("", "events"): {"create"},
+        ("scheduling.volcano.sh", "podgroups"): {"create"},
     }
     for key, verbs in needed.items():
         assert verbs <= grants.get(key, set()), f"{key}: missing {verbs - grants.get(key, set())}"

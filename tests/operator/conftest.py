@@ -1,0 +1,60 @@
+"""Fixtures of the operator's end-to-end tests (the local cluster's come from hlat_testbed).
+
+A module may set `OPERATOR_ENV` (HLAT_OPERATOR_* settings) for the operator it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from e2e_env import Env
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from hlat_testbed.cluster import Cluster
+from hlat_testbed.demo import OperatorProcess, install_crd, venv_bin
+
+# --- fixtures ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def crd(cluster: Cluster) -> None:
+    install_crd(cluster.admin_api())
+
+
+@pytest.fixture(scope="module")
+def sample_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sample") / "sample"
+    subprocess.run([str(venv_bin("hlat-data")), "sample", "--out", str(out), "--docs", "300"],
+                   check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Cluster, crd: None, tmp_path_factory: pytest.TempPathFactory,
+             request: pytest.FixtureRequest) -> Iterator[dict[str, OperatorProcess]]:
+    """The module's operator, in a holder so a test can replace it (kill + start again)."""
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    extra = getattr(request.module, "OPERATOR_ENV", None)  # a module's operator settings
+    holder = {"op": OperatorProcess(cluster, log, ["test-*"], extra).start()}
+    yield holder
+    holder["op"].stop()
+    print(f"operator log: {log}")
+
+
+@pytest.fixture
+def job_env(cluster: Cluster, namespace: str, sample_data: Path, tmp_path: Path,
+            operator: dict[str, OperatorProcess]) -> Iterator[Env]:
+    fsx = tmp_path / "fsx"
+    shutil.copytree(sample_data, fsx / "data" / "sample")
+    cluster.create_shared_volume(namespace, "fsx", fsx)
+    env = Env(cluster, namespace, fsx, operator)
+    yield env
+    env.delete()
+    with contextlib.suppress(ApiException):
+        client.CoreV1Api(cluster.admin_api()).delete_persistent_volume(f"{namespace}-fsx")

@@ -1,0 +1,160 @@
+"""What the end-to-end tests share: the module's operator, a job's namespace and shared volume,
+and `Env`, one test's view of its job (create it, watch its status with a stopwatch, read its
+pods, logs and events)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from hlat_testbed.cluster import Cluster
+from hlat_testbed.demo import GROUP, PLURAL, VERSION, OperatorProcess
+
+JOB = "tiny"
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+class Env:
+    """One test's job: create it, watch its status (recording phase transitions with a
+    stopwatch), read its pods and logs."""
+
+    def __init__(self, cluster: Cluster, namespace: str, fsx: Path,
+                 operator: dict[str, OperatorProcess], name: str = JOB) -> None:
+        self.cluster, self.ns, self.fsx, self.operator = cluster, namespace, fsx, operator
+        self.name = name
+        api = cluster.admin_api()
+        self.core, self.custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+        self.transitions: list[tuple[str, float]] = []
+        self.max_gangs = 0
+
+    def create(self, spec: dict[str, Any]) -> None:
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "PretrainJob",
+                "metadata": {"name": self.name}, "spec": spec}
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, body)
+
+    def delete(self) -> None:
+        with contextlib.suppress(ApiException):
+            self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL,
+                                                       self.name)
+
+    def job(self) -> dict[str, Any]:
+        job: dict[str, Any] = self.custom.get_namespaced_custom_object(  # type: ignore[assignment]
+            GROUP, VERSION, self.ns, PLURAL, self.name)
+        return job
+
+    def status(self) -> dict[str, Any]:
+        status: dict[str, Any] = self.job().get("status") or {}
+        phase = status.get("phase")
+        if phase and (not self.transitions or self.transitions[-1][0] != phase):
+            self.transitions.append((phase, time.monotonic()))
+        self._count_gangs()
+        return status
+
+    def _count_gangs(self) -> None:
+        """Attempts with a live (not terminating, not finished) pod: never more than one."""
+        attempts = {p.metadata.labels.get("hlat.dev/attempt") for p in self.pods()
+                    if p.metadata.deletion_timestamp is None
+                    and p.status.phase in ("Pending", "Running")}
+        self.max_gangs = max(self.max_gangs, len(attempts))
+
+    def pods(self) -> list[Any]:
+        return list(self.core.list_namespaced_pod(
+            self.ns, label_selector=f"hlat.dev/job={self.name}").items)
+
+    def wait(self, what: str, pred: Callable[[dict[str, Any]], bool], timeout: float
+             ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        status: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            status = self.status()
+            if pred(status):
+                return status
+            if status.get("phase") == "Failed" and "Failed" not in what:
+                pytest.fail(f"job Failed while waiting for {what}: {status.get('conditions')}")
+            time.sleep(0.25)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}; "
+                             f"status: {json.dumps(status)[:1500]}; see the operator log")
+
+    def wait_pods(self, count: int, timeout: float) -> list[Any]:
+        """The job's pods once there are at least `count` of them."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pods = self.pods()
+            if len(pods) >= count:
+                return pods
+            self.status()
+            time.sleep(0.25)
+        raise AssertionError(f"timed out after {timeout}s waiting for {count} pods of "
+                             f"{self.name}; status: {json.dumps(self.status())[:1500]}")
+
+    def wait_phase(self, phase: str, timeout: float) -> dict[str, Any]:
+        return self.wait(f"phase {phase}", lambda s: s.get("phase") == phase, timeout)
+
+    def phases(self) -> list[str]:
+        return [p for p, _ in self.transitions]
+
+    def stopwatch_running(self, until: float) -> float:
+        """Seconds in Running by the transitions this test observed."""
+        total = 0.0
+        for i, (phase, t) in enumerate(self.transitions):
+            end = self.transitions[i + 1][1] if i + 1 < len(self.transitions) else until
+            if phase == "Running":
+                total += end - t
+        return total
+
+    def pod_log(self, attempt: int, rank: int) -> str:
+        return self.cluster.pod_log(self.ns, f"{self.name}-a{attempt}-{rank}")
+
+    def wait_process(self, pod: str, timeout: float = 60) -> None:
+        """Until the kubelet has started the pod's container (its pid file exists)."""
+        from hlat_testbed.podfiles import container_pid
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                container_pid(self.cluster.config, self.ns, pod)
+                return
+            except Exception:
+                time.sleep(0.25)
+        raise AssertionError(f"pod {pod}'s process never started")
+
+    def other(self, name: str) -> Env:
+        """Another job in the same namespace (and on the same shared volume)."""
+        return Env(self.cluster, self.ns, self.fsx, self.operator, name)
+
+    def event_messages(self) -> list[tuple[str, str]]:
+        evs = self.core.list_namespaced_event(
+            self.ns, field_selector=f"involvedObject.name={self.name}").items
+        return [(e.reason, e.message) for e in evs]
+
+    def events(self) -> list[str]:
+        evs = self.core.list_namespaced_event(
+            self.ns, field_selector=f"involvedObject.name={self.name}").items
+        return [e.reason for e in evs]
+
+
+def steps_logged(log: str) -> list[int]:
+    """The steps a trainer logged (its JSON metric lines), in order."""
+    out = []
+    for line in log.splitlines():
+        if line.startswith("{") and '"step"' in line:
+            try:
+                out.append(int(json.loads(line)["step"]))
+            except (ValueError, KeyError):
+                continue
+    return out
+
+
+def resumed_from(log: str) -> int | None:
+    m = re.search(r"resumed from checkpoint step_(\d+)", log)
+    return int(m.group(1)) if m else None

@@ -502,11 +502,14 @@ def _apply_scheduling(pod: PodSpec, spec: PretrainJobSpec, avoid_nodes: list[str
 
 
 def build_avoid_affinity(nodes: list[str]) -> dict[str, Any]:
-    """Required node affinity `metadata.name NotIn nodes`: a hard rule, because a gang placed
-    on a node that just failed tends to fail again, and then the whole gang restarts."""
-    term = {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": nodes}]}
+    """Required node affinity `metadata.name NotIn [node]`, one expression per node (the API
+    server allows a single value per node-field expression; the expressions of a term are
+    ANDed): a hard rule, because a gang placed on a node that just failed tends to fail again,
+    and then the whole gang restarts."""
+    fields = [{"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in nodes]
     return {
         "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchFields": fields}]}
         }
     }

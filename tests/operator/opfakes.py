@@ -16,7 +16,7 @@ from typing import Any
 from hlat_api import labels
 from hlat_api.heartbeat import Heartbeat, lease_name
 from hlat_api.status import PretrainJobStatus
-from hlat_operator.builders import JobRef
+from hlat_operator.builders import AVOIDED_ANNOTATION, JobRef
 from hlat_operator.config import OperatorSettings
 from hlat_operator.observe import (
     Observed,
@@ -163,8 +163,10 @@ class World:
                 for v in e["values"]
             ]
             self.avoid[name] = avoid
+            noted = obj["metadata"].get("annotations", {}).get(AVOIDED_ANNOTATION)
             self.pods[name] = ObservedPod(
-                name, int(lab[labels.ATTEMPT]), int(lab[labels.NODE_RANK]), created_at=self.now
+                name, int(lab[labels.ATTEMPT]), int(lab[labels.NODE_RANK]), created_at=self.now,
+                avoided=None if noted is None else tuple(n for n in noted.split(",") if n),
             )
         elif kind == "Lease":
             if name not in self.leases:
@@ -189,7 +191,8 @@ class World:
         self.now += timedelta(seconds=seconds)
 
     def schedule(self) -> None:
-        """Bind pending pods to distinct ready nodes their affinity allows, and start them."""
+        """Bind pending pods to distinct ready nodes their affinity allows, and start them; a
+        pod that fits nowhere is marked Unschedulable, as kube-scheduler does."""
         used = {p.node for p in self.pods.values() if p.node and not p.finished}
         for name, pod in sorted(self.pods.items()):
             if pod.node is not None or pod.terminating:
@@ -200,9 +203,14 @@ class World:
                 if node.ready and n not in used and n not in self.avoid.get(name, [])
             ]
             if not free:
+                if pod.unschedulable_since is None:
+                    self.pods[name] = replace(
+                        pod, unschedulable_since=self.now,
+                        schedule_message=f"0/{len(self.nodes)} nodes are available")
                 continue
             used.add(free[0])
-            self.pods[name] = replace(pod, node=free[0], phase="Running", started_at=self.now)
+            self.pods[name] = replace(pod, node=free[0], phase="Running", started_at=self.now,
+                                      unschedulable_since=None, schedule_message="")
 
     def live(self) -> list[ObservedPod]:
         return [p for p in self.pods.values() if not p.finished]
@@ -240,6 +248,9 @@ class World:
 
     def node_down(self, node: str) -> None:
         self.nodes[node] = replace(self.nodes[node], ready=False, not_ready_since=self.now)
+
+    def node_up(self, node: str) -> None:
+        self.nodes[node] = replace(self.nodes[node], ready=True, not_ready_since=None)
 
     def run(self, seconds: float, every: float = 1.0, step: int | None = None) -> None:
         """Let time pass with the operator acting every `every` s (workers beat if step given)."""

@@ -199,8 +199,10 @@ def test_failed_nodes_are_excluded_by_required_node_affinity() -> None:
         "requiredDuringSchedulingIgnoredDuringExecution"
     ]
     (term,) = terms["nodeSelectorTerms"]
+    # one value per expression: the API server refuses a node-field NotIn with two (422)
     assert term["matchFields"] == [
-        {"key": "metadata.name", "operator": "NotIn", "values": ["node-b", "node-a"]}
+        {"key": "metadata.name", "operator": "NotIn", "values": ["node-b"]},
+        {"key": "metadata.name", "operator": "NotIn", "values": ["node-a"]},
     ]
     assert "affinity" not in builders.build_worker_pod(JOB, spec_for("cpu"), 1, 0, SETTINGS)["spec"]
 

@@ -24,6 +24,9 @@ from hlat_api.status import PretrainJobStatus
 from hlat_operator.builders import AVOIDED_ANNOTATION, JobRef
 
 UNREACHABLE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+UNPLACED_REASONS = ("Unschedulable", "SchedulingGated")
+"""PodScheduled=False reasons of a pod that waits for a node: no node fits, or an admission
+controller (Kueue's pod integration, for one) holds it with a scheduling gate."""
 
 
 def parse_time(value: str | None) -> datetime | None:
@@ -67,8 +70,8 @@ class ObservedPod:
     disruption: str | None = None
     """Reason of a DisruptionTarget condition (PreemptionByScheduler, EvictionByEvictionAPI, ...)."""
     unschedulable_since: datetime | None = None
-    """Since when the scheduler has reported it cannot place the pod (PodScheduled=False,
-    reason Unschedulable); None once placed or before the scheduler looked at it."""
+    """Since when the pod has waited for a node (PodScheduled=False, reason Unschedulable or
+    SchedulingGated); None once placed or before the scheduler looked at it."""
     schedule_message: str = ""
     """The scheduler's message, e.g. `0/3 nodes are available: 3 Insufficient cpu.`"""
     avoided: tuple[str, ...] | None = None
@@ -181,7 +184,9 @@ def pod_from_raw(raw: Mapping[str, Any], container: str = "trainer") -> Observed
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
     disruption = conditions.get("DisruptionTarget") or {}
     scheduled = conditions.get("PodScheduled") or {}
-    stuck = scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
+    stuck = scheduled.get("status") == "False" and scheduled.get("reason") in UNPLACED_REASONS
+    gates = [g.get("name", "") for g in (raw.get("spec") or {}).get("schedulingGates") or []]
+    note = f" (scheduling gates: {', '.join(gates)})" if gates else ""
     avoided = (meta.get("annotations") or {}).get(AVOIDED_ANNOTATION)
     return ObservedPod(
         name=meta.get("name", ""),
@@ -199,7 +204,7 @@ def pod_from_raw(raw: Mapping[str, Any], container: str = "trainer") -> Observed
         created_at=parse_time(meta.get("creationTimestamp")),
         disruption=disruption.get("reason") if disruption.get("status") == "True" else None,
         unschedulable_since=parse_time(scheduled.get("lastTransitionTime")) if stuck else None,
-        schedule_message=str(scheduled.get("message") or "") if stuck else "",
+        schedule_message=str(scheduled.get("message") or "") + note if stuck else "",
         avoided=None if avoided is None else tuple(n for n in avoided.split(",") if n),
     )
 

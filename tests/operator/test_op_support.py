@@ -59,6 +59,24 @@ def test_pod_from_raw() -> None:
     assert not pod.ready and not pod.terminating and pod.finished
 
 
+@pytest.mark.parametrize(("reason", "gates", "waiting", "words"), [
+    ("Unschedulable", [], True, "0/3 nodes are available"),
+    ("SchedulingGated", [{"name": "kueue.x-k8s.io/admission"}], True, "kueue.x-k8s.io/admission"),
+    ("SomethingElse", [], False, ""),
+])
+def test_a_pod_waiting_for_a_node_says_since_when_and_why(
+        reason: str, gates: list[dict[str, str]], waiting: bool, words: str) -> None:
+    raw = {"metadata": {"name": "x", "annotations": {"hlat.dev/avoided-nodes": "node-a,node-b"}},
+           "spec": {"schedulingGates": gates},
+           "status": {"phase": "Pending", "conditions": [
+               {"type": "PodScheduled", "status": "False", "reason": reason,
+                "message": "0/3 nodes are available", "lastTransitionTime": "2025-01-01T00:00:05Z"}]}}
+    pod = pod_from_raw(raw)
+    assert pod.unschedulable_since == (at(5) if waiting else None)
+    assert words in pod.schedule_message
+    assert pod.avoided == ("node-a", "node-b")
+
+
 def test_a_pod_without_status_is_pending() -> None:
     pod = pod_from_raw({"metadata": {"name": "x", "deletionTimestamp": "2025-01-01T00:01:00Z"}})
     assert pod.phase == "Pending" and pod.attempt is None and pod.deletion_timestamp == at(60)

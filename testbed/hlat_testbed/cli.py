@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     node = sub.add_parser("node", help="take a node down, bring it up, or delete it")
     node.add_argument("action", choices=["down", "up", "delete"])
     node.add_argument("node")
+    gang = sub.add_parser("volcano", help="start or stop Volcano's gang scheduler (built once)")
+    gang.add_argument("action", choices=["up", "down"])
     volume = sub.add_parser("volume", help="create a PVC backed by a host directory")
     volume.add_argument("claim")
     volume.add_argument("--path", required=True, type=Path)
@@ -85,7 +87,7 @@ def _fault(cfg: ClusterConfig, args: argparse.Namespace) -> None:
     print(f"{args.action} {ns}/{args.pod} (pid {pid})")
 
 
-_NEEDS_ROOT = ("up", "down", "fault", "node", "volume")
+_NEEDS_ROOT = ("up", "down", "fault", "node", "volume", "volcano")
 
 
 def _light(cfg: ClusterConfig, args: argparse.Namespace) -> int | None:
@@ -134,6 +136,14 @@ def run(args: argparse.Namespace) -> int:
     elif args.command == "node":
         faults.node_delete(cfg, cluster.admin_api(), args.node)
         print(f"node {args.node} deleted")
+    elif args.command == "volcano":
+        from hlat_testbed import volcano
+
+        if args.action == "up":
+            volcano.start(cluster)
+            print("vc-scheduler runs: pods with schedulerName volcano are gang-scheduled")
+        else:
+            volcano.stop(cluster)
     elif args.command == "volume":
         cluster.create_shared_volume(args.namespace, args.claim, args.path.resolve(), args.size)
         print(f"pvc {args.namespace}/{args.claim} -> {args.path.resolve()}")

@@ -150,6 +150,10 @@ class Cluster:
     # --- down ----------------------------------------------------------------------------
     def down(self, progress: Progress = _quiet) -> None:
         self._stop_nodes(progress)
+        for name in self.processes.names():  # add-ons started on demand (vc-scheduler)
+            if not name.startswith("kubelet-") and name not in controlplane.COMPONENTS:
+                progress(f"stopping {name}")
+                self.processes.stop(name)
         progress("stopping control plane")
         controlplane.stop(self.config)
         netns.cleanup(self.config.bridge)

@@ -21,6 +21,7 @@ from kubernetes.client.exceptions import ApiException
 
 from hlat_testbed import faults, volcano
 from hlat_testbed.cluster import Cluster
+from hlat_testbed.testing import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -223,8 +224,9 @@ def test_volcano_admits_a_gang_whole_or_not_at_all(job_env: Env, volcano_schedul
     first.create(_gang_spec(steps=30))
     first.wait("gang-a running", lambda s: s.get("phase") == "Running", 120)
     second.create(_gang_spec(steps=4))
-    group = volcano.pod_group(job_env.cluster.admin_api(), job_env.ns, "gang-b")
-    assert group is not None and group["spec"]["minMember"] == 2
+    group = wait_for(lambda: volcano.pod_group(job_env.cluster.admin_api(), job_env.ns,
+                                               "gang-b"), 30, "gang-b's PodGroup")
+    assert group["spec"]["minMember"] == 2 and group["spec"]["queue"] == "default"
     waiting = second.wait("gang-b Schedulable=False",
                           lambda s: _condition(s, "Schedulable").get("status") == "False", 60)
     assert waiting["phase"] == "Pending"

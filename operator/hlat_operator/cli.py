@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.namespace:
         namespaces = list(args.namespace)
     elif settings.namespace and not args.all_namespaces:
-        namespaces = [settings.namespace]
+        namespaces = [n.strip() for n in settings.namespace.split(",") if n.strip()]
     if len(namespaces) == 1 and not any(c in namespaces[0] for c in "*?[!"):
         settings = settings.model_copy(update={"namespace": namespaces[0]})
     liveness = args.liveness

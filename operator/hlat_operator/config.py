@@ -29,7 +29,8 @@ class OperatorSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     namespace: str | None = None
-    """Watch only this namespace; None watches all (cluster-wide RBAC)."""
+    """Watch only this namespace, or these (comma-separated, as the chart sets a list); None
+    watches all (cluster-wide RBAC)."""
     trainer_command: list[str] = Field(default_factory=lambda: ["hlat-launch"])
     """Worker container command; `hlat-launch` turns the HLAT_* env into a torchrun line.
     The local rig sets an absolute path (its pods run on the host)."""

@@ -25,7 +25,7 @@ import kopf
 from kubernetes import client
 from kubernetes import config as kube_config
 
-from hlat_api.labels import JOB, Reason
+from hlat_api.labels import COMPONENT, JOB, WORKER, Reason
 from hlat_api.manifest import API_GROUP, API_VERSION
 from hlat_operator import observe
 from hlat_operator.builders import JobRef
@@ -35,6 +35,9 @@ from hlat_operator.metrics import OperatorMetrics
 from hlat_operator.reconcile import decide, reject
 
 log = logging.getLogger("hlat_operator")
+
+POD_SELECTOR = f"{JOB},{COMPONENT}={WORKER}"
+"""The pods the operator watches: workers of some PretrainJob."""
 
 MAX_IDLE_SECONDS = 30.0
 """Longest sleep between passes of a job even when the Decision asks for none."""
@@ -190,13 +193,20 @@ def _poke(namespace: str, name: str, start: bool = False) -> None:
 # --- kopf handlers -------------------------------------------------------------------------
 
 
-@kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-    global _runtime
+def configure_kopf(settings: kopf.OperatorSettings) -> None:
     settings.posting.enabled = False  # our Events are the transitions, written by k8s.py
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 60
+    # server-side: the API server sends only our workers' events (kopf's `labels=` on the
+    # handler alone filters client-side, after every pod of the cluster crossed the wire)
+    settings.watching.label_selectors["v1", "pods"] = POD_SELECTOR
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    global _runtime
+    configure_kopf(settings)
     ours = _settings or OperatorSettings.from_env()
     rt = Runtime(ours, Kube(_api_client()), OperatorMetrics())
     port = ours.metrics_port if _metrics_port is None else _metrics_port

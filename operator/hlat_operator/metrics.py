@@ -15,12 +15,17 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
 
+from hlat_api.labels import INFRA_REASONS, Reason
 from hlat_api.status import Phase
 from hlat_operator.reconcile import Decision
 
 PHASES: tuple[Phase, ...] = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 JOB_LABELS = ("namespace", "pretrainjob")
 RECOVERY_BUCKETS = (5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+RESTART_REASONS = tuple(sorted(
+    {Reason.POD_FAILED, Reason.KILLED, Reason.OOM_KILLED, Reason.STARTUP_TIMEOUT,
+     Reason.HEARTBEAT_TIMEOUT, *INFRA_REASONS}))
+"""The faults that restart a gang (a config error fails the job instead)."""
 
 
 class OperatorMetrics:
@@ -85,6 +90,8 @@ class OperatorMetrics:
         """Record one pass's outcome for one job."""
         s = decision.status
         labels = (namespace, job)
+        if labels not in self._phases:
+            self._start_at_zero(namespace, job)
         if s.uptime.ratio is not None:
             self.uptime_ratio.labels(*labels).set(s.uptime.ratio)
         self.running_seconds.labels(*labels).set(s.uptime.running_seconds)
@@ -102,6 +109,13 @@ class OperatorMetrics:
         self._phases[labels] = s.phase
         self._count_phases()
 
+    def _start_at_zero(self, namespace: str, job: str) -> None:
+        """Counter and histogram series exist at 0 from the first time a job is seen, so
+        `increase()` and `rate()` count its first restart (a series born at 1 counts nothing)."""
+        for reason in RESTART_REASONS:
+            self.restarts.labels(namespace, job, str(reason))
+        self.time_to_recover.labels(namespace)
+
     def forget(self, namespace: str, job: str) -> None:
         """The job was deleted: drop its series."""
         labels = (namespace, job)
@@ -117,6 +131,9 @@ class OperatorMetrics:
         ):
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)
+        for reason in RESTART_REASONS:
+            with contextlib.suppress(KeyError):
+                self.restarts.remove(*labels, str(reason))
         self._phases.pop(labels, None)
         self._count_phases()
 

@@ -31,6 +31,10 @@ K8S_VERSION = "v1.35.4"
 ETCD_VERSION = "v3.6.6"
 COREDNS_VERSION = "v1.13.1"
 VOLCANO_VERSION = "v1.10.0"
+HELM_VERSION = "v3.19.2"
+HELM_K8S_MINOR = 34
+"""Minor version of the k8s.io/client-go that Helm v3.19.2's go.mod requires (v0.34.0): Helm's
+Makefile stamps it as the default Kubernetes version of `helm template` and `helm lint`."""
 
 TESTBED_DIR = Path(__file__).resolve().parent.parent
 """The ``testbed/`` source root, which holds the Go wrapper modules."""
@@ -134,7 +138,26 @@ VOLCANO = Component(
         "nodeinfo.volcano.sh_numatopologies.yaml")},
 )
 """Volcano's gang scheduler (its go.mod's `replace` block is carried by testbed/volcano)."""
-COMPONENTS = (ETCD, KUBERNETES, COREDNS, VOLCANO)
+def _helm_ldflags(version: str, k8s_minor: int) -> tuple[str, ...]:
+    """What Helm's Makefile passes: without them its default Kubernetes version is v1.20 and
+    `helm template` refuses a chart whose kubeVersion asks for more."""
+    flags = [f"-X helm.sh/helm/v3/internal/version.version={version}",
+             "-X helm.sh/helm/v3/internal/version.gitTreeState=clean"]
+    for pkg in ("helm.sh/helm/v3/pkg/lint/rules", "helm.sh/helm/v3/pkg/chartutil"):
+        flags += [f"-X {pkg}.k8sVersionMajor=1", f"-X {pkg}.k8sVersionMinor={k8s_minor}"]
+    return tuple(flags)
+
+
+HELM = Component(
+    name="helm",
+    version=HELM_VERSION,
+    module_dir="helm",
+    commands={"helm": "helm.sh/helm/v3/cmd/helm"},
+    get=(f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}",),
+    ldflags=_helm_ldflags(HELM_VERSION, HELM_K8S_MINOR),
+)
+"""The Helm CLI, for the chart's lint/template/install tests and the demo's install."""
+COMPONENTS = (ETCD, KUBERNETES, COREDNS, VOLCANO, HELM)
 
 
 def _go_env() -> dict[str, str]:

@@ -7,6 +7,7 @@
 - ``namespace`` (per test): a fresh namespace, deleted after the test; teardown waits until its
   pods are gone so the next test finds the nodes' Neuron devices free.
 - ``core``: a ``CoreV1Api`` as the cluster admin.
+- ``helm`` (session): the Helm CLI built from its Go module (no cluster needed).
 
 Only tests that request these fixtures (mark them ``@pytest.mark.cluster``) start a cluster; the
 unit tests never do. When such tests are collected and the binaries are not cached yet, they are
@@ -22,6 +23,7 @@ import re
 import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -38,9 +40,9 @@ def _progress(line: str) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    needs_cluster = any("cluster" in getattr(item, "fixturenames", ())
-                        for item in session.items)
-    if not needs_cluster or os.geteuid() != 0 or session.config.option.collectonly:
+    needs_build = any({"cluster", "helm"} & set(getattr(item, "fixturenames", ()))
+                      for item in session.items)
+    if not needs_build or os.geteuid() != 0 or session.config.option.collectonly:
         return
     if all(c.is_built() for c in build.COMPONENTS):
         return
@@ -61,6 +63,13 @@ def cluster() -> Iterator[Cluster]:
     yield handle
     if started_here and not os.environ.get("HLAT_KEEP_CLUSTER"):
         handle.down(progress=_progress)
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    """The Helm CLI built from its Go module (hlat_testbed.build.HELM), built if missing."""
+    build.build_component(build.HELM, _progress)
+    return build.HELM.binary("helm")
 
 
 @pytest.fixture

@@ -65,7 +65,8 @@ def test_values_match_their_schema() -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     v = values()
     _check(schema, v, "values", schema["definitions"])
-    assert set(schema["properties"]) == set(v), "schema and values.yaml list the same keys"
+    # `global` is Helm's: a parent chart's shared values reach a dependency under it
+    assert set(schema["properties"]) - {"global"} == set(v), "schema and values.yaml: same keys"
 
 
 def test_templates_use_only_values_that_exist() -> None:
@@ -122,37 +123,6 @@ def test_operator_metrics_used_by_the_dashboard_exist() -> None:
     for name in set(re.findall(r"\b(hlat_job\w*|hlat_jobs)\b", exprs)):
         base = re.sub(r"_bucket$", "", name)
         assert f"# TYPE {base} " in exposed, name
-
-
-def test_cluster_role_covers_what_the_operator_does() -> None:
-    text = (CHART / "templates" / "rbac.yaml").read_text()
-    lines = [ln for ln in text.split("---")[0].splitlines() if not ln.startswith("{{")]
-    body = re.sub(r"\{\{.*?\}\}", "x", "\n".join(lines))
-    role = yaml.safe_load(body)
-    grants = {
-        (g, r): set(rule["verbs"])
-        for rule in role["rules"]
-        for g in rule["apiGroups"]
-        for r in rule["resources"]
-    }
-    needed = {
-        ("hlat.dev", "pretrainjobs"): {"get", "list", "watch", "patch", "delete"},
-        ("hlat.dev", "pretrainjobs/status"): {"patch"},
-        ("", "pods"): {"list", "watch", "create", "delete"},
-        ("", "services"): {"create"},
-        ("", "serviceaccounts"): {"create"},
-        ("", "configmaps"): {"create", "update"},
-        ("rbac.authorization.k8s.io", "roles"): {"create", "update"},
-        ("rbac.authorization.k8s.io", "rolebindings"): {"create", "update"},
-        ("coordination.k8s.io", "leases"): {"list", "create", "delete", "get", "update", "patch"},
-        ("", "nodes"): {"list", "watch"},
-        ("", "events"): {"create"},
-        ("scheduling.volcano.sh", "podgroups"): {"create"},
-    }
-    for key, verbs in needed.items():
-        assert verbs <= grants.get(key, set()), f"{key}: missing {verbs - grants.get(key, set())}"
-    assert not grants[("", "nodes")] & {"create", "update", "patch", "delete"}  # read only
-    assert "*" not in {v for vs in grants.values() for v in vs}
 
 
 def test_deployment_has_a_liveness_probe_and_runs_as_non_root() -> None:

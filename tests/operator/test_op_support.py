@@ -207,6 +207,11 @@ def test_metrics_follow_a_job_through_a_restart() -> None:
         m.observe("default", "tiny", w.step())
 
     tick()
+    # at zero from the first sight, so increase() counts the first restart and recovery
+    for reason in ("Killed", "NodeLost", "HeartbeatTimeout"):
+        assert _sample(m, "hlat_job_restarts_total", namespace="default", pretrainjob="tiny",
+                       reason=reason) == 0
+    assert _sample(m, "hlat_job_time_to_recover_seconds_count", namespace="default") == 0
     w.schedule()
     tick()
     w.beat(5)
@@ -236,3 +241,22 @@ def test_metrics_follow_a_job_through_a_restart() -> None:
     m.forget("default", "tiny")
     assert _sample(m, "hlat_jobs", phase="Running") == 0
     assert _sample(m, "hlat_job_uptime_ratio", namespace="default", pretrainjob="tiny") is None
+
+
+def test_the_operator_asks_the_api_server_for_worker_pods_only() -> None:
+    """A server-side label selector on the pod watch: on a shared cluster the operator must
+    not receive (and filter) every pod's events."""
+    import kopf
+    from kopf._cogs.structs.references import Resource
+
+    from hlat_operator import handlers
+
+    settings = kopf.OperatorSettings()
+    handlers.configure_kopf(settings)
+    pods = Resource("", "v1", "pods", kind="Pod", namespaced=True, preferred=True,
+                    verbs=["list", "watch"])
+    jobs = Resource("hlat.dev", "v1alpha1", "pretrainjobs", kind="PretrainJob",
+                    namespaced=True, preferred=True, verbs=["list", "watch"])
+    assert list(settings.watching.label_selectors.collect(pods)) == [
+        "hlat.dev/job,app.kubernetes.io/component=worker"]
+    assert not list(settings.watching.label_selectors.collect(jobs))

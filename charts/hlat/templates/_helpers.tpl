@@ -42,3 +42,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- default "default" .Values.serviceAccount.name }}
 {{- end }}
 {{- end }}
+
+{{/* The watched namespaces as a JSON list: operator.watchNamespace is one name, a list, or
+empty (every namespace). */}}
+{{- define "hlat.watchNamespaces" -}}
+{{- $w := .Values.operator.watchNamespace -}}
+{{- if kindIs "string" $w -}}
+{{- if $w }}{{ list $w | toJson }}{{ else }}[]{{ end -}}
+{{- else -}}
+{{- $w | default list | toJson -}}
+{{- end -}}
+{{- end }}

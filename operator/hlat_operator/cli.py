@@ -68,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from hlat_operator import handlers
 
+    if settings.leader_election:
+        lead(settings, liveness)
     handlers.configure(settings, args.metrics_port)
     kopf.run(
         standalone=True,
@@ -76,6 +78,67 @@ def main(argv: Sequence[str] | None = None) -> int:
         liveness_endpoint=liveness,
     )
     return 0
+
+
+def lead(settings: OperatorSettings, liveness: str | None) -> None:
+    """Wait until this replica holds the leader Lease (answering liveness probes meanwhile),
+    then keep renewing it; losing it ends the process at once (fencing: the Deployment
+    restarts it as a standby)."""
+    import os
+    import socket
+    import uuid
+
+    from hlat_operator.handlers import api_client
+    from hlat_operator.leader import Elector
+
+    identity = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    elector = Elector(api_client(), settings.leader_election_namespace,
+                      settings.leader_election_name, identity,
+                      settings.leader_lease_seconds, settings.leader_renew_deadline_seconds,
+                      settings.leader_retry_seconds)
+    logging.getLogger("hlat_operator").info(
+        "%s: standby until it holds the Lease %s/%s", identity,
+        settings.leader_election_namespace, settings.leader_election_name)
+    with _Healthz(liveness):
+        elector.acquire()
+    elector.keep(on_lost=lambda: os._exit(1))
+
+
+class _Healthz:
+    """A /healthz answering 200 while a standby waits (kopf serves it once leading)."""
+
+    def __init__(self, url: str | None) -> None:
+        from http.server import HTTPServer
+
+        self.url = url
+        self.server: HTTPServer | None = None
+
+    def __enter__(self) -> _Healthz:
+        if not self.url:
+            return self
+        import threading
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+        from urllib.parse import urlparse
+
+        where = urlparse(self.url)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b'{"standby": true}')
+
+            def log_message(self, *_: object) -> None:
+                return
+
+        self.server = HTTPServer((where.hostname or "0.0.0.0", where.port or 80), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
 
 
 if __name__ == "__main__":

@@ -69,6 +69,19 @@ class OperatorSettings(BaseModel):
     unschedulable_after_seconds: float = 120.0
     """A worker pod the scheduler reports Unschedulable for this long sets the job's
     `Schedulable` condition False (with the scheduler's message), an Event and a metric."""
+    leader_election: bool = False
+    """Run as one of several replicas: act only while holding the Lease below (the chart sets
+    it with 2 replicas); a standby takes over within about leaseSeconds of the leader's loss."""
+    leader_election_namespace: str = "hlat-system"
+    """Namespace of the leader Lease (the chart: the operator's own namespace)."""
+    leader_election_name: str = "hlat-operator"
+    """Name of the leader Lease."""
+    leader_lease_seconds: float = 15.0
+    """A standby takes the Lease over once it has seen it unrenewed this long."""
+    leader_renew_deadline_seconds: float = 10.0
+    """A leader that could not renew for this long stops acting (exits) before anyone takes over."""
+    leader_retry_seconds: float = 2.0
+    """How often the leader renews and a standby looks."""
     shm_size_limit: str | None = None
     """sizeLimit of the /dev/shm memory volume (e.g. "64Gi"); None: no limit (node memory)."""
     log_format: str = "json"

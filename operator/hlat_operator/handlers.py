@@ -76,7 +76,8 @@ def runtime() -> Runtime:
     return _runtime
 
 
-def _api_client() -> client.ApiClient:
+def api_client() -> client.ApiClient:
+    """In a pod, its ServiceAccount; elsewhere $KUBECONFIG."""
     try:
         kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
     except kube_config.ConfigException:
@@ -208,7 +209,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     global _runtime
     configure_kopf(settings)
     ours = _settings or OperatorSettings.from_env()
-    rt = Runtime(ours, Kube(_api_client()), OperatorMetrics())
+    rt = Runtime(ours, Kube(api_client()), OperatorMetrics())
     port = ours.metrics_port if _metrics_port is None else _metrics_port
     if port:
         rt.metrics.serve(port)

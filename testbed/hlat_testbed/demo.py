@@ -2,8 +2,9 @@
 
 On the local cluster (built or reused, 3 nodes), it installs the CRD, creates the namespace
 and a ReadWriteMany PVC `fsx` backed by a host directory (`runs/demo/fsx`), writes the sample
-dataset and tokenizer into it (`hlat-data sample`), starts the operator as a subprocess (the
-operator's service-account kubeconfig; `HLAT_OPERATOR_TRAINER_COMMAND` = this venv's
+dataset and tokenizer into it (`hlat-data sample`), installs the Helm chart's RBAC with
+`helm upgrade --install` (hlat_testbed.chart), starts the operator as a subprocess (with a token
+of the chart's ServiceAccount; `HLAT_OPERATOR_TRAINER_COMMAND` = this venv's
 `hlat-launch`), applies `examples/pretrainjob-tiny.yaml` (2 CPU nodes), prints progress from the
 job's status, SIGKILLs one worker once a checkpoint exists, shows the restart and the resumed
 step in the new worker's log, waits for Succeeded, prints `kubectl get pj` and where the logs
@@ -31,7 +32,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from hlat_testbed import faults
+from hlat_testbed import chart, faults
 from hlat_testbed.cluster import Cluster, kubectl_binary
 
 GROUP, VERSION, PLURAL = "hlat.dev", "v1alpha1", "pretrainjobs"
@@ -57,18 +58,23 @@ def venv_bin(name: str) -> Path:
 
 
 class OperatorProcess:
-    """`python -m hlat_operator.cli` as a subprocess, with the rig's operator credentials."""
+    """`python -m hlat_operator.cli` as a subprocess, with the credentials of the Helm chart's
+    ServiceAccount (hlat_testbed.chart), unless a kubeconfig is given."""
 
     def __init__(self, cluster: Cluster, log_path: Path, namespaces: list[str],
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None,
+                 kubeconfig: Path | None = None) -> None:
         self.cluster, self.log_path, self.namespaces = cluster, log_path, namespaces
         self.extra_env = extra_env or {}
+        self.kubeconfig = kubeconfig
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
     def start(self) -> OperatorProcess:
+        if self.kubeconfig is None:
+            self.kubeconfig = chart.operator_kubeconfig(self.cluster)
         env = {**os.environ, **RIG_OPERATOR_ENV, **self.extra_env,
-               "KUBECONFIG": str(self.cluster.operator_kubeconfig()),
+               "KUBECONFIG": str(self.kubeconfig),
                "HLAT_OPERATOR_TRAINER_COMMAND": str(venv_bin("hlat-launch")),
                "PYTHONUNBUFFERED": "1"}
         argv = [sys.executable, "-m", "hlat_operator.cli", "--liveness", "none",
@@ -235,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
     op_log = workdir / "operator.log"
     op_log.unlink(missing_ok=True)
     operator = OperatorProcess(cluster, op_log, [ns]).start()
-    say(f"operator started (pid {operator.pid}), log {op_log}")
+    say(f"chart installed (helm release {chart.RELEASE} in {chart.NAMESPACE}, its RBAC); "
+        f"operator started as its ServiceAccount (pid {operator.pid}), log {op_log}")
     ok = False
     try:
         custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)

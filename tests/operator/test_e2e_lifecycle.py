@@ -178,7 +178,8 @@ def test_an_operator_killed_mid_restart_resumes_with_one_gang(job_env: Env,
     job_env.wait_phase("Restarting", 30)
     old = job_env.operator["op"]
     old.kill()  # mid-recovery: old gang going away, backoff running
-    job_env.operator["op"] = OperatorProcess(cluster, old.log_path, old.namespaces).start()
+    job_env.operator["op"] = OperatorProcess(cluster, old.log_path, old.namespaces,
+                                             old.extra_env, old.kubeconfig).start()
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
     assert done["attempt"] == 1
     assert done["restarts"] == {"total": 1, "counted": 1}

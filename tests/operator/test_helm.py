@@ -99,8 +99,11 @@ def test_values_outside_the_schema_are_refused_by_helm(helm: Path) -> None:
     bad = run(helm, "template", "hlat", str(CHART), "--set", "operator.watchNamespace=Team_A",
               check=False)
     assert bad.returncode != 0 and "watchNamespace" in bad.stderr
-    bad = run(helm, "template", "hlat", str(CHART), "--set", "replicaCount=3", check=False)
+    bad = run(helm, "template", "hlat", str(CHART), "--set", "replicaCount=9", check=False)
     assert bad.returncode != 0 and "replicaCount" in bad.stderr
+    bad = run(helm, "template", "hlat", str(CHART), "--set", "replicaCount=2",
+              "--set", "operator.leaderElection=false", check=False)
+    assert bad.returncode != 0 and "needs operator.leaderElection" in bad.stderr
 
 
 def test_all_namespaces_one_cluster_role_covers_what_the_operator_does(helm: Path) -> None:
@@ -109,7 +112,9 @@ def test_all_namespaces_one_cluster_role_covers_what_the_operator_does(helm: Pat
     for key, verbs in NEEDED.items():
         assert verbs <= namespaced.get(key, set()), f"{key}: missing {verbs - namespaced[key]}"
     assert "*" not in {v for vs in namespaced.values() for v in vs}
-    assert not grants(docs, "Role")
+    # the one Role: the leader Lease in the operator's own namespace
+    assert grants(docs, "Role") == {("coordination.k8s.io", "leases"): {"create", "get", "update"}}
+    assert {d["metadata"]["namespace"] for d in docs if d["kind"] == "Role"} == {RELEASE_NS}
     for key in CLUSTER_READS:
         assert namespaced[key] == {"get", "list", "watch"}, key
     assert not ({"", "secrets"} & {r for _, r in namespaced})

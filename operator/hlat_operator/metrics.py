@@ -11,6 +11,8 @@ The trainer's own metrics (`hlat_train_*`: loss, tokens/s, MFU) come from the wo
 from __future__ import annotations
 
 import contextlib
+import time
+from datetime import datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
@@ -79,6 +81,20 @@ class OperatorMetrics:
             JOB_LABELS,
             registry=r,
         )
+        self.worker_heartbeat_age = Gauge(
+            "hlat_job_worker_heartbeat_age_seconds",
+            "Seconds since each worker of the current gang renewed its Lease.",
+            (*JOB_LABELS, "pod"),
+            registry=r,
+        )
+        self.checkpoint_age = Gauge(
+            "hlat_job_checkpoint_age_seconds",
+            "Seconds since the latest complete checkpoint was first seen (the work a fault "
+            "would now cost).",
+            JOB_LABELS,
+            registry=r,
+        )
+        self._pods: dict[tuple[str, str], set[str]] = {}
         self.step = Gauge("hlat_job_step", "Latest training step reported.", JOB_LABELS, registry=r)
         self.attempt = Gauge("hlat_job_attempt", "Current restart attempt.", JOB_LABELS, registry=r)
         self.jobs = Gauge("hlat_jobs", "PretrainJobs by phase.", ("phase",), registry=r)
@@ -106,8 +122,22 @@ class OperatorMetrics:
             self.time_to_recover.labels(namespace).observe(decision.recovered_seconds)
         if decision.heartbeat_ages:
             self.heartbeat_age.labels(*labels).set(max(decision.heartbeat_ages.values()))
+        self._worker_ages(labels, decision.heartbeat_ages)
+        saved = s.latest_checkpoint.time if s.latest_checkpoint else None
+        if saved:
+            at = datetime.fromisoformat(saved.replace("Z", "+00:00")).timestamp()
+            self.checkpoint_age.labels(*labels).set(max(0.0, time.time() - at))
         self._phases[labels] = s.phase
         self._count_phases()
+
+    def _worker_ages(self, labels: tuple[str, str], ages: dict[str, float]) -> None:
+        """One series per worker of the current gang; an old gang's go with it."""
+        for pod in self._pods.get(labels, set()) - set(ages):
+            with contextlib.suppress(KeyError):
+                self.worker_heartbeat_age.remove(*labels, pod)
+        for pod, age in ages.items():
+            self.worker_heartbeat_age.labels(*labels, pod).set(age)
+        self._pods[labels] = set(ages)
 
     def _start_at_zero(self, namespace: str, job: str) -> None:
         """Counter and histogram series exist at 0 from the first time a job is seen, so
@@ -128,9 +158,11 @@ class OperatorMetrics:
             self.step,
             self.attempt,
             self.unschedulable,
+            self.checkpoint_age,
         ):
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)
+        self._worker_ages(labels, {})
         for reason in RESTART_REASONS:
             with contextlib.suppress(KeyError):
                 self.restarts.remove(*labels, str(reason))

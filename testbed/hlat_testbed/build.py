@@ -157,7 +157,18 @@ HELM = Component(
     ldflags=_helm_ldflags(HELM_VERSION, HELM_K8S_MINOR),
 )
 """The Helm CLI, for the chart's lint/template/install tests and the demo's install."""
-COMPONENTS = (ETCD, KUBERNETES, COREDNS, VOLCANO, HELM)
+PROMETHEUS_VERSION = "v0.316.0"
+"""Prometheus 3's Go module version (Debian's 2.42 lacks Kubernetes service discovery)."""
+PROMETHEUS = Component(
+    name="prometheus",
+    version=PROMETHEUS_VERSION,
+    module_dir="prometheus",
+    commands={c: f"github.com/prometheus/prometheus/cmd/{c}" for c in ("prometheus", "promtool")},
+    get=tuple(f"github.com/prometheus/prometheus/cmd/{c}@{PROMETHEUS_VERSION}"
+              for c in ("prometheus", "promtool")),
+)
+"""A real Prometheus scraping the local cluster, and promtool for the alert rule tests."""
+COMPONENTS = (ETCD, KUBERNETES, COREDNS, VOLCANO, HELM, PROMETHEUS)
 
 
 def _go_env() -> dict[str, str]:

@@ -126,11 +126,11 @@ def _metric_names(expr: str) -> set[str]:
 def test_every_queried_metric_is_exposed_by_its_source() -> None:
     """Operator metrics by the operator's registry, trainer metrics by the trainer's, and the
     hardware panels only by neuron-monitor's published names (no Trainium here to scrape)."""
-    from hlat_operator.metrics import OperatorMetrics
-    from hlat_trainer.metrics import TrainMetrics
-
     from opfakes import World
     from prometheus_client import generate_latest
+
+    from hlat_operator.metrics import OperatorMetrics
+    from hlat_trainer.metrics import TrainMetrics
 
     metrics = OperatorMetrics()
     metrics.observe("default", "tiny", World().step())  # a job seen once: its series exist

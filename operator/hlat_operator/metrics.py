@@ -98,6 +98,12 @@ class OperatorMetrics:
         self.step = Gauge("hlat_job_step", "Latest training step reported.", JOB_LABELS, registry=r)
         self.attempt = Gauge("hlat_job_attempt", "Current restart attempt.", JOB_LABELS, registry=r)
         self.jobs = Gauge("hlat_jobs", "PretrainJobs by phase.", ("phase",), registry=r)
+        self.phase = Gauge(
+            "hlat_job_phase",
+            "1 for the job's current phase, 0 for the others (alerts key on it).",
+            (*JOB_LABELS, "phase"),
+            registry=r,
+        )
         self._phases: dict[tuple[str, str], Phase] = {}
         for phase in PHASES:
             self.jobs.labels(phase).set(0)
@@ -127,6 +133,8 @@ class OperatorMetrics:
         if saved:
             at = datetime.fromisoformat(saved.replace("Z", "+00:00")).timestamp()
             self.checkpoint_age.labels(*labels).set(max(0.0, time.time() - at))
+        for phase in PHASES:
+            self.phase.labels(*labels, phase).set(1 if phase == s.phase else 0)
         self._phases[labels] = s.phase
         self._count_phases()
 
@@ -166,6 +174,9 @@ class OperatorMetrics:
         for reason in RESTART_REASONS:
             with contextlib.suppress(KeyError):
                 self.restarts.remove(*labels, str(reason))
+        for phase in PHASES:
+            with contextlib.suppress(KeyError):
+                self.phase.remove(*labels, phase)
         self._phases.pop(labels, None)
         self._count_phases()
 

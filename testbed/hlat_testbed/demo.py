@@ -63,10 +63,11 @@ class OperatorProcess:
 
     def __init__(self, cluster: Cluster, log_path: Path, namespaces: list[str],
                  extra_env: dict[str, str] | None = None,
-                 kubeconfig: Path | None = None) -> None:
+                 kubeconfig: Path | None = None, metrics_port: int = 0) -> None:
         self.cluster, self.log_path, self.namespaces = cluster, log_path, namespaces
         self.extra_env = extra_env or {}
         self.kubeconfig = kubeconfig
+        self.metrics_port = metrics_port
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -78,7 +79,7 @@ class OperatorProcess:
                "HLAT_OPERATOR_TRAINER_COMMAND": str(venv_bin("hlat-launch")),
                "PYTHONUNBUFFERED": "1"}
         argv = [sys.executable, "-m", "hlat_operator.cli", "--liveness", "none",
-                "--metrics-port", "0"]
+                "--metrics-port", str(self.metrics_port)]
         for ns in self.namespaces:
             argv += ["--namespace", ns]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

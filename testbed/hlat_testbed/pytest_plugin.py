@@ -40,7 +40,7 @@ def _progress(line: str) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    needs_build = any({"cluster", "helm"} & set(getattr(item, "fixturenames", ()))
+    needs_build = any({"cluster", "helm", "promtool"} & set(getattr(item, "fixturenames", ()))
                       for item in session.items)
     if not needs_build or os.geteuid() != 0 or session.config.option.collectonly:
         return
@@ -70,6 +70,13 @@ def helm() -> Path:
     """The Helm CLI built from its Go module (hlat_testbed.build.HELM), built if missing."""
     build.build_component(build.HELM, _progress)
     return build.HELM.binary("helm")
+
+
+@pytest.fixture(scope="session")
+def promtool() -> Path:
+    """promtool, built with Prometheus from its Go module (hlat_testbed.build.PROMETHEUS)."""
+    build.build_component(build.PROMETHEUS, _progress)
+    return build.PROMETHEUS.binary("promtool")
 
 
 @pytest.fixture

@@ -1,0 +1,97 @@
+"""A real Prometheus scrapes the operator and the trainer pods of a job with a fault, selected
+and labelled as the chart's ServiceMonitor and PodMonitor say; then every query of every
+dashboard panel is evaluated over the job's time range through Prometheus' HTTP API and must
+return data (the Neuron panels excepted: they need Trainium nodes running neuron-monitor, and
+are checked against its published metric names in test_op_chart.py)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from e2e_env import Env
+from e2e_spec import tiny_spec
+
+from hlat_operator import dashboards
+from hlat_testbed import chart, faults
+from hlat_testbed.cluster import Cluster
+from hlat_testbed.demo import OperatorProcess
+from hlat_testbed.prometheus import Prometheus, expose_host_port, free_port, scrape_configs
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+MONITORING = ("monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PodMonitor")
+
+
+def chart_monitors(helm: Path) -> list[dict[str, Any]]:
+    """The chart's ServiceMonitor and PodMonitor as Helm renders them (1 s intervals)."""
+    argv = [str(helm), "template", chart.RELEASE, str(chart.CHART), "-n", chart.NAMESPACE,
+            "--set", "serviceMonitor.enabled=true", "--set", "serviceMonitor.interval=1s",
+            "--set", "podMonitor.enabled=true", "--set", "podMonitor.interval=1s"]
+    for api in MONITORING:
+        argv += ["--api-versions", api]
+    docs = yaml.safe_load_all(subprocess.run(argv, check=True, capture_output=True,
+                                             text=True).stdout)
+    return [d for d in docs if d and d["kind"] in ("ServiceMonitor", "PodMonitor")]
+
+
+def instantiate(expr: str, namespace: str, job: str, seconds: float) -> str:
+    """A panel's query as Grafana would send it for this job and range."""
+    window = f"{max(60, int(seconds) + 60)}s"
+    return (expr.replace("$namespace", namespace).replace("$pretrainjob", job)
+            .replace("$__range", window).replace("$__rate_interval", "30s"))
+
+
+def test_every_dashboard_panel_has_data_from_a_real_prometheus(
+        cluster: Cluster, crd: None, namespace: str, sample_data: Path, tmp_path: Path,
+        helm: Path) -> None:
+    fsx = tmp_path / "fsx"
+    shutil.copytree(sample_data, fsx / "data" / "sample")
+    cluster.create_shared_volume(namespace, "fsx", fsx)
+    port = free_port()
+    operator = OperatorProcess(cluster, tmp_path / "operator.log", [namespace],
+                               {"HLAT_OPERATOR_TRAINER_METRICS_PORT": "9400"},
+                               metrics_port=port).start()
+    api = cluster.admin_api()
+    expose_host_port(api, chart.NAMESPACE, f"{chart.RELEASE}-metrics", cluster.config.host_ip,
+                     port)
+    prom = Prometheus(cluster, tmp_path / "prometheus").start(
+        scrape_configs(chart_monitors(helm), cluster.kubeconfig))
+    try:
+        job = Env(cluster, namespace, fsx, {"op": operator})
+        job.create(tiny_spec(steps=40))
+        start = time.time()
+        job.wait("a checkpoint", lambda s: s.get("phase") == "Running"
+                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= 2, 180)
+        faults.kill(cluster.config, namespace, "tiny-a0-1")
+        done = job.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 240)
+        assert done["restarts"]["total"] == 1
+        time.sleep(3)  # a few more scrapes
+        end = time.time()
+        targets = prom.targets()
+        jobs = {t["labels"].get("job", "") for t in targets if t["health"] == "up"} | {
+            t["scrapePool"] for t in targets}
+        assert any(j.startswith("serviceMonitor/") for j in jobs), targets
+        assert any(j.startswith("podMonitor/") for j in jobs), targets
+        counts: dict[str, int] = {}
+        for uid, panel, expr in dashboards.queries():
+            if panel.hardware:
+                continue
+            query = instantiate(expr, namespace, job.name, end - start)
+            series = [s for s in prom.query_range(query, start, end)
+                      if any(v != "NaN" for _, v in s["values"])]
+            counts[f"{uid} / {panel.title}: {expr}"] = len(series)
+        print("series per panel query:")
+        for what, n in counts.items():
+            print(f"  {n:3d}  {what}")
+        empty = [what for what, n in counts.items() if n == 0]
+        assert not empty, f"panels without data: {empty}"
+        job.delete()
+    finally:
+        prom.stop()
+        operator.stop()

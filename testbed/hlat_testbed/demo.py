@@ -7,8 +7,9 @@ dataset and tokenizer into it (`hlat-data sample`), installs the Helm chart's RB
 of the chart's ServiceAccount; `HLAT_OPERATOR_TRAINER_COMMAND` = this venv's
 `hlat-launch`), applies `examples/pretrainjob-tiny.yaml` (2 CPU nodes), prints progress from the
 job's status, SIGKILLs one worker once a checkpoint exists, shows the restart and the resumed
-step in the new worker's log, waits for Succeeded, prints `kubectl get pj` and where the logs
-are, and stops the operator. The cluster stays up unless `--down` is given.
+step in the new worker's log, waits for Succeeded, draws the dashboards' panels from a real
+Prometheus that scraped the run (as the chart's ServiceMonitor/PodMonitor select) to PNG files,
+prints `kubectl get pj` and where the logs and pictures are, and stops the operator. The cluster stays up unless `--down` is given.
 
 Exit status 0 when the job Succeeded after recovering from the fault, 1 otherwise.
 `OperatorProcess` is shared with the operator's end-to-end tests.
@@ -32,7 +33,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from hlat_testbed import chart, faults
+from hlat_testbed import chart, faults, prometheus
 from hlat_testbed.cluster import Cluster, kubectl_binary
 
 GROUP, VERSION, PLURAL = "hlat.dev", "v1alpha1", "pretrainjobs"
@@ -241,20 +242,34 @@ def run(args: argparse.Namespace) -> int:
     make_sample_data(fsx / "data" / "sample")
     op_log = workdir / "operator.log"
     op_log.unlink(missing_ok=True)
-    operator = OperatorProcess(cluster, op_log, [ns]).start()
+    metrics_port = prometheus.free_port()
+    operator = OperatorProcess(cluster, op_log, [ns], {"HLAT_OPERATOR_TRAINER_METRICS_PORT":
+                                                       str(TRAINER_METRICS_PORT)},
+                               metrics_port=metrics_port).start()
     say(f"chart installed (helm release {chart.RELEASE} in {chart.NAMESPACE}, its RBAC); "
         f"operator started as its ServiceAccount (pid {operator.pid}), log {op_log}")
+    prom = start_prometheus(cluster, workdir, metrics_port)
+    say(f"Prometheus {prom.url} scrapes the operator and the workers as the chart's "
+        "ServiceMonitor/PodMonitor say")
     ok = False
+    pictures: dict[Path, dict[str, int]] = {}
+    started = time.time()
     try:
         custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)
         say(f"applied {EXAMPLE.relative_to(REPO)}: {name} ({job['spec']['nodes']} nodes)")
         ok = watch(cluster, custom, ns, name, say, args.timeout, operator)
+        time.sleep(3)  # the last scrapes
+        pictures = draw_dashboards(prom, ns, name, started, workdir / "dashboards")
     finally:
         operator.stop()
-        say("operator stopped")
+        prom.stop()
+        say("operator and Prometheus stopped")
     kubectl = [str(kubectl_binary()), f"--kubeconfig={cluster.kubeconfig}"]
     print(subprocess.run([*kubectl, "get", "pj", "-n", ns], capture_output=True,
                          text=True).stdout, flush=True)
+    print("dashboards (from the real Prometheus data):\n" + "".join(
+        f"  {path}  ({sum(1 for n in counts.values() if n)}/{len(counts)} panels with data)\n"
+        for path, counts in pictures.items()), flush=True)
     print(f"logs:\n  operator:     {op_log}\n"
           f"  worker pods:  {cluster.config.pods_dir}/{ns}_{name}-a*/trainer.log "
           f"(or: hlat-cluster logs POD -n {ns})\n"
@@ -267,6 +282,27 @@ def run(args: argparse.Namespace) -> int:
         say(f"cluster left up (hlat-cluster down stops it); KUBECONFIG={cluster.kubeconfig}")
     say(f"done in {time.monotonic() - t0:.0f}s: {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
+
+
+TRAINER_METRICS_PORT = 9400
+
+
+def start_prometheus(cluster: Cluster, workdir: Path, operator_port: int) -> prometheus.Prometheus:
+    """A real Prometheus scraping per the chart's monitors; the operator (a host process here)
+    gets an EndpointSlice behind the chart's metrics Service."""
+    prometheus.expose_host_port(cluster.admin_api(), chart.NAMESPACE,
+                                f"{chart.RELEASE}-metrics", cluster.config.host_ip,
+                                operator_port)
+    shutil.rmtree(workdir / "prometheus", ignore_errors=True)
+    configs = prometheus.scrape_configs(prometheus.chart_monitors(), cluster.kubeconfig)
+    return prometheus.Prometheus(cluster, workdir / "prometheus").start(configs)
+
+
+def draw_dashboards(prom: prometheus.Prometheus, ns: str, name: str, started: float,
+                    out: Path) -> dict[Path, dict[str, int]]:
+    from hlat_testbed import pictures  # matplotlib: only when drawing
+
+    return pictures.draw(prom, ns, name, started, time.time(), out)
 
 
 def watch(cluster: Cluster, custom: client.CustomObjectsApi, ns: str, name: str,

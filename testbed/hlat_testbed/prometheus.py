@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import subprocess
 import time
 import urllib.parse
 import urllib.request
@@ -32,6 +33,30 @@ from hlat_testbed import build
 from hlat_testbed.cluster import Cluster
 
 PROCESS = "prometheus"
+MONITORING_APIS = ("monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PodMonitor")
+
+
+def chart_monitors(interval: str = "1s") -> list[dict[str, Any]]:
+    """The chart's ServiceMonitor and PodMonitor as Helm renders them (the real Helm CLI)."""
+    from hlat_testbed import chart
+
+    build.build_component(build.HELM)
+    argv = [str(build.HELM.binary("helm")), "template", chart.RELEASE, str(chart.CHART),
+            "-n", chart.NAMESPACE,
+            "--set", "serviceMonitor.enabled=true", "--set", f"serviceMonitor.interval={interval}",
+            "--set", "podMonitor.enabled=true", "--set", f"podMonitor.interval={interval}"]
+    for api in MONITORING_APIS:
+        argv += ["--api-versions", api]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    return [d for d in yaml.safe_load_all(out)
+            if d and d["kind"] in ("ServiceMonitor", "PodMonitor")]
+
+
+def instantiate(expr: str, namespace: str, job: str, seconds: float) -> str:
+    """A dashboard query as Grafana would send it for this namespace, job and time range."""
+    window = f"{max(60, int(seconds) + 60)}s"
+    return (expr.replace("$namespace", namespace).replace("$pretrainjob", job)
+            .replace("$__range", window).replace("$__rate_interval", "30s"))
 
 
 def _label_meta(kind: str, key: str) -> str:

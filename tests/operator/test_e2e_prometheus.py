@@ -7,13 +7,10 @@ are checked against its published metric names in test_op_chart.py)."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 from e2e_env import Env
 from e2e_spec import tiny_spec
 
@@ -21,31 +18,16 @@ from hlat_operator import dashboards
 from hlat_testbed import chart, faults
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.demo import OperatorProcess
-from hlat_testbed.prometheus import Prometheus, expose_host_port, free_port, scrape_configs
+from hlat_testbed.prometheus import (
+    Prometheus,
+    chart_monitors,
+    expose_host_port,
+    free_port,
+    instantiate,
+    scrape_configs,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-
-MONITORING = ("monitoring.coreos.com/v1/ServiceMonitor", "monitoring.coreos.com/v1/PodMonitor")
-
-
-def chart_monitors(helm: Path) -> list[dict[str, Any]]:
-    """The chart's ServiceMonitor and PodMonitor as Helm renders them (1 s intervals)."""
-    argv = [str(helm), "template", chart.RELEASE, str(chart.CHART), "-n", chart.NAMESPACE,
-            "--set", "serviceMonitor.enabled=true", "--set", "serviceMonitor.interval=1s",
-            "--set", "podMonitor.enabled=true", "--set", "podMonitor.interval=1s"]
-    for api in MONITORING:
-        argv += ["--api-versions", api]
-    docs = yaml.safe_load_all(subprocess.run(argv, check=True, capture_output=True,
-                                             text=True).stdout)
-    return [d for d in docs if d and d["kind"] in ("ServiceMonitor", "PodMonitor")]
-
-
-def instantiate(expr: str, namespace: str, job: str, seconds: float) -> str:
-    """A panel's query as Grafana would send it for this job and range."""
-    window = f"{max(60, int(seconds) + 60)}s"
-    return (expr.replace("$namespace", namespace).replace("$pretrainjob", job)
-            .replace("$__range", window).replace("$__rate_interval", "30s"))
-
 
 def test_every_dashboard_panel_has_data_from_a_real_prometheus(
         cluster: Cluster, crd: None, namespace: str, sample_data: Path, tmp_path: Path,
@@ -61,7 +43,7 @@ def test_every_dashboard_panel_has_data_from_a_real_prometheus(
     expose_host_port(api, chart.NAMESPACE, f"{chart.RELEASE}-metrics", cluster.config.host_ip,
                      port)
     prom = Prometheus(cluster, tmp_path / "prometheus").start(
-        scrape_configs(chart_monitors(helm), cluster.kubeconfig))
+        scrape_configs(chart_monitors(), cluster.kubeconfig))
     try:
         job = Env(cluster, namespace, fsx, {"op": operator})
         job.create(tiny_spec(steps=40))

@@ -42,3 +42,20 @@ def test_below_threshold_is_not_a_spike_and_state_round_trips() -> None:
     twin.load_state_dict(mon.state_dict())
     assert twin.observe(2.0) == mon.observe(2.0)
     assert twin.state_dict() == mon.state_dict()
+
+
+def test_spike_lengths_reach_prometheus_in_bounded_buckets() -> None:
+    """The dashboard's "spikes by length" panel: the monitor's histogram, lengths of 4 or more
+    in one bucket, every bucket present from the start (a panel with no spikes shows zeros)."""
+    from prometheus_client import generate_latest
+
+    from hlat_trainer.metrics import TrainMetrics, bucket_spike_lengths
+
+    assert bucket_spike_lengths({1: 7, 2: 1, 5: 1, 9: 2}) == {"1": 7, "2": 1, "3": 0, "4+": 3}
+    metrics = TrainMetrics()
+    assert 'hlat_train_grad_spikes_by_length{length="1"} 0.0' in generate_latest(
+        metrics.registry).decode()
+    metrics.update({"spike_lengths": {1: 6, 3: 1}})
+    text = generate_latest(metrics.registry).decode()
+    assert 'hlat_train_grad_spikes_by_length{length="1"} 6.0' in text
+    assert 'hlat_train_grad_spikes_by_length{length="3"} 1.0' in text

@@ -24,6 +24,17 @@ _GAUGES = {
 }
 
 
+SPIKE_LENGTHS = ("1", "2", "3", "4+")
+
+
+def bucket_spike_lengths(histogram: dict[int, int]) -> dict[str, int]:
+    """Spike length -> count, with lengths of 4 and more in one bucket (bounded labels)."""
+    out = dict.fromkeys(SPIKE_LENGTHS, 0)
+    for length, count in histogram.items():
+        out[str(length) if length < 4 else "4+"] += count
+    return out
+
+
 class TrainMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -35,6 +46,12 @@ class TrainMetrics:
         self.spikes = Counter(
             "hlat_train_grad_spikes", "Steps whose grad norm spiked", registry=self.registry
         )
+        self.spike_lengths = Gauge(
+            "hlat_train_grad_spikes_by_length",
+            "Gradient spikes so far by how many consecutive steps they lasted (the HLAT paper: "
+            "most last one step)", ("length",), registry=self.registry)
+        for length in SPIKE_LENGTHS:
+            self.spike_lengths.labels(length).set(0)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Start the HTTP endpoint; returns the bound port (useful with port 0)."""
@@ -47,4 +64,8 @@ class TrainMetrics:
             if value is not None:
                 gauge.set(value)
         self.tokens.inc(stats.get("tokens_step", 0))
+        lengths = stats.get("spike_lengths")
+        if lengths is not None:
+            for length, count in bucket_spike_lengths(lengths).items():
+                self.spike_lengths.labels(length).set(count)
         self.spikes.inc(stats.get("grad_spikes", 0))  # spike steps since the last report

@@ -218,6 +218,7 @@ class Trainer:
             "mfu": self.dims.flops_per_token(self.spec.data.seq_len) * tps
             / (self.peak_flops * self.spec.world_size),
             "grad_spikes": spikes,
+            "spike_lengths": self.state.monitor.histogram(),
         }
 
     def _beat(self, **fields: Any) -> None:

@@ -42,8 +42,9 @@ class Heartbeat(BaseModel):
     checkpoint_step: int | None = None
     """Newest complete checkpoint's step."""
     checkpoint_seconds: float | None = None
-    """Longest a checkpoint save has held the loop in this attempt: how long the operator lets
-    a worker in phase `checkpointing` go without progress (None before the first save)."""
+    """Longest whole checkpoint write of this attempt (asynchronous: start to commit): what the
+    operator scales into how long a worker in phase `checkpointing` may go without progress
+    (None before the first write completed: the startup bound)."""
     progress_time: datetime | None = None
     """When the training loop last reported (a step done, a phase begun)."""
     attempt: int | None = None

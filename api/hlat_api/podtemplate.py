@@ -8,7 +8,8 @@ own container; the operator merges what it builds onto the template (hlat_operat
 
 The operator's fields win only where correctness needs them, and this module refuses a template
 that tries to set one of those, naming the field, instead of dropping it silently:
-- the trainer's `command`/`args` (the entrypoint is `hlat-launch`) and its `HLAT_*` env;
+- the trainer's `command`/`args` (the entrypoint is `hlat-launch`) and the `HLAT_*` variables
+  the operator sets (`hlat_api.env.Env`);
 - `restartPolicy` (a worker exit is the operator's to judge, not the kubelet's), `hostname`,
   `subdomain` and `nodeName` (the rendezvous DNS and the gang placement);
 - the volumes the operator mounts itself (`shm`, `config`, `data`), and the name of its init
@@ -25,6 +26,7 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hlat_api.env import Env
 from hlat_api.errors import SpecError
 
 TRAINER_CONTAINER: Final = "trainer"
@@ -37,7 +39,8 @@ DATA_VOLUME: Final = "data"
 CACHE_VOLUME: Final = "neuron-cache"
 RESERVED_VOLUMES: Final = frozenset({SHM_VOLUME, CONFIG_VOLUME, DATA_VOLUME})
 """Volumes the operator always defines; a template may not redefine them."""
-RESERVED_ENV_PREFIX: Final = "HLAT_"
+RESERVED_ENV: Final = frozenset(str(e) for e in Env)
+"""The variables the operator sets (hlat_api.env.Env): a template may not set them."""
 OPERATOR_POD_FIELDS: Final = ("restartPolicy", "hostname", "subdomain", "nodeName")
 OPERATOR_CONTAINER_FIELDS: Final = ("command", "args")
 
@@ -126,6 +129,6 @@ def check_template(spec: dict[str, Any]) -> None:
                                 "the trainer's entrypoint is hlat-launch, set by the operator")
     for j, var in enumerate(trainer.get("env") or []):
         name = var.get("name", "") if isinstance(var, dict) else ""
-        if name.startswith(RESERVED_ENV_PREFIX):
+        if name in RESERVED_ENV:
             raise TemplateError(f"{where}.env[{j}].name",
-                                f"{name}: HLAT_* variables are set by the operator")
+                                f"{name} is set by the operator (hlat_api.env.Env)")

@@ -79,6 +79,21 @@ def test_a_sigkilled_worker_restarts_the_gang_from_the_last_checkpoint(job_env: 
     assert job_env.max_gangs == 1
 
 
+def test_a_slow_asynchronous_write_is_not_taken_for_a_hang(job_env: Env) -> None:
+    """Every asynchronous write takes 8 s, twice the steady timeout: the save waiting for the
+    previous write and the final write after the last step report `checkpointing`, so the
+    finished job is not restarted (it was: the final write sent no phase)."""
+    spec = tiny_spec(steps=6, heartbeat={"startupTimeoutSeconds": 120, "timeoutSeconds": 4})
+    spec["checkpoint"].update({"async": True, "interval": 3})
+    spec["template"] = {"spec": {"containers": [{"name": "trainer", "env": [
+        {"name": "HLAT_FAULT_CHECKPOINT_WRITE_DELAY_SECONDS", "value": "8"}]}]}}
+    job_env.create(spec)
+    done = job_env.wait("finished", lambda s: s.get("phase") in ("Succeeded", "Failed")
+                        or s.get("restarts", {}).get("total", 0) > 0, 240)
+    assert done["restarts"]["total"] == 0, done.get("lastFailure")
+    assert done["phase"] == "Succeeded" and done["latestCheckpoint"]["step"] == 6
+
+
 def test_a_hung_worker_is_detected_within_the_steady_timeout(job_env: Env) -> None:
     timeout = 8
     job_env.create(tiny_spec(steps=60, heartbeat={"startupTimeoutSeconds": 120,

@@ -131,6 +131,13 @@ def test_a_template_that_sets_what_the_operator_owns_is_refused_naming_the_field
     assert f"spec.{field}" in [path for path, _ in err.value.problems], err.value.problems
 
 
+def test_only_the_variables_the_operator_sets_are_reserved() -> None:
+    fault = {"name": "HLAT_FAULT_CHECKPOINT_WRITE_DELAY_SECONDS", "value": "8"}
+    spec = spec_with({"spec": {"containers": [{"name": "trainer", "env": [fault]}]}})
+    env = {e["name"]: e.get("value") for e in trainer_of(pod_for(spec))["env"]}
+    assert env[fault["name"]] == "8" and env[Env.NNODES] == str(spec.nodes)
+
+
 def test_the_template_s_trainer_image_is_used_when_spec_image_is_unset() -> None:
     spec = spec_with({"spec": {"containers": [{"name": "trainer", "image": "ecr/hlat:2"}]}},
                      image=None)

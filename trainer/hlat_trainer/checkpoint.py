@@ -100,6 +100,8 @@ class Checkpointer:
         """Extra fields for each checkpoint's hlat.json (the saving layout)."""
         self.pending: Future[Any] | None = None
         self.committed: int | None = None
+        self.longest_write = 0.0
+        """Longest asynchronous save so far, from its start to its commit (seconds)."""
         self._lock = threading.Lock()
         # background saves talk over their own group, apart from training's collectives
         self.group: dist.ProcessGroup | None = None
@@ -129,19 +131,20 @@ class Checkpointer:
         if self.async_:
             future = dcp_async_save(state, storage_writer=writer, process_group=self.group)
             assert isinstance(future, Future)
-            future.add_done_callback(lambda f: self._on_written(step, f))
+            future.add_done_callback(lambda f: self._on_written(step, f, start))
             self.pending = future
         else:
             dcp_save(state, storage_writer=writer)
             self._commit(step)
         return time.perf_counter() - start
 
-    def _on_written(self, step: int, future: Future[Any]) -> None:
+    def _on_written(self, step: int, future: Future[Any], started: float) -> None:
         err = future.exception()
         if err is not None:
             log.error("checkpoint step_%d failed, it stays incomplete: %s", step, err)
             return
         self._commit(step)
+        self.longest_write = max(self.longest_write, time.perf_counter() - started)
 
     def _commit(self, step: int) -> None:
         """Every rank's shards are durable: rank 0 marks the checkpoint complete and purges."""

@@ -192,6 +192,10 @@ class Engine(ABC):
         """Block until an asynchronous save is durable and committed (before exit)."""
         return None
 
+    def longest_write_seconds(self) -> float | None:
+        """Longest asynchronous save so far, start to commit; None when none was measured."""
+        return None
+
     @property
     @abstractmethod
     def committed(self) -> int | None:
@@ -253,6 +257,9 @@ class TorchEngine(Engine):
 
     def wait(self) -> None:
         self.checkpointer.wait()
+
+    def longest_write_seconds(self) -> float | None:
+        return self.checkpointer.longest_write or None
 
     # The checkpoint's keys. The model's state dict holds DTensors (DCP reshards them). The
     # optimizer's per-parameter state is keyed by parameter name and tp rank: whichever dp rank

@@ -225,16 +225,25 @@ class Trainer:
         if self.heartbeat is not None:
             self.heartbeat.update(checkpoint_step=self.engine.committed, **fields)
 
+    def save_bound(self) -> float | None:
+        """How long a save may hold the loop, for the operator's `checkpointing` timeout: the
+        longest whole write so far (asynchronous: start to commit, since a save waits for the
+        previous write; synchronous: the save itself); None before the first (the operator
+        then allows its startup bound)."""
+        if self.spec.checkpoint.async_:
+            return self.engine.longest_write_seconds()
+        return self.longest_save or None
+
     def save(self, step: int) -> float:
         if self.extracting_graphs:  # tensors hold dummy values: a checkpoint would be zeros
             log.info("graph extraction (%s): checkpoint step_%d not saved",
                      EXTRACT_GRAPHS_ONLY, step)
             return 0.0
         self.observe_norms()  # the monitor is part of the saved loop state
-        self._beat(phase="checkpointing")
+        self._beat(phase="checkpointing", checkpoint_seconds=self.save_bound())
         blocked = self.engine.save(step, self.loop_state())
         self.longest_save = max(self.longest_save, blocked)
-        self._beat(phase="training", checkpoint_seconds=self.longest_save)
+        self._beat(phase="training", checkpoint_seconds=self.save_bound())
         log.info("checkpoint step_%d: training blocked %.3fs", step, blocked)
         return blocked
 
@@ -269,6 +278,10 @@ class Trainer:
                     for sink in self.sinks:
                         sink(stats)
                 self._beat()
+            # the final asynchronous write: say so, or a long one looks like a hang and gets a
+            # finished job restarted; the operator allows the longest write seen x its safety
+            # factor (none seen yet: its startup bound)
+            self._beat(phase="checkpointing", checkpoint_seconds=self.save_bound())
             self.engine.wait()
             finished = True
         finally:

@@ -57,6 +57,14 @@ class Progress(_Model):
     tokens: float = 0
     loss: float | None = None
     tokens_per_second: float | None = None
+    total_steps: int | None = None
+    """The run's length in steps (train.steps, or train.tokens over the tokens per step)."""
+    summary: str | None = None
+    """`step/totalSteps (percent)`, for `kubectl get pj`."""
+    loss_text: str | None = None
+    """The loss to 4 significant digits, for `kubectl get pj` (`loss` keeps every digit)."""
+    eta_seconds: float | None = None
+    """Steps left x the workers' recent mean step time (restarts not foreseen)."""
 
 
 class CheckpointRef(_Model):

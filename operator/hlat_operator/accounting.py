@@ -19,22 +19,32 @@ RESUMING_PHASES = ("starting", "compiling")
 """A worker in these phases has not resumed yet: it reports step 0, not the job's progress."""
 
 
-def progress_of(beats: list[Heartbeat | None]) -> Progress | None:
+def progress_of(beats: list[Heartbeat | None], total_steps: int | None = None
+                ) -> Progress | None:
     """The gang's progress from its workers' heartbeats (`beats[0]`: rank 0's, whose loss and
     throughput are reported when it has any); None until one of them has resumed training, so
-    that a restarted job is not shown back at step 0."""
+    that a restarted job is not shown back at step 0. With `total_steps`: the summary and ETA
+    `kubectl get pj` shows."""
     live = [b for b in beats if b is not None and b.phase not in RESUMING_PHASES]
     if not live:
         return None
     first = beats[0]
     lead = first if first is not None and any(b is first for b in live) else max(
         live, key=lambda b: b.step)
-    return Progress(
-        step=max(b.step for b in live),
+    step = max(b.step for b in live)
+    progress = Progress(
+        step=step,
         tokens=max(b.tokens for b in live),
         loss=lead.loss,
         tokens_per_second=lead.tokens_per_second,
+        loss_text=None if lead.loss is None else f"{lead.loss:.4g}",
     )
+    if total_steps:
+        progress.total_steps = total_steps
+        progress.summary = f"{step}/{total_steps} ({100 * step / total_steps:.1f}%)"
+        if lead.step_seconds is not None:
+            progress.eta_seconds = round(max(0, total_steps - step) * lead.step_seconds, 1)
+    return progress
 
 
 def newer_checkpoint(beats: list[Heartbeat | None], known: CheckpointRef | None,

@@ -259,8 +259,10 @@ def status_schema() -> Schema:
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Nodes", "type": "integer", "jsonPath": ".spec.nodes"},
-    {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
-    {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
+    {"name": "Progress", "type": "string", "jsonPath": ".status.progress.summary",
+     "description": "Step / total steps (percent)."},
+    {"name": "Loss", "type": "string", "jsonPath": ".status.progress.lossText",
+     "description": "Loss of the latest step, 4 significant digits."},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts.total"},
     {
         "name": "Uptime",
@@ -271,6 +273,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Attempt", "type": "integer", "jsonPath": ".status.attempt", "priority": 1},
     {"name": "Reason", "type": "string", "jsonPath": ".status.lastFailure.reason", "priority": 1},
+    {"name": "ETA", "type": "number", "jsonPath": ".status.progress.etaSeconds", "priority": 1,
+     "description": "Seconds to the last step at the recent step time."},
 ]
 
 

@@ -704,7 +704,7 @@ def _update_progress(p: _Pass, spec: PretrainJobSpec) -> None:
     names = [labels.worker_pod_name(p.observed.job.name, p.status.attempt, r)
              for r in range(spec.nodes)]
     beats = [_beat(p, n) for n in names]
-    progress = accounting.progress_of(beats)
+    progress = accounting.progress_of(beats, spec.total_steps)
     if progress is not None:
         p.status.progress = progress
     newer = accounting.newer_checkpoint(beats, p.status.latest_checkpoint, p.stamp)

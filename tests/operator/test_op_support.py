@@ -260,3 +260,18 @@ def test_the_operator_asks_the_api_server_for_worker_pods_only() -> None:
     assert list(settings.watching.label_selectors.collect(pods)) == [
         "hlat.dev/job,app.kubernetes.io/component=worker"]
     assert not list(settings.watching.label_selectors.collect(jobs))
+
+
+def test_progress_for_kubectl_step_of_total_loss_to_4_digits_and_eta() -> None:
+    from hlat_operator.accounting import progress_of
+
+    beats: list[Heartbeat | None] = [
+        Heartbeat(phase="training", step=120, tokens=1e6, loss=2.3456789012, step_seconds=0.5),
+        Heartbeat(phase="training", step=119, tokens=1e6, loss=2.5, step_seconds=0.6),
+    ]
+    p = progress_of(beats, total_steps=400)
+    assert p is not None
+    assert p.summary == "120/400 (30.0%)" and p.loss_text == "2.346" and p.loss == 2.3456789012
+    assert p.eta_seconds == 140.0  # 280 steps left x rank 0's 0.5 s
+    assert progress_of(beats) is not None and progress_of(beats).summary is None  # type: ignore[union-attr]
+    assert progress_of([Heartbeat(phase="compiling")], 400) is None  # not resumed yet

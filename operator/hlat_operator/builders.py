@@ -310,12 +310,6 @@ def build_worker_pod(
     return merged
 
 
-def pod_avoided_nodes(pod: Pod) -> list[str]:
-    """The nodes a pod built here avoids (from its annotation)."""
-    raw = (pod["metadata"].get("annotations") or {}).get(AVOIDED_ANNOTATION, "")
-    return [n for n in raw.split(",") if n]
-
-
 def _container(
     job: JobRef,
     spec: PretrainJobSpec,

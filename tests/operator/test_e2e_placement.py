@@ -230,11 +230,16 @@ def test_volcano_admits_a_gang_whole_or_not_at_all(job_env: Env, volcano_schedul
     waiting = second.wait("gang-b Schedulable=False",
                           lambda s: _condition(s, "Schedulable").get("status") == "False", 60)
     assert waiting["phase"] == "Pending"
-    while first.status().get("phase") == "Running":
-        assert not [p.metadata.name for p in second.pods() if p.spec.node_name], \
-            "a pod of the waiting gang was placed alone"
+    # While gang-a's workers still hold their nodes, gang-b holds none. (Once they have
+    # exited, Volcano may place gang-b before the operator has marked gang-a Succeeded.)
+    # gang-b is read first: gang-a's pods still live after it were live when it was read.
+    while True:
+        placed = [p.metadata.name for p in second.pods() if p.spec.node_name]
+        if not any(p.status.phase in ("Pending", "Running") for p in first.pods()):
+            break
+        assert not placed, "a pod of the waiting gang was placed while gang-a held its nodes"
         time.sleep(0.5)
-    assert first.status()["phase"] == "Succeeded"
+    first.wait("gang-a Succeeded", lambda s: s.get("phase") == "Succeeded", 60)
     done = second.wait("gang-b Succeeded", lambda s: s.get("phase") == "Succeeded", 240)
     assert done["progress"]["step"] == 4
     assert _condition(done, "Schedulable")["status"] == "True"

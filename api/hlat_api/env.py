@@ -29,6 +29,12 @@ class Env(StrEnum):
     HEARTBEAT_PERIOD = "HLAT_HEARTBEAT_PERIOD_SECONDS"
     METRICS_PORT = "HLAT_METRICS_PORT"
     """Port of the trainer's Prometheus endpoint (local rank 0); 0 or unset disables it."""
+    STEPS_DONE = "HLAT_STEPS_DONE"
+    """The highest step an earlier attempt finished (the operator's view when it created the
+    gang): a step at or below it is work done again (goodput's recompute)."""
+    LAUNCHED_MONOTONIC = "HLAT_LAUNCHED_MONOTONIC"
+    """The launcher's start on the machine's monotonic clock: where the attempt's time
+    accounting begins (set by hlat-launch)."""
     LOG_FORMAT = "HLAT_LOG_FORMAT"
     """`json` (one object per step on stdout) or `bar` (progress bar); default by isatty."""
 

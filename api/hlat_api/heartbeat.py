@@ -10,10 +10,12 @@ annotations must be; `Heartbeat.to_annotations` / `from_annotations` are the onl
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic.alias_generators import to_camel
 
 PREFIX = "hlat.dev/"
 DEFAULT_PERIOD_SECONDS = 10.0
@@ -27,6 +29,34 @@ Phase = Literal["starting", "compiling", "training", "checkpointing", "finished"
 def lease_name(pod_name: str) -> str:
     """The Lease of a worker pod shares the pod's name (a different kind, so no clash)."""
     return pod_name
+
+
+class Activity(BaseModel):
+    """Seconds a worker spent per activity since its attempt began (the launcher started), from
+    its monotonic clock, as of the heartbeat's `progress_time`: every second of the attempt is
+    in exactly one of them. The operator's goodput accounting (`status.goodput`) reads them."""
+
+    model_config = ConfigDict(extra="forbid", alias_generator=to_camel, populate_by_name=True)
+
+    startup: float = 0
+    """Launcher start to the model built: imports, rendezvous, data and model set-up."""
+    compile: float = 0
+    """Graph compilation (XLA/Neuron; 0 on eager backends)."""
+    restore: float = 0
+    """Loading the checkpoint the attempt resumed from."""
+    productive: float = 0
+    """Steps no earlier attempt had finished (less data wait and compilation)."""
+    recompute: float = 0
+    """Steps at or below the highest step an earlier attempt finished: work done again."""
+    checkpoint: float = 0
+    """Saves blocking the training loop."""
+    data_wait: float = 0
+    """The loop waiting for the data loader."""
+    final_checkpoint: float = 0
+    """Waiting, after the last step, for the last asynchronous write to complete."""
+
+    def total(self) -> float:
+        return float(sum(self.model_dump().values()))
 
 
 class Heartbeat(BaseModel):
@@ -48,10 +78,18 @@ class Heartbeat(BaseModel):
     progress_time: datetime | None = None
     """When the training loop last reported (a step done, a phase begun)."""
     attempt: int | None = None
+    activity: Activity | None = None
+    """Seconds per activity since the attempt began, up to `progress_time` (one annotation,
+    JSON)."""
+
+    @field_validator("activity", mode="before")
+    @classmethod
+    def _decode_activity(cls, value: Any) -> Any:
+        return json.loads(value) if isinstance(value, str) else value
 
     def to_annotations(self) -> dict[str, str]:
-        return {PREFIX + k: str(v) for k, v in self.model_dump(mode="json").items()
-                if v is not None}
+        return {PREFIX + k: json.dumps(v, separators=(",", ":")) if isinstance(v, dict)
+                else str(v) for k, v in self.model_dump(mode="json").items() if v is not None}
 
     @classmethod
     def from_annotations(cls, annotations: dict[str, str] | None) -> Heartbeat | None:
@@ -63,5 +101,5 @@ class Heartbeat(BaseModel):
             return None
         try:
             return cls.model_validate(raw)
-        except ValidationError:
+        except (ValidationError, ValueError):
             return None

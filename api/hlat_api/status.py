@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from hlat_api.heartbeat import Activity
+
 Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
 ConditionType = Literal[
     "Ready", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "Schedulable"
@@ -92,6 +94,80 @@ class Uptime(_Model):
     ratio: float | None = None
 
 
+class Badput(_Model):
+    """Seconds of wall time that did not train, by cause (see `Goodput`)."""
+
+    pending: float = 0
+    """Pods created to the trainer's launcher starting: scheduling, image pull, container
+    start."""
+    startup: float = 0
+    """Launcher start to the model built (imports, rendezvous, set-up)."""
+    compile: float = 0
+    restore: float = 0
+    """Loading the checkpoint an attempt resumed from."""
+    recompute: float = 0
+    """Steps trained again after a restart (the work lost since the last checkpoint)."""
+    checkpoint: float = 0
+    """Saves blocking the training loop."""
+    data_wait: float = 0
+    final_checkpoint: float = 0
+    """Waiting for the last asynchronous write after the last step."""
+    detection: float = 0
+    """The workers' last report before a fault to the operator acting on it (the work of the
+    last moments is in here too)."""
+    teardown: float = 0
+    """Deleting a failed gang until none of its pods is left."""
+    backoff: float = 0
+    """The restart backoff, after the old gang is gone."""
+    other: float = 0
+    """The rest of an ended attempt the workers did not report (e.g. a finished gang's last
+    report to the operator seeing it done)."""
+    unreported: float = 0
+    """Provisional: time of the running attempt not reported yet (before the workers' first
+    report, or since their last, at most a heartbeat period while they train); it moves to its
+    cause when known."""
+
+
+class Breakdown(_Model):
+    productive: float = 0
+    badput: Badput = Field(default_factory=Badput)
+
+
+class AttemptLedger(_Model):
+    """The running attempt's accounting, kept in status so that an operator restart neither
+    loses nor double counts it."""
+
+    attempt: int
+    window_seconds: float = 0
+    """Time this attempt spent Pending or Running (the operator's clock)."""
+    pending_seconds: float | None = None
+    """Fixed at the workers' first report: the window then, less what they reported and the
+    time since their report."""
+    reported: Activity | None = None
+    """Node rank 0's latest per-activity seconds."""
+
+
+class Goodput(_Model):
+    """Runtime goodput: productive training seconds over wall seconds since the job's first
+    gang was created (Suspended time excluded), with the rest by cause. Productive means
+    steps no earlier attempt had finished, less data wait and compilation: the measure of
+    Google's ML Goodput. Side by side with `Uptime`, the paper's measure, which counts every
+    Running second as up."""
+
+    ratio: float | None = None
+    wall_seconds: float = 0
+    productive_seconds: float = 0
+    badput_seconds: Badput = Field(default_factory=Badput)
+    lost_work_seconds: float = 0
+    """Training time thrown away by restarts: lost steps x the step time when each fault
+    hit."""
+    checkpoint_age_seconds: float | None = None
+    """Time since the latest complete checkpoint was first reported."""
+    settled: Breakdown = Field(default_factory=Breakdown)
+    """Attempts that ended and the time between them: final figures."""
+    current: AttemptLedger | None = None
+
+
 class PretrainJobStatus(_Model):
     phase: Phase = "Pending"
     conditions: list[Condition] = Field(default_factory=list)
@@ -101,6 +177,7 @@ class PretrainJobStatus(_Model):
     progress: Progress = Field(default_factory=Progress)
     latest_checkpoint: CheckpointRef | None = None
     uptime: Uptime = Field(default_factory=Uptime)
+    goodput: Goodput = Field(default_factory=Goodput)
     lost_steps: int = 0
     """Steps computed again after restarts (progress lost since the last checkpoint)."""
     avoided_nodes: list[AvoidedNode] = Field(default_factory=list)

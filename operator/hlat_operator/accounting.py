@@ -1,19 +1,51 @@
-"""Progress, checkpoints, uptime and lost steps: what a job has achieved, from what was observed.
+"""Progress, checkpoints, uptime, goodput and lost steps: what a job has achieved, from what
+was observed.
 
 Pure functions of heartbeats, the previous figures and the clock, used by `reconcile.decide`.
+Time is accounted from the previous pass's `accounted_at` to `now`, in the state the previous
+pass left the job in; each pass's figures are written with the status they belong to, so a
+replayed pass (its write refused) or an operator restart neither loses nor counts time twice.
 
 Uptime (the paper's Table 1 measure): running seconds are the time spent in phase Running;
 down seconds the time in Pending or Restarting after the job first ran; Suspended time is
-neither. ratio = running / (running + down). Time is accounted from the previous pass's
-`accounted_at` to `now`, in the phase the previous pass left the job in.
+neither. ratio = running / (running + down).
+
+Goodput (Google's ML Goodput measure): productive seconds over wall seconds since the first
+gang was created, Suspended time excluded. The wall clock is split three ways:
+- Restarting: teardown until the old gang is gone, then backoff.
+- An attempt's window (Pending and Running): node rank 0's trainer reports its seconds per
+  activity (`hlat_api.heartbeat.Activity`, up to its last report). The window's time before the
+  trainer's clock began is pending, fixed at its first report (the window then, less what it
+  reported and the time since its report); the rest is not reported yet (`unreported`). When
+  the attempt ends the rest gets its cause: detection after a fault (the last report to the
+  operator acting on it), other otherwise.
+- Attempts that ended are folded into `settled`, in the same status write as the phase change
+  that ended them; the running attempt's ledger (`current`) is recomputed from its latest
+  report every pass.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
-from hlat_api.heartbeat import Heartbeat
-from hlat_api.status import CheckpointRef, Phase, Progress, Uptime
+from hlat_api.heartbeat import Activity, Heartbeat
+from hlat_api.status import (
+    AttemptLedger,
+    Badput,
+    Breakdown,
+    CheckpointRef,
+    Goodput,
+    Phase,
+    Progress,
+    Uptime,
+)
+
+Bucket = Literal["attempt", "teardown", "backoff"]
+"""Where the time since the previous pass goes: the running attempt's window, or the restart
+between two attempts."""
+EndCause = Literal["detection", "other"]
+TRAINER_CAUSES = tuple(k for k in Activity.model_fields if k != "productive")
 
 RESUMING_PHASES = ("starting", "compiling")
 """A worker in these phases has not resumed yet: it reports step 0, not the job's progress."""
@@ -78,3 +110,77 @@ def uptime_after(old: Uptime, old_phase: Phase | None, since: datetime | None,
 def lost_steps(steps: list[int], checkpoint: int) -> int:
     """Steps an attempt computed past the checkpoint the next attempt resumes from."""
     return max(0, max(steps, default=0) - max(checkpoint, 0))
+
+
+def _add(badput: Badput, **seconds: float) -> Badput:
+    values = badput.model_dump()
+    for cause, value in seconds.items():
+        values[cause] += value
+    return Badput(**{k: round(v, 3) for k, v in values.items()})
+
+
+def _attempt_parts(ledger: AttemptLedger) -> tuple[float, dict[str, float], float]:
+    """(productive, badput by cause, unreported) of an attempt so far."""
+    reported = ledger.reported or Activity()
+    pending = ledger.pending_seconds or 0.0
+    causes = {cause: getattr(reported, cause) for cause in TRAINER_CAUSES}
+    causes["pending"] = pending
+    rest = max(0.0, ledger.window_seconds - pending - reported.total())
+    return reported.productive, causes, rest
+
+
+def _fold(settled: Breakdown, ledger: AttemptLedger, end: EndCause) -> Breakdown:
+    """An ended attempt's figures, final: its unreported rest goes to `end` (all of it to
+    pending when its trainer never reported: nothing ran that anyone saw)."""
+    productive, causes, rest = _attempt_parts(ledger)
+    if ledger.reported is None:
+        causes["pending"] += rest
+    else:
+        causes[end] += rest
+    return Breakdown(productive=round(settled.productive + productive, 3),
+                     badput=_add(settled.badput, **causes))
+
+
+def goodput_after(old: Goodput, bucket: Bucket | None, since: datetime | None, now: datetime,
+                  attempt: int, lead: Heartbeat | None, end: EndCause | None = None,
+                  lost_work_seconds: float = 0.0, checkpoint_at: datetime | None = None
+                  ) -> Goodput:
+    """`old` plus the time from `since` to `now` spent in `bucket`, with node rank 0's latest
+    report (`lead`, of the running `attempt`); `end`: the attempt ended in this pass, and the
+    cause of its unreported rest."""
+    g = old.model_copy(deep=True)
+    dt = (now - since).total_seconds() if since is not None and now > since else 0.0
+    current = g.current
+    if current is not None and current.attempt != attempt:  # ended unseen: fold it as it was
+        g.settled, current = _fold(g.settled, current, "other"), None
+    if bucket is not None:
+        g.wall_seconds = round(g.wall_seconds + dt, 3)
+        if bucket == "attempt":
+            current = current or AttemptLedger(attempt=attempt)
+            current.window_seconds = round(current.window_seconds + dt, 3)
+        else:
+            g.settled = Breakdown(productive=g.settled.productive,
+                                  badput=_add(g.settled.badput, **{bucket: dt}))
+    if lead is not None and lead.activity is not None:
+        current = current or AttemptLedger(attempt=attempt)
+        current.reported = lead.activity
+        if current.pending_seconds is None:
+            reported_at = lead.progress_time or now
+            tail = max(0.0, (now - reported_at).total_seconds())
+            current.pending_seconds = round(
+                max(0.0, current.window_seconds - lead.activity.total() - tail), 3)
+    if end is not None and current is not None:
+        g.settled, current = _fold(g.settled, current, end), None
+    g.current = current
+    productive, badput, unreported = g.settled.productive, g.settled.badput, 0.0
+    if current is not None:
+        more, causes, unreported = _attempt_parts(current)
+        productive += more
+        badput = _add(badput, **causes, unreported=unreported)
+    g.productive_seconds = round(productive, 3)
+    g.badput_seconds = badput
+    g.ratio = round(productive / g.wall_seconds, 6) if g.wall_seconds > 0 else None
+    g.lost_work_seconds = round(g.lost_work_seconds + lost_work_seconds, 3)
+    g.checkpoint_age_seconds = (round(max(0.0, (now - checkpoint_at).total_seconds()), 1)
+                                if checkpoint_at is not None else None)
+    return g

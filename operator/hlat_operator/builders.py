@@ -265,10 +265,12 @@ def build_worker_pods(
     attempt: int,
     settings: OperatorSettings,
     avoid_nodes: Iterable[str] = (),
+    steps_done: int = 0,
 ) -> list[Pod]:
     avoid = sorted(set(avoid_nodes))
     return [
-        build_worker_pod(job, spec, attempt, rank, settings, avoid) for rank in range(spec.nodes)
+        build_worker_pod(job, spec, attempt, rank, settings, avoid, steps_done)
+        for rank in range(spec.nodes)
     ]
 
 
@@ -279,7 +281,10 @@ def build_worker_pod(
     rank: int,
     settings: OperatorSettings,
     avoid_nodes: list[str] | None = None,
+    steps_done: int = 0,
 ) -> Pod:
+    """`steps_done`: the highest step an earlier attempt finished (the trainer counts steps up
+    to it as recomputed work)."""
     name = labels.worker_pod_name(job.name, attempt, rank)
     extra = {
         labels.COMPONENT: labels.WORKER,
@@ -293,7 +298,7 @@ def build_worker_pod(
         "serviceAccountName": labels.service_account_name(job.name),
         "terminationGracePeriodSeconds": settings.termination_grace_seconds,
         "enableServiceLinks": False,
-        "containers": [_container(job, spec, attempt, rank, name, settings)],
+        "containers": [_container(job, spec, attempt, rank, name, settings, steps_done)],
         "volumes": _volumes(job, spec, settings),
     }
     if _is_trainium(spec):
@@ -317,12 +322,13 @@ def _container(
     rank: int,
     pod: str,
     settings: OperatorSettings,
+    steps_done: int = 0,
 ) -> Container:
     c: Container = {
         "name": CONTAINER,
         "image": resolve_image(spec, settings) or "",
         "command": list(settings.trainer_command),
-        "env": build_env(job, spec, attempt, rank, pod, settings),
+        "env": build_env(job, spec, attempt, rank, pod, settings, steps_done),
         "volumeMounts": _mounts(spec),
         "ports": [{"name": "rendezvous", "containerPort": settings.master_port}],
     }
@@ -393,6 +399,7 @@ def build_env(
     rank: int,
     pod: str,
     settings: OperatorSettings,
+    steps_done: int = 0,
 ) -> list[EnvVar]:
     plain = {
         Env.JOB_NAME: job.name,
@@ -408,6 +415,7 @@ def build_env(
         Env.HEARTBEAT_PERIOD: f"{settings.heartbeat_period_seconds:g}",
         Env.METRICS_PORT: str(settings.trainer_metrics_port),
         Env.LOG_FORMAT: settings.log_format,
+        Env.STEPS_DONE: str(steps_done),
     }
     env: list[EnvVar] = [
         _field_env(Env.POD_NAME, "metadata.name"),

@@ -251,7 +251,7 @@ def status_schema() -> Schema:
     raw = PretrainJobStatus.model_json_schema(by_alias=True)
     schema = structural(raw, raw.get("$defs", {}), with_defaults=False)
     schema["description"] = (
-        "Written by the operator only: phase, conditions, restarts, progress, uptime."
+        "Written by the operator only: phase, conditions, restarts, progress, uptime, goodput."
     )
     return schema
 
@@ -263,13 +263,21 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
      "description": "Step / total steps (percent)."},
     {"name": "Loss", "type": "string", "jsonPath": ".status.progress.lossText",
      "description": "Loss of the latest step, 4 significant digits."},
-    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts.total"},
+    {
+        "name": "Goodput",
+        "type": "number",
+        "jsonPath": ".status.goodput.ratio",
+        "description": "Productive training seconds over wall seconds since the first gang "
+        "(suspended time excluded).",
+    },
     {
         "name": "Uptime",
         "type": "number",
         "jsonPath": ".status.uptime.ratio",
-        "description": "Running seconds over running + down seconds since the first start.",
+        "description": "Running seconds over running + down seconds since the first start "
+        "(the HLAT paper's measure).",
     },
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts.total"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Attempt", "type": "integer", "jsonPath": ".status.attempt", "priority": 1},
     {"name": "Reason", "type": "string", "jsonPath": ".status.lastFailure.reason", "priority": 1},

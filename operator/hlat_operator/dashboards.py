@@ -1,8 +1,8 @@
 """Grafana dashboards as code, built with Grafana's own builder library (grafana-foundation-sdk).
 
 Two dashboards, generated so their queries track the metric names in code:
-- **HLAT fleet** (`hlat-fleet`): jobs by phase, uptime per job, restarts by reason, time to
-  recover, lost steps, pods waiting for a node;
+- **HLAT fleet** (`hlat-fleet`): jobs by phase, goodput and badput by cause, uptime per job,
+  restarts by reason, time to recover, lost steps, pods waiting for a node;
 - **HLAT job** (`hlat-job`): one job's training (loss, grad norm with its spikes, learning rate,
   tokens/s, MFU, step time, data wait, checkpoint blocking and age, heartbeat age per worker) and
   the Neuron devices of its nodes (neuron-monitor's metric names: these panels have data only on
@@ -53,6 +53,12 @@ class Panel:
 FLEET: tuple[Panel, ...] = (
     Panel("Jobs by phase", "short", (("sum by (phase) (hlat_jobs)", "{{phase}}"),),
           "PretrainJobs the operator manages, per phase."),
+    Panel("Goodput ratio", "percentunit", ((f"hlat_job_goodput_ratio{NS}", "{{pretrainjob}}"),),
+          "Productive training time over wall time since each job's first gang (ML Goodput)."),
+    Panel("Badput by cause", "s",
+          ((f"sum by (cause) (increase(hlat_job_badput_seconds_total{NS}[$__range]))", "{{cause}}"),),
+          "Time that did not train over the dashboard's range: pending, startup, compile, "
+          "restore, recompute, checkpoint, data wait, detection, teardown, backoff, other."),
     Panel("Uptime ratio", "percentunit", ((f"hlat_job_uptime_ratio{NS}", "{{pretrainjob}}"),),
           "Running time over running + down time since each job first ran (HLAT paper, Table 1)."),
     Panel("Restarts by reason", "short",
@@ -117,7 +123,7 @@ NEURON_MONITOR_METRICS = frozenset({
 Grafana example): what the hardware panels may query."""
 
 DASHBOARDS: dict[str, tuple[str, str, tuple[Panel, ...], bool]] = {
-    "hlat-fleet": ("HLAT fleet", "Every PretrainJob: phases, uptime, restarts, recovery.",
+    "hlat-fleet": ("HLAT fleet", "Every PretrainJob: phases, goodput, uptime, restarts, recovery.",
                    FLEET, False),
     "hlat-job": ("HLAT job", "One PretrainJob's training, checkpoints, heartbeats and devices.",
                  JOB_PANELS, True),

@@ -1,7 +1,9 @@
 """The operator's Prometheus metrics, on its own registry.
 
-Per job: uptime ratio (the paper's Table 1 measure, as a lasting signal rather than events),
-restarts by reason, time to recover, lost steps, heartbeat age, training step; and the number
+Per job: goodput ratio with productive and badput seconds by cause (counters that follow
+`status.goodput`: they start where the status stands when a job is first seen, so an operator
+restart does not replay a job's history as an increase), uptime ratio (the paper's Table 1
+measure, as a lasting signal rather than events), restarts by reason, time to recover, lost steps, heartbeat age, training step; and the number
 of jobs per phase. Fed from each Decision (`observe`), so the numbers are exactly what the
 status says. Labels are `namespace` and `pretrainjob` (not `job`, which Prometheus reserves
 for the scrape target; the chart's ServiceMonitor sets honorLabels so `namespace` survives).
@@ -18,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import start_http_server
 
 from hlat_api.labels import INFRA_REASONS, Reason
-from hlat_api.status import Phase
+from hlat_api.status import Badput, Goodput, Phase
 from hlat_operator.reconcile import Decision
 
 PHASES: tuple[Phase, ...] = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
@@ -28,6 +30,8 @@ RESTART_REASONS = tuple(sorted(
     {Reason.POD_FAILED, Reason.KILLED, Reason.OOM_KILLED, Reason.STARTUP_TIMEOUT,
      Reason.HEARTBEAT_TIMEOUT, *INFRA_REASONS}))
 """The faults that restart a gang (a config error fails the job instead)."""
+BADPUT_CAUSES = tuple(c for c in Badput.model_fields if c != "unreported")
+"""Final causes only: `unreported` time moves to one of them later (a counter cannot go back)."""
 
 
 class OperatorMetrics:
@@ -94,6 +98,32 @@ class OperatorMetrics:
             JOB_LABELS,
             registry=r,
         )
+        self.goodput_ratio = Gauge(
+            "hlat_job_goodput_ratio",
+            "Productive training seconds over wall seconds since the job's first gang "
+            "(suspended time excluded).",
+            JOB_LABELS,
+            registry=r,
+        )
+        self.productive = Counter(
+            "hlat_job_productive_seconds",
+            "Seconds of steps no earlier attempt had finished (less data wait and compile).",
+            JOB_LABELS,
+            registry=r,
+        )
+        self.badput = Counter(
+            "hlat_job_badput_seconds",
+            "Wall seconds that did not train, by cause.",
+            (*JOB_LABELS, "cause"),
+            registry=r,
+        )
+        self.lost_work = Counter(
+            "hlat_job_lost_work_seconds",
+            "Training seconds thrown away by restarts (lost steps x step time).",
+            JOB_LABELS,
+            registry=r,
+        )
+        self._goodput: dict[tuple[str, str], dict[str, float]] = {}
         self._pods: dict[tuple[str, str], set[str]] = {}
         self.step = Gauge("hlat_job_step", "Latest training step reported.", JOB_LABELS, registry=r)
         self.attempt = Gauge("hlat_job_attempt", "Current restart attempt.", JOB_LABELS, registry=r)
@@ -114,6 +144,7 @@ class OperatorMetrics:
         labels = (namespace, job)
         if labels not in self._phases:
             self._start_at_zero(namespace, job)
+        self._follow_goodput(labels, s.goodput)
         if s.uptime.ratio is not None:
             self.uptime_ratio.labels(*labels).set(s.uptime.ratio)
         self.running_seconds.labels(*labels).set(s.uptime.running_seconds)
@@ -138,6 +169,26 @@ class OperatorMetrics:
         self._phases[labels] = s.phase
         self._count_phases()
 
+    def _follow_goodput(self, labels: tuple[str, str], g: Goodput) -> None:
+        """Counters advance by what the status gained since the last pass (never back)."""
+        if g.ratio is not None:
+            self.goodput_ratio.labels(*labels).set(g.ratio)
+        now = {f"badput:{c}": getattr(g.badput_seconds, c) for c in BADPUT_CAUSES}
+        now["productive"], now["lost_work"] = g.productive_seconds, g.lost_work_seconds
+        last = self._goodput.get(labels, {})
+        for key, value in now.items():
+            gain = value - last.get(key, 0.0)
+            if gain <= 0:
+                now[key] = last.get(key, 0.0)
+                continue
+            if key.startswith("badput:"):
+                self.badput.labels(*labels, key.split(":", 1)[1]).inc(gain)
+            elif key == "productive":
+                self.productive.labels(*labels).inc(gain)
+            else:
+                self.lost_work.labels(*labels).inc(gain)
+        self._goodput[labels] = now
+
     def _worker_ages(self, labels: tuple[str, str], ages: dict[str, float]) -> None:
         """One series per worker of the current gang; an old gang's go with it."""
         for pod in self._pods.get(labels, set()) - set(ages):
@@ -153,6 +204,10 @@ class OperatorMetrics:
         for reason in RESTART_REASONS:
             self.restarts.labels(namespace, job, str(reason))
         self.time_to_recover.labels(namespace)
+        for cause in BADPUT_CAUSES:
+            self.badput.labels(namespace, job, cause)
+        self.productive.labels(namespace, job)
+        self.lost_work.labels(namespace, job)
 
     def forget(self, namespace: str, job: str) -> None:
         """The job was deleted: drop its series."""
@@ -167,6 +222,9 @@ class OperatorMetrics:
             self.attempt,
             self.unschedulable,
             self.checkpoint_age,
+            self.goodput_ratio,
+            self.productive,
+            self.lost_work,
         ):
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)
@@ -174,6 +232,10 @@ class OperatorMetrics:
         for reason in RESTART_REASONS:
             with contextlib.suppress(KeyError):
                 self.restarts.remove(*labels, str(reason))
+        for cause in BADPUT_CAUSES:
+            with contextlib.suppress(KeyError):
+                self.badput.remove(*labels, cause)
+        self._goodput.pop(labels, None)
         for phase in PHASES:
             with contextlib.suppress(KeyError):
                 self.phase.remove(*labels, phase)

@@ -22,7 +22,8 @@ off exponentially, and creates attempt+1 (phase Pending, the Restarting conditio
 until the new gang runs). Suspended deletes the pods and keeps progress; resuming creates a
 new attempt. Failed and Succeeded are terminal.
 
-Progress, checkpoints, uptime and lost steps are computed by `hlat_operator.accounting`.
+Progress, checkpoints, uptime, goodput and lost steps are computed by
+`hlat_operator.accounting`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ from hlat_operator.observe import (
 )
 
 TERMINAL: tuple[Phase, ...] = ("Succeeded", "Failed")
+ACTIVE: tuple[Phase, ...] = ("Pending", "Running")
+"""An attempt's gang exists (its goodput window runs)."""
 PHASE_CONDITIONS = ("Running", "Restarting", "Suspended", "Succeeded", "Failed")
 
 # --- actions ---------------------------------------------------------------------------------
@@ -152,6 +155,9 @@ class _Pass:
         self.recovered: float | None = None
         self.force_write = False
         self.unschedulable = 0.0
+        self.lead: Heartbeat | None = None
+        """Node rank 0's heartbeat of the current attempt."""
+        self.lost_work = 0.0
 
     @property
     def stamp(self) -> str:
@@ -211,6 +217,7 @@ class _Pass:
 
     def finish(self, spec: PretrainJobSpec | None) -> Decision:
         _account_uptime(self)
+        _account_goodput(self)
         self.status.observed_generation = self.observed.generation
         write = _should_write(self)
         head: list[Action] = []
@@ -239,7 +246,8 @@ class _Pass:
             status=self.status
             if write
             else self.old.model_copy(
-                update={"progress": self.status.progress, "uptime": self.status.uptime}
+                update={"progress": self.status.progress, "uptime": self.status.uptime,
+                        "goodput": self.status.goodput}
             ),
             fault=self.fault,
             restarted=self.restarted,
@@ -507,8 +515,14 @@ def _new_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> None:
     p.actions += [
         CreateObject(lease) for lease in builders.build_leases(job, spec, attempt, p.settings)
     ]
-    pods = builders.build_worker_pods(job, spec, attempt, p.settings, _avoided_nodes(p, spec))
+    pods = builders.build_worker_pods(job, spec, attempt, p.settings, _avoided_nodes(p, spec),
+                                      _steps_done(p))
     p.actions += [CreateObject(pod) for pod in pods]
+
+
+def _steps_done(p: _Pass) -> int:
+    """The highest step any attempt reported finishing (recomputed work below it)."""
+    return max(p.state.high_step, p.status.progress.step)
 
 
 def _create_missing(p: _Pass, spec: PretrainJobSpec) -> None:
@@ -524,7 +538,8 @@ def _create_missing(p: _Pass, spec: PretrainJobSpec) -> None:
             )
         return
     pods = builders.build_worker_pods(
-        p.observed.job, spec, p.status.attempt, p.settings, _avoided_nodes(p, spec)
+        p.observed.job, spec, p.status.attempt, p.settings, _avoided_nodes(p, spec),
+        _steps_done(p)
     )
     p.actions += [CreateObject(pod) for pod in pods if pod["metadata"]["name"] not in present]
 
@@ -680,7 +695,9 @@ def _on_fault(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> None:
     else:
         s.restarts.total += 1
         s.restarts.counted += int(counted)
-        s.lost_steps += _lost_steps(p, latest)
+        lost = _lost_steps(p, latest)
+        s.lost_steps += lost
+        p.lost_work = lost * (p.lead.step_seconds or 0.0) if p.lead is not None else 0.0
         p.restarted = True
         p.phase(
             "Restarting",
@@ -704,9 +721,12 @@ def _update_progress(p: _Pass, spec: PretrainJobSpec) -> None:
     names = [labels.worker_pod_name(p.observed.job.name, p.status.attempt, r)
              for r in range(spec.nodes)]
     beats = [_beat(p, n) for n in names]
+    p.lead = beats[0] if beats else None
     progress = accounting.progress_of(beats, spec.total_steps)
     if progress is not None:
         p.status.progress = progress
+        if progress.step > p.state.high_step:
+            p.state = p.state.model_copy(update={"high_step": progress.step})
     newer = accounting.newer_checkpoint(beats, p.status.latest_checkpoint, p.stamp)
     if newer is not None:
         p.status.latest_checkpoint = newer
@@ -717,8 +737,32 @@ def _account_uptime(p: _Pass) -> None:
         p.old.uptime, p.old.phase, parse_time(p.observed.state.accounted_at), p.now)
 
 
+def _goodput_bucket(old: PretrainJobStatus) -> accounting.Bucket | None:
+    """Where the time since the previous pass went, by the state that pass left."""
+    if old.start_time is None:
+        return None
+    if old.phase in ACTIVE:
+        return "attempt"
+    if old.phase == "Restarting":
+        waiting = next((c for c in old.conditions if c.type == "Restarting"), None)
+        return "backoff" if waiting is not None and waiting.reason == Reason.BACKOFF else (
+            "teardown")
+    return None
+
+
+def _account_goodput(p: _Pass) -> None:
+    end: accounting.EndCause | None = None
+    if p.old.phase in ACTIVE and p.status.phase not in ACTIVE:
+        end = "detection" if p.fault is not None else "other"
+    saved = p.status.latest_checkpoint
+    p.status.goodput = accounting.goodput_after(
+        p.old.goodput, _goodput_bucket(p.old), parse_time(p.observed.state.accounted_at), p.now,
+        p.status.attempt, p.lead if p.status.phase in ACTIVE or end else None, end,
+        p.lost_work, parse_time(saved.time) if saved else None)
+
+
 def _should_write(p: _Pass) -> bool:
-    volatile = {"progress", "uptime", "observed_generation"}
+    volatile = {"progress", "uptime", "goodput", "observed_generation"}
     if p.force_write or p.observed.state.accounted_at is None:
         return True
     if p.status.model_dump(exclude=volatile) != p.old.model_dump(exclude=volatile):
@@ -729,5 +773,6 @@ def _should_write(p: _Pass) -> bool:
     due = written is None or p.now - written >= timedelta(
         seconds=p.settings.status_interval_seconds
     )
-    changed = p.status.progress != p.old.progress or p.status.uptime != p.old.uptime
+    changed = (p.status.progress != p.old.progress or p.status.uptime != p.old.uptime
+               or p.status.goodput != p.old.goodput)
     return due and changed

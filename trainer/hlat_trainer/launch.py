@@ -37,6 +37,7 @@ import argparse
 import os
 import shlex
 import sys
+import time
 from collections.abc import Mapping, Sequence
 
 from hlat_api import Env, ExitCode, InvalidSpecError, PretrainJobSpec, load_job
@@ -129,6 +130,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    launched = time.monotonic()  # the attempt's time accounting starts here (hlat_trainer.ledger)
     args, trainer_args = parse_args(argv)
     env = dict(os.environ)
     try:
@@ -155,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         return ExitCode.OK
     try:
-        os.execvpe(command[0], command, {**env, **extra})
+        os.execvpe(command[0], command,
+                   {**env, **extra, Env.LAUNCHED_MONOTONIC: f"{launched:.6f}"})
     except OSError as err:  # not found in the image: permanent, a restart cannot fix it
         print(f"hlat-launch: cannot run {command[0]}: {err}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR

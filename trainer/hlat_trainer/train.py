@@ -29,20 +29,21 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from hlat_api import INSTANCE_TYPES, Job
+from hlat_api import INSTANCE_TYPES, Env, Job
 from hlat_trainer.backends import Backend, select_backend
 from hlat_trainer.data import PackedLoader, load_tokenizer
 from hlat_trainer.distributed import World
 from hlat_trainer.engine import Engine, StepResult, build_engine, pack, unpack
 from hlat_trainer.errors import UserError
 from hlat_trainer.heartbeat import LeaseHeartbeat
+from hlat_trainer.ledger import Ledger
 from hlat_trainer.model import count_params
 from hlat_trainer.monitor import GradSpikeMonitor
 from hlat_trainer.neuron_env import EXTRACT_GRAPHS_ONLY, extracting_graphs_only
@@ -81,6 +82,17 @@ class TrainState:
         self.monitor.load_state_dict(state["monitor"])
 
 
+def steps_done(env: Mapping[str, str]) -> int:
+    """The highest step an earlier attempt finished (the operator's HLAT_STEPS_DONE; 0 when
+    unset): steps up to it are recomputed work."""
+    raw = env.get(Env.STEPS_DONE, "")
+    try:
+        return max(0, int(raw)) if raw else 0
+    except ValueError:
+        log.warning("ignoring %s=%r: not an integer", Env.STEPS_DONE, raw)
+        return 0
+
+
 def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     """Peak matmul FLOP/s of one rank: the table for accelerators, a short GEMM on CPU.
 
@@ -105,6 +117,7 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
 class Trainer:
     def __init__(self, job: Job, *, sinks: list[Sink] | None = None,
                  backend: Backend | None = None) -> None:
+        self.ledger = Ledger()  # the attempt's clock started with the launcher
         spec = job.spec
         self.job, self.spec = job, spec
         self.backend = backend or select_backend(spec)
@@ -134,9 +147,12 @@ class Trainer:
         self.longest_save = 0.0
         self._window = (time.perf_counter(), 0, 0.0)  # last report: when, at which step, saves
         self.peak_flops = self._peak_flops()
+        self.steps_done = steps_done(os.environ)
         self.heartbeat = LeaseHeartbeat.from_environment(self.world.local_rank)
         if self.heartbeat is not None:
             self.sinks.append(self.heartbeat)
+            self.ledger.charge("startup")
+            self._beat(phase="starting")
             self.heartbeat.start()
 
     def _peak_flops(self) -> float:
@@ -211,7 +227,7 @@ class Trainer:
         tokens = self.spec.tokens_per_step
         tps = tokens / seconds
         return {
-            "step": s.step, "loss": loss, "lr": s.lr, "grad_norm": grad_norm,
+            "step": s.step, "time": round(time.time(), 3), "loss": loss, "lr": s.lr, "grad_norm": grad_norm,
             "param_norm": param_norm, "tokens_per_second": tps, "step_seconds": seconds,
             "data_wait_seconds": s.result.data_wait_seconds, "tokens": self.state.tokens,
             "tokens_step": tokens,
@@ -223,7 +239,17 @@ class Trainer:
 
     def _beat(self, **fields: Any) -> None:
         if self.heartbeat is not None:
-            self.heartbeat.update(checkpoint_step=self.engine.committed, **fields)
+            self.heartbeat.update(checkpoint_step=self.engine.committed,
+                                  activity=self.ledger.snapshot(), **fields)
+
+    def _charge_step(self, step: int, data_wait: float, compiled_since: float) -> float:
+        """Charge the loop's time since the last charge to this step (productive, or recompute
+        when an earlier attempt finished it), less its data wait and compilation; returns the
+        compile seconds counted so far (the next step's baseline)."""
+        compiled = self.backend.compile_seconds()
+        self.ledger.charge("recompute" if step <= self.steps_done else "productive",
+                           data_wait=data_wait, compile=compiled - compiled_since)
+        return compiled
 
     def save_bound(self) -> float | None:
         """How long a save may hold the loop, for the operator's `checkpointing` timeout: the
@@ -258,31 +284,42 @@ class Trainer:
             self.spec.grad_accum_steps, self.spec.train.micro_batch, self.spec.data.seq_len,
             self.spec.precision, first,
         )
+        self.ledger.charge("restore")
         stats: dict[str, Any] = {"step": first - 1}
         self._window = (time.perf_counter(), first - 1, 0.0)  # since, at step, saves blocked
-        self._beat(phase="training", step=first - 1, tokens=self.state.tokens)
+        # on a compiling backend (XLA) the first step of every attempt compiles its graphs
+        self._beat(phase="compiling" if self.backend.compiles else "training", step=first - 1,
+                   tokens=self.state.tokens)
         batches = self._batches()
         finished = False
+        compiled = self.backend.compile_seconds()
         try:
             for step in range(first, total + 1):
                 done = self.train_step(batches, step)
+                wait = done.result.data_wait_seconds
                 blocked = None
                 if step % self.spec.checkpoint.interval == 0 or step == total:
+                    self.observe_norms()  # waits for the step: its time is the step's
+                    compiled, wait = self._charge_step(step, wait, compiled), 0.0
                     blocked = self.save(step)
+                    self.ledger.charge("checkpoint")
                     since, last_step, saved = self._window
                     self._window = (since, last_step, saved + blocked)
                 if step % self.spec.train.log_interval == 0 or step == total:
                     stats = self.report(done)
                     if blocked is not None:
                         stats["checkpoint_blocking_seconds"] = blocked
+                    stats["recomputed"] = step <= self.steps_done
                     for sink in self.sinks:
                         sink(stats)
-                self._beat()
+                compiled = self._charge_step(step, wait, compiled)
+                self._beat(phase="training")
             # the final asynchronous write: say so, or a long one looks like a hang and gets a
             # finished job restarted; the operator allows the longest write seen x its safety
             # factor (none seen yet: its startup bound)
             self._beat(phase="checkpointing", checkpoint_seconds=self.save_bound())
             self.engine.wait()
+            self.ledger.charge("final_checkpoint")
             finished = True
         finally:
             self.loader.close()

@@ -49,8 +49,16 @@ class Backend(ABC):
     (hlat_trainer.engine.ManagedEngine, NxD); False: the trainer applies hlat_trainer.parallel
     and checkpoints with torch.distributed.checkpoint (hlat_trainer.engine.TorchEngine)."""
 
+    compiles: ClassVar[bool] = False
+    """True: graphs are compiled as the loop first meets them (XLA), so an attempt reports
+    phase `compiling` until its first step is done; `compile_seconds` measures it."""
+
     def __init__(self, spec: PretrainJobSpec) -> None:
         self.spec = spec
+
+    def compile_seconds(self) -> float:
+        """Seconds this process has spent compiling graphs so far (0 on eager backends)."""
+        return 0.0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, dist={self.dist_backend!r})"

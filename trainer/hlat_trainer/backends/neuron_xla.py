@@ -81,6 +81,7 @@ class NeuronXlaBackend(Backend):
     dist_backend = "xla"
     autocast_device_type = "xla"
     parallelizes_model: ClassVar[bool] = True
+    compiles: ClassVar[bool] = True
 
     _nxd_config: dict[str, Any] | None = None
 
@@ -113,6 +114,12 @@ class NeuronXlaBackend(Backend):
                      tp_group=ps.get_tensor_model_parallel_group(),
                      dp_rank=ps.get_data_parallel_rank(),
                      tp_rank=ps.get_tensor_model_parallel_rank())
+
+    def compile_seconds(self) -> float:
+        """torch-xla's CompileTime metric: (samples, accumulated nanoseconds, recent samples);
+        on Neuron it includes neuronx-cc or the compile cache's load."""
+        data = require_neuron("torch_xla.debug.metrics").metric_data("CompileTime")
+        return float(data[1]) / 1e9 if data else 0.0
 
     def step_end(self) -> None:
         txla = require_neuron("torch_xla")

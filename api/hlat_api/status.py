@@ -183,6 +183,8 @@ class PretrainJobStatus(_Model):
     avoided_nodes: list[AvoidedNode] = Field(default_factory=list)
     """Nodes kept out of the next attempts; the next gang may still use some of them when
     fewer usable nodes than `nodes` would remain (the least recently failed first)."""
+    accounted_at: str | None = None
+    """Time up to which uptime and goodput are accounted (written with them, microseconds)."""
     start_time: str | None = None
     completion_time: str | None = None
     observed_generation: int | None = None

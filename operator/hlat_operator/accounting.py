@@ -136,7 +136,7 @@ def _fold(settled: Breakdown, ledger: AttemptLedger, end: EndCause) -> Breakdown
     if ledger.reported is None:
         causes["pending"] += rest
     else:
-        causes[end] += rest
+        causes[end] = causes.get(end, 0.0) + rest
     return Breakdown(productive=round(settled.productive + productive, 3),
                      badput=_add(settled.badput, **causes))
 

@@ -116,7 +116,7 @@ class OperatorState(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     accounted_at: str | None = None
-    """Time up to which status.uptime has been accumulated."""
+    """Where earlier versions kept status.accountedAt (read when the status has none)."""
     status_written_at: str | None = None
     """Last time progress/uptime were written (they are written at a bounded rate)."""
     checkpoint_at_attempt_start: int | None = None

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 from pathlib import Path
 
 from hlat_api import Heartbeat, latest_complete, list_checkpoints, step_dir
+from hlat_api.heartbeat import Activity
 
 
 def test_heartbeat_round_trips_through_annotations() -> None:
     beat = Heartbeat(phase="training", step=120, tokens=4.9e5, loss=2.5, checkpoint_step=100,
                      checkpoint_seconds=1.25,
-                     progress_time=dt.datetime(2026, 11, 22, 12, 0, 1, 250000, tzinfo=dt.UTC))
+                     progress_time=dt.datetime(2026, 11, 22, 12, 0, 1, 250000, tzinfo=dt.UTC),
+                     activity=Activity(startup=12.5, productive=300.25, final_checkpoint=1.5))
     annotations = beat.to_annotations()
     assert annotations["hlat.dev/step"] == "120" and "hlat.dev/loss" in annotations
+    assert json.loads(annotations["hlat.dev/activity"])["productive"] == 300.25
     assert all(isinstance(v, str) for v in annotations.values())
     assert Heartbeat.from_annotations({**annotations, "other/key": "x"}) == beat
 
@@ -22,6 +26,9 @@ def test_foreign_or_malformed_annotations_are_not_trusted() -> None:
     assert Heartbeat.from_annotations(None) is None
     assert Heartbeat.from_annotations({"app": "x"}) is None
     assert Heartbeat.from_annotations({"hlat.dev/step": "many"}) is None
+    assert Heartbeat.from_annotations({"hlat.dev/step": "1", "hlat.dev/activity": "{"}) is None
+    assert Heartbeat.from_annotations(
+        {"hlat.dev/step": "1", "hlat.dev/activity": '{"sleeping": 3}'}) is None
 
 
 def test_only_checkpoints_with_done_are_complete(tmp_path: Path) -> None:

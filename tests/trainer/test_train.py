@@ -117,3 +117,29 @@ def test_the_spike_monitor_sees_every_step_while_values_are_read_only_when_logge
     # at step 6 comes first and takes that step's norm
     assert [n for n in reads if n] == [3, 3, 3, 3]
     assert len(trainer.state.monitor.recent) == 6
+
+
+def test_every_second_of_an_attempt_is_charged_to_one_activity(
+    make_job: Callable[..., Job], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ledger the heartbeat carries: its activities add up to the attempt's wall time,
+    steps an earlier attempt finished (HLAT_STEPS_DONE) are recompute, not productive, and
+    asynchronous saves and the last write's wait are charged as such."""
+    import time
+
+    from hlat_api import Env
+
+    monkeypatch.setenv(Env.STEPS_DONE, "3")
+    started = time.monotonic()
+    monkeypatch.setenv(Env.LAUNCHED_MONOTONIC, f"{started - 2.0:.6f}")  # the launcher, 2 s ago
+    job = make_job(train__steps=6, checkpoint__interval=2, checkpoint__async=True)
+    trainer, seen = collect(job)
+    spent = trainer.ledger.snapshot()
+    assert spent.total() == pytest.approx(time.monotonic() - started + 2.0, abs=0.05)
+    assert spent.startup >= 2.0  # from the launcher's start, not the process's
+    assert spent.recompute > 0 and spent.productive > 0
+    assert spent.checkpoint > 0 and spent.compile == 0  # eager CPU compiles nothing
+    assert [r["recomputed"] for r in seen] == [True, True, True, False, False, False]
+    # the loop's step times, as logged, are the steps' activities (saves excluded)
+    logged = sum(r["step_seconds"] for r in seen)
+    assert spent.productive + spent.recompute + spent.data_wait == pytest.approx(logged, rel=0.1)

@@ -149,9 +149,9 @@ class Trainer:
         self.peak_flops = self._peak_flops()
         self.steps_done = steps_done(os.environ)
         self.heartbeat = LeaseHeartbeat.from_environment(self.world.local_rank)
+        self.ledger.charge("startup")
         if self.heartbeat is not None:
             self.sinks.append(self.heartbeat)
-            self.ledger.charge("startup")
             self._beat(phase="starting")
             self.heartbeat.start()
 
@@ -276,6 +276,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train to the spec's step count; returns the last step's stats."""
         total = self.spec.total_steps
+        self.ledger.charge("startup")  # the caller's set-up since __init__ (e.g. sinks)
         first = self.maybe_resume() + 1
         log.info(
             "job %s: %s parameters, %d steps of %d tokens (%d micro-batches of %dx%d), "

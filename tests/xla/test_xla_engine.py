@@ -148,3 +148,31 @@ def test_bf16_parameters_with_hardware_stochastic_rounding_stay_bf16(
     assert moments == {torch.bfloat16}
     assert all(p.device.type == "xla" for p in trainer.model.parameters())
     assert Path(job.spec.checkpoint.dir, "job", "step_3", "done").exists()
+
+
+def test_compilation_is_charged_to_compile_and_the_first_step_reports_compiling(
+    make_job: Callable[..., Job],
+) -> None:
+    """Goodput's compile badput on a compiling backend is torch-xla's own CompileTime, taken
+    out of the steps it happened in; the phases the heartbeat would carry say `compiling`
+    until the first step is done."""
+    # a sequence length no other test uses: torch-xla reuses graphs it compiled in-process
+    job = make_job(name="compile", train__steps=4, checkpoint__interval=4, data__seqLen=24)
+    trainer = Trainer(job, backend=CpuXlaBackend(job.spec))
+    phases: list[str] = []
+    beat = trainer._beat
+
+    def recording(**fields: Any) -> None:
+        if "phase" in fields:
+            phases.append(fields["phase"])
+        beat(**fields)
+
+    trainer._beat = recording  # type: ignore[method-assign]
+    before = trainer.backend.compile_seconds()
+    trainer.run()
+    spent = trainer.ledger.snapshot()
+    compiled = trainer.backend.compile_seconds() - before
+    assert compiled > 0
+    assert spent.compile == pytest.approx(compiled, abs=0.01)
+    assert spent.productive > 0 and spent.compile < spent.total()
+    assert phases[0] == "compiling" and phases[1] == "training"

@@ -156,7 +156,7 @@ class _Pass:
         self.force_write = False
         self.unschedulable = 0.0
         self.lead: Heartbeat | None = None
-        """Node rank 0's heartbeat of the current attempt."""
+        """Node rank 0's heartbeat of the attempt the status had when the pass began."""
         self.lost_work = 0.0
 
     @property
@@ -230,7 +230,7 @@ class _Pass:
             head.append(PatchState(new_state.to_annotation()))
             head.append(
                 PatchStatus(
-                    self.status.model_dump(mode="json", by_alias=True, exclude_none=True),
+                    merge_patch(_dump(self.old), _dump(self.status)),
                     self.observed.resource_version,
                 )
             )
@@ -252,6 +252,22 @@ class _Pass:
             heartbeat_ages=ages,
             unschedulable_seconds=self.unschedulable,
         )
+
+
+def _dump(status: PretrainJobStatus) -> dict[str, Any]:
+    return status.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """`new` as a JSON merge patch (RFC 7386) over `old`: a key `old` has and `new` lacks is
+    sent as null, which deletes it (a patch that leaves it out would keep it)."""
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        before = old.get(key)
+        patch[key] = (merge_patch(before, value)
+                      if isinstance(value, dict) and isinstance(before, dict) else value)
+    patch.update({key: None for key in old if key not in new})
+    return patch
 
 
 def decide(
@@ -758,9 +774,11 @@ def _account_goodput(p: _Pass) -> None:
     if p.old.phase in ACTIVE and p.status.phase not in ACTIVE:
         end = "detection" if p.fault is not None else "other"
     saved = p.status.latest_checkpoint
+    # the lead is of the attempt the pass began with: none for a gang created in this pass
+    live = (p.status.phase in ACTIVE or end) and p.status.attempt == p.old.attempt
     p.status.goodput = accounting.goodput_after(
         p.old.goodput, _goodput_bucket(p.old), _accounted_at(p), p.now,
-        p.status.attempt, p.lead if p.status.phase in ACTIVE or end else None, end,
+        p.status.attempt, p.lead if live else None, end,
         p.lost_work, parse_time(saved.time) if saved else None)
 
 

@@ -48,6 +48,19 @@ SETTINGS = OperatorSettings(
 )
 
 
+def apply_merge_patch(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """RFC 7386: objects merge key by key, null deletes, anything else replaces."""
+    out = dict(target)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = apply_merge_patch(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def at(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 
@@ -131,8 +144,10 @@ class World:
         return d
 
     def apply(self, action: object) -> None:
-        if isinstance(action, PatchStatus):
-            self.status = PretrainJobStatus.model_validate(copy.deepcopy(action.status))
+        if isinstance(action, PatchStatus):  # a JSON merge patch, as the API server applies it
+            stored = self.status.model_dump(mode="json", by_alias=True, exclude_none=True)
+            self.status = PretrainJobStatus.model_validate(
+                apply_merge_patch(stored, copy.deepcopy(action.status)))
             self.status_writes += 1
         elif isinstance(action, PatchState):
             self.state = OperatorState.model_validate_json(action.annotation)

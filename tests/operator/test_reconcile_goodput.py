@@ -204,3 +204,31 @@ def test_goodput_after_is_pure_arithmetic_on_the_buckets() -> None:
     g = accounting.goodput_after(g, None, t0, t0 + timedelta(seconds=100), 1, None)  # suspended
     assert g.wall_seconds == 8 and g.badput_seconds.teardown == 3
     assert g.badput_seconds.backoff == 5 and g.ratio == 0
+
+
+def test_a_new_gang_waiting_for_nodes_is_pending_whatever_the_old_gang_reported() -> None:
+    """The new gang's pods wait 20 s for nodes: pending, not time the old trainer reported
+    (whose last Lease the operator still reads in the pass that creates the new gang)."""
+    w = World(raw_spec(**{"faultTolerance.backoff.initialSeconds": 1}))
+    w.until("Running")
+    trainer = Trainer()
+    for _ in range(30):
+        trainer.spend("productive")
+        w.beat(1, activity=trainer.activity(), progress_time=w.now)
+        w.step()
+        w.advance(1)
+    w.fail(0)
+    while w.status.attempt == 0:
+        w.step()
+        w.advance(1)
+    for _ in range(20):  # no node for the new gang
+        w.step()
+        w.advance(1)
+    w.schedule()
+    fresh = Trainer()
+    fresh.spend("startup", 2)
+    w.beat(1, "starting", activity=fresh.activity(), progress_time=w.now)
+    g = w.step().status.goodput
+    assert g.current is not None and g.current.attempt == 1
+    assert g.current.pending_seconds == pytest.approx(20, abs=1.5)
+    assert g.badput_seconds.startup == 2 and g.productive_seconds == 30

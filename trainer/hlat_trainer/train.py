@@ -302,8 +302,10 @@ class Trainer:
                 if step % self.spec.checkpoint.interval == 0 or step == total:
                     self.observe_norms()  # waits for the step: its time is the step's
                     compiled, wait = self._charge_step(step, wait, compiled), 0.0
-                    blocked = self.save(step)
-                    self.ledger.charge("checkpoint")
+                    self.save(step)
+                    # all the save held the loop (building the state included), not only the
+                    # checkpointer's part: what the log, the step time and goodput all use
+                    blocked = self.ledger.charge("checkpoint")
                     since, last_step, saved = self._window
                     self._window = (since, last_step, saved + blocked)
                 if step % self.spec.train.log_interval == 0 or step == total:

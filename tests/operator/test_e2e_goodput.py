@@ -1,0 +1,184 @@
+"""Goodput end to end: what `status.goodput` says against what the trainers' logs show.
+
+A 2-node CPU job with asynchronous checkpoints whose writes take 2 s (so saves block and the
+final write is waited for), a worker SIGKILLed mid-run, trained to the end. The test is the
+oracle, built from what it can see without the operator's help: each trainer's per-step JSON
+lines (wall time, step time, data wait, checkpoint blocking; which steps an earlier attempt
+had logged), the trainer's own log lines, and its own stopwatch on the pods and the job's
+phase (polled every 0.2 s). Kubernetes timestamps have a resolution of 1 s, so the stopwatch
+is used instead where a cause starts or ends at a pod's creation.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import pytest
+from e2e_env import JOB, Env
+from e2e_spec import tiny_spec
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from hlat_testbed import faults
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+OPERATOR_ENV = {
+    "HLAT_OPERATOR_HEARTBEAT_PERIOD_SECONDS": "1",
+    "HLAT_OPERATOR_STATUS_INTERVAL_SECONDS": "1",
+}
+WRITE_DELAY = 2.0
+
+
+class Stopwatch:
+    """When this test first saw each pod, and each phase of the job (wall clock)."""
+
+    def __init__(self, env: Env) -> None:
+        self.env, self.pods, self.phases = env, {}, []  # type: ignore[var-annotated]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        core = client.CoreV1Api(self.env.cluster.admin_api())
+        custom = self.env.custom
+        while not self._stop.is_set():
+            now = time.time()
+            for pod in core.list_namespaced_pod(
+                    self.env.ns, label_selector=f"hlat.dev/job={self.env.name}").items:
+                self.pods.setdefault(pod.metadata.name, now)
+            try:
+                job = custom.get_namespaced_custom_object("hlat.dev", "v1alpha1", self.env.ns,
+                                                          "pretrainjobs", self.env.name)
+            except ApiException:  # not created yet
+                job = {}
+            phase = (job.get("status") or {}).get("phase")
+            if phase and (not self.phases or self.phases[-1][0] != phase):
+                self.phases.append((phase, now))
+            self._stop.wait(0.2)
+
+    def __enter__(self) -> Stopwatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def first(self, phase: str) -> float:
+        return next(t for p, t in self.phases if p == phase)
+
+
+def records(log: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.splitlines() if line.startswith('{"step"')]
+
+
+def logged_at(log: str, pattern: str) -> float:
+    """Wall time of the trainer's first log line matching `pattern` (its asctime, ms)."""
+    m = re.search(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*" + pattern, log, re.M)
+    assert m, f"no log line matching {pattern!r}"
+    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def kill_after_a_fresh_beat(env: Env, pod: str) -> None:
+    """SIGKILL `pod` right after its Lease carried a new step: the steps trained since the
+    last report a dead worker never sent are at most what fits in the poll (a heartbeat period
+    is the bound the accounting documents)."""
+    leases = client.CoordinationV1Api(env.cluster.admin_api())
+    last = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        notes = leases.read_namespaced_lease(pod, env.ns).metadata.annotations or {}
+        step = notes.get("hlat.dev/step")
+        if last is not None and step != last:
+            faults.kill(env.cluster.config, env.ns, pod)
+            return
+        last = step
+        time.sleep(0.02)
+    raise AssertionError(f"{pod}'s Lease carried no new step for 60 s")
+
+
+@pytest.fixture
+def stopwatch(job_env: Env) -> Iterator[Stopwatch]:
+    with Stopwatch(job_env) as watch:
+        yield watch
+
+
+def test_goodput_in_status_matches_the_trainers_logs(job_env: Env, stopwatch: Stopwatch
+                                                     ) -> None:
+    spec = tiny_spec(steps=40)
+    spec["checkpoint"].update({"async": True, "interval": 4})
+    spec["train"]["logInterval"] = 1
+    spec["template"] = {"spec": {"containers": [{"name": "trainer", "env": [
+        {"name": "HLAT_FAULT_CHECKPOINT_WRITE_DELAY_SECONDS", "value": str(WRITE_DELAY)}]}]}}
+    job_env.create(spec)
+    job_env.wait("a checkpoint at step 8", lambda s: s.get("phase") == "Running"
+                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= 8, 180)
+    kill_after_a_fresh_beat(job_env, f"{JOB}-a0-1")
+    done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    time.sleep(0.5)  # the stopwatch's last poll
+    assert done["attempt"] == 1 and done["restarts"]["total"] == 1
+    g, b = done["goodput"], done["goodput"]["badputSeconds"]
+    first, second = records(job_env.pod_log(0, 0)), records(job_env.pod_log(1, 0))
+    log0, log1 = job_env.pod_log(0, 0), job_env.pod_log(1, 0)
+    done_before = max(r["step"] for r in first)
+
+    # productive: the steps no earlier attempt logged; recompute: those it had; each step's
+    # time less its data wait (the JSON line's stepSeconds excludes saves)
+    def work(rs: list[dict[str, Any]]) -> float:
+        return sum(r["stepSeconds"] - r["dataWaitSeconds"] for r in rs)
+
+    productive = work(first) + work([r for r in second if r["step"] > done_before])
+    recompute = work([r for r in second if r["step"] <= done_before])
+    checkpoint = sum(r.get("checkpointBlockingSeconds", 0.0) for r in first + second)
+    data_wait = sum(r["dataWaitSeconds"] for r in first + second)
+    created = [stopwatch.pods[f"{JOB}-a{a}-0"] for a in (0, 1)]
+    wall = stopwatch.first("Succeeded") - created[0]
+    restarting = stopwatch.first("Restarting")
+    detection = restarting - first[-1]["time"]
+    between = created[1] - restarting  # teardown + backoff
+    # pending + startup + restore: pod created -> the first step began (its line's time less
+    # its step time)
+    before_steps = sum(rs[0]["time"] - rs[0]["stepSeconds"] - c
+                       for rs, c in ((first, created[0]), (second, created[1])))
+    finished = logged_at(log1, "finished at step")
+    final_wait = finished - second[-1]["time"]
+    exit_seen = stopwatch.first("Succeeded") - finished  # processes exit, the operator sees it
+
+    shown = {
+        "ratio": (g["ratio"], productive / wall),
+        "wall": (g["wallSeconds"], wall),
+        "productive": (g["productiveSeconds"], productive),
+        "recompute": (b["recompute"], recompute),
+        "checkpoint": (b["checkpoint"], checkpoint),
+        "dataWait": (b["dataWait"], data_wait),
+        "detection": (b["detection"], detection),
+        "teardown+backoff": (b["teardown"] + b["backoff"], between),
+        "pending+startup+restore+compile": (
+            b["pending"] + b["startup"] + b["restore"] + b["compile"], before_steps),
+        "finalCheckpoint": (b["finalCheckpoint"], final_wait),
+        "other": (b["other"], exit_seen),
+    }
+    print(json.dumps({"shown": shown, "goodput": g}))  # status vs logs, in the output
+    assert g["ratio"] == pytest.approx(productive / wall, rel=0.02), shown
+    for cause, (status, logs) in shown.items():
+        if cause != "ratio":
+            assert abs(status - logs) <= 2.0, (cause, shown)
+    # what the logs show happened, happened: the kill cost work, the saves blocked, the final
+    # write was waited for, and nothing is left unexplained
+    assert recompute > 0 and b["recompute"] > 0 and b["detection"] > 0
+    assert b["finalCheckpoint"] >= WRITE_DELAY - 0.5 and b["checkpoint"] > 0
+    assert b["unreported"] == 0
+    assert g["lostWorkSeconds"] > 0
+    total = g["productiveSeconds"] + sum(b.values())
+    assert total == pytest.approx(g["wallSeconds"], abs=0.05)
+    assert log0 and resumed(log1)
+
+
+def resumed(log: str) -> bool:
+    return "resumed from checkpoint step_" in log

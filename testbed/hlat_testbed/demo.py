@@ -202,12 +202,48 @@ def status_line(job: dict[str, Any]) -> str:
     prog, up, rs = s.get("progress") or {}, s.get("uptime") or {}, s.get("restarts") or {}
     loss = prog.get("loss")
     ckpt = (s.get("latestCheckpoint") or {}).get("step")
-    ratio = up.get("ratio")
+    ratio, good = up.get("ratio"), (s.get("goodput") or {}).get("ratio")
     return (f"phase={s.get('phase', '-'):<10} attempt={s.get('attempt', 0)} "
             f"step={prog.get('step', 0):<4} loss={loss if loss is None else f'{loss:.3f}'} "
             f"checkpoint={ckpt} restarts={rs.get('total', 0)} "
             f"uptime={up.get('runningSeconds', 0):.0f}s/{up.get('downSeconds', 0):.0f}s down"
-            + (f" ratio={ratio:.3f}" if ratio is not None else ""))
+            + (f" ratio={ratio:.3f}" if ratio is not None else "")
+            + (f" goodput={good:.3f}" if good is not None else ""))
+
+
+GOODPUT_ROWS = (
+    ("productive", "training steps no earlier attempt had done"),
+    ("pending", "pods created -> trainer launched (scheduling, container start)"),
+    ("startup", "launcher -> model built (imports, rendezvous)"),
+    ("compile", "graph compilation"),
+    ("restore", "loading the checkpoint resumed from"),
+    ("recompute", "steps trained again after the fault"),
+    ("checkpoint", "saves blocking the loop"),
+    ("dataWait", "waiting for the data loader"),
+    ("finalCheckpoint", "waiting for the last asynchronous write"),
+    ("detection", "last report before the fault -> operator acting"),
+    ("teardown", "deleting the failed gang"),
+    ("backoff", "restart backoff"),
+    ("other", "workers exiting -> operator seeing it, and the rest"),
+    ("unreported", "not reported by the workers yet"),
+)
+
+
+def goodput_table(status: dict[str, Any]) -> str:
+    """`status.goodput` as a small table: seconds and share of wall time per cause, next to
+    uptime (the paper's measure), so the two can be told apart."""
+    g, up = status.get("goodput") or {}, status.get("uptime") or {}
+    wall = g.get("wallSeconds") or 0.0
+    badput = g.get("badputSeconds") or {}
+    lines = [f"goodput {g.get('ratio') or 0:.1%} of {wall:.1f}s wall time "
+             f"(uptime, the paper's measure: {up.get('ratio') or 0:.1%}); "
+             f"lost work {g.get('lostWorkSeconds', 0):.1f}s, {status.get('lostSteps', 0)} steps"]
+    for key, what in GOODPUT_ROWS:
+        seconds = g.get("productiveSeconds", 0.0) if key == "productive" else badput.get(key, 0)
+        if seconds or key == "productive":
+            share = seconds / wall if wall else 0.0
+            lines.append(f"  {key:<16}{seconds:8.1f}s {share:7.1%}  {what}")
+    return "\n".join(lines)
 
 
 def resumed_step(log: str) -> int | None:
@@ -267,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
     kubectl = [str(kubectl_binary()), f"--kubeconfig={cluster.kubeconfig}"]
     print(subprocess.run([*kubectl, "get", "pj", "-n", ns], capture_output=True,
                          text=True).stdout, flush=True)
+    final = get_job(custom, ns, name) or {}
+    print(goodput_table(final.get("status") or {}) + "\n", flush=True)
     print("dashboards (from the real Prometheus data):\n" + "".join(
         f"  {path}  ({sum(1 for n in counts.values() if n)}/{len(counts)} panels with data)\n"
         for path, counts in pictures.items()), flush=True)

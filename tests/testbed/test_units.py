@@ -32,3 +32,19 @@ def test_nodes_get_disjoint_pod_ranges_outside_the_host_address() -> None:
     ranges = [cfg.node_cidr(i) for i in range(3)]
     assert cfg.host_ip == "10.244.0.1"
     assert [str(r) for r in ranges] == ["10.244.1.0/24", "10.244.2.0/24", "10.244.3.0/24"]
+
+
+def test_the_demo_s_goodput_table_shows_each_cause_and_its_share_next_to_uptime() -> None:
+    from hlat_testbed.demo import goodput_table
+
+    table = goodput_table({
+        "uptime": {"ratio": 0.98}, "lostSteps": 4,
+        "goodput": {"ratio": 0.25, "wallSeconds": 40.0, "productiveSeconds": 10.0,
+                    "lostWorkSeconds": 1.5,
+                    "badputSeconds": {"startup": 20.0, "detection": 10.0, "compile": 0}}})
+    lines = table.splitlines()
+    assert "goodput 25.0% of 40.0s" in lines[0] and "uptime" in lines[0] and "98.0%" in lines[0]
+    assert "4 steps" in lines[0]
+    rows = {line.split()[0]: line.split()[1:3] for line in lines[1:]}
+    assert rows == {"productive": ["10.0s", "25.0%"], "startup": ["20.0s", "50.0%"],
+                    "detection": ["10.0s", "25.0%"]}  # causes at 0 are left out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -275,3 +276,35 @@ def test_progress_for_kubectl_step_of_total_loss_to_4_digits_and_eta() -> None:
     assert p.eta_seconds == 140.0  # 280 steps left x rank 0's 0.5 s
     assert progress_of(beats) is not None and progress_of(beats).summary is None  # type: ignore[union-attr]
     assert progress_of([Heartbeat(phase="compiling")], 400) is None  # not resumed yet
+
+
+def test_goodput_counters_follow_the_status_and_never_go_back() -> None:
+    """Counters start at the status's figures when a job is first seen (an operator restarted
+    mid-job does not replay its history as an increase from 0 in one scrape), advance by what
+    the status gains, and hold when a figure moves back (the provisional part is not a cause)."""
+    from hlat_api.status import Badput, Goodput
+
+    m = OperatorMetrics()
+    w = World(raw_spec())
+    d = w.step()
+    status = d.status.model_copy(update={"goodput": Goodput(
+        ratio=0.5, wall_seconds=100, productive_seconds=50, lost_work_seconds=3,
+        badput_seconds=Badput(compile=40, teardown=10, unreported=7))})
+    m.observe("default", "tiny", replace(d, status=status))
+
+    def badput(cause: str) -> float | None:
+        return _sample(m, "hlat_job_badput_seconds_total", namespace="default",
+                       pretrainjob="tiny", cause=cause)
+
+    assert badput("compile") == 40 and badput("teardown") == 10 and badput("recompute") == 0
+    assert badput("unreported") is None
+    assert _sample(m, "hlat_job_productive_seconds_total", namespace="default",
+                   pretrainjob="tiny") == 50
+    assert _sample(m, "hlat_job_goodput_ratio", namespace="default", pretrainjob="tiny") == 0.5
+    later = status.model_copy(update={"goodput": Goodput(
+        ratio=0.4, wall_seconds=150, productive_seconds=60, lost_work_seconds=3,
+        badput_seconds=Badput(compile=38, teardown=12, detection=40))})
+    m.observe("default", "tiny", replace(d, status=later))
+    assert badput("compile") == 40 and badput("teardown") == 12 and badput("detection") == 40
+    assert _sample(m, "hlat_job_lost_work_seconds_total", namespace="default",
+                   pretrainjob="tiny") == 3

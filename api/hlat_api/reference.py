@@ -1,4 +1,4 @@
-"""Render the spec's field documentation as Markdown (docs/api.md), from the models themselves.
+"""Render the spec's and the status's field documentation as Markdown (docs/api.md), from the models themselves.
 
 `python -m hlat_api.reference > docs/api.md`; a test fails when the file is stale, so the
 reference can never drift from the schema.
@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 
 from hlat_api.spec import PretrainJobSpec
+from hlat_api.status import PretrainJobStatus
 
 HEADER = """# PretrainJob spec reference
 
@@ -64,8 +65,19 @@ def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
     return out
 
 
+STATUS_HEADER = """
+# PretrainJob status reference
+
+Written by the operator only (`hlat_api.status`); `kubectl get pj -o yaml` shows it.
+
+| field | type | default | description |
+|---|---|---|---|
+"""
+
+
 def render() -> str:
-    return HEADER + "\n".join(rows(PretrainJobSpec)) + "\n"
+    return (HEADER + "\n".join(rows(PretrainJobSpec)) + "\n" + STATUS_HEADER
+            + "\n".join(rows(PretrainJobStatus)) + "\n")
 
 
 if __name__ == "__main__":

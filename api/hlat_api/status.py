@@ -90,8 +90,11 @@ class Uptime(_Model):
     """The paper's Table 1 measure: time training over time since the job first started."""
 
     running_seconds: float = 0
+    """Time in phase Running."""
     down_seconds: float = 0
+    """Time in Pending or Restarting after the job first ran."""
     ratio: float | None = None
+    """runningSeconds / (runningSeconds + downSeconds)."""
 
 
 class Badput(_Model):
@@ -103,6 +106,7 @@ class Badput(_Model):
     startup: float = 0
     """Launcher start to the model built (imports, rendezvous, set-up)."""
     compile: float = 0
+    """Graph compilation (XLA/Neuron; 0 on eager backends)."""
     restore: float = 0
     """Loading the checkpoint an attempt resumed from."""
     recompute: float = 0
@@ -110,6 +114,7 @@ class Badput(_Model):
     checkpoint: float = 0
     """Saves blocking the training loop."""
     data_wait: float = 0
+    """The training loop waiting for the data loader."""
     final_checkpoint: float = 0
     """Waiting for the last asynchronous write after the last step."""
     detection: float = 0
@@ -155,9 +160,13 @@ class Goodput(_Model):
     Running second as up."""
 
     ratio: float | None = None
+    """productiveSeconds / wallSeconds."""
     wall_seconds: float = 0
+    """Since the first gang was created, Suspended time excluded."""
     productive_seconds: float = 0
+    """Steps no earlier attempt had finished, less data wait and compilation."""
     badput_seconds: Badput = Field(default_factory=Badput)
+    """The rest of the wall time, by cause; productiveSeconds plus all of them is wallSeconds."""
     lost_work_seconds: float = 0
     """Training time thrown away by restarts: lost steps x the step time when each fault
     hit."""

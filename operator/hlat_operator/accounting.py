@@ -143,11 +143,13 @@ def _fold(settled: Breakdown, ledger: AttemptLedger, end: EndCause) -> Breakdown
 
 def goodput_after(old: Goodput, bucket: Bucket | None, since: datetime | None, now: datetime,
                   attempt: int, lead: Heartbeat | None, end: EndCause | None = None,
-                  lost_work_seconds: float = 0.0, checkpoint_at: datetime | None = None
-                  ) -> Goodput:
+                  lost_work_seconds: float = 0.0, checkpoint_at: datetime | None = None,
+                  max_report_age: float = 30.0) -> Goodput:
     """`old` plus the time from `since` to `now` spent in `bucket`, with node rank 0's latest
     report (`lead`, of the running `attempt`); `end`: the attempt ended in this pass, and the
-    cause of its unreported rest."""
+    cause of its unreported rest. `max_report_age` bounds how old the report is taken to be
+    (its `progress_time` is the worker's clock: a clock off by a minute must not move a minute
+    between causes)."""
     g = old.model_copy(deep=True)
     dt = (now - since).total_seconds() if since is not None and now > since else 0.0
     current = g.current
@@ -166,7 +168,7 @@ def goodput_after(old: Goodput, bucket: Bucket | None, since: datetime | None, n
         current.reported = lead.activity
         if current.pending_seconds is None:
             reported_at = lead.progress_time or now
-            tail = max(0.0, (now - reported_at).total_seconds())
+            tail = min(max(0.0, (now - reported_at).total_seconds()), max_report_age)
             current.pending_seconds = round(
                 max(0.0, current.window_seconds - lead.activity.total() - tail), 3)
     if end is not None and current is not None:

@@ -34,7 +34,7 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from hlat_api import labels
-from hlat_api.heartbeat import Heartbeat, lease_name
+from hlat_api.heartbeat import EXPIRY_PERIODS, Heartbeat, lease_name
 from hlat_api.labels import Reason
 from hlat_api.manifest import InvalidSpecError, parse_spec
 from hlat_api.spec import PretrainJobSpec
@@ -779,7 +779,8 @@ def _account_goodput(p: _Pass) -> None:
     p.status.goodput = accounting.goodput_after(
         p.old.goodput, _goodput_bucket(p.old), _accounted_at(p), p.now,
         p.status.attempt, p.lead if live else None, end,
-        p.lost_work, parse_time(saved.time) if saved else None)
+        p.lost_work, parse_time(saved.time) if saved else None,
+        p.settings.heartbeat_period_seconds * EXPIRY_PERIODS)
 
 
 def _should_write(p: _Pass) -> bool:

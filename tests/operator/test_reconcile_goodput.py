@@ -232,3 +232,24 @@ def test_a_new_gang_waiting_for_nodes_is_pending_whatever_the_old_gang_reported(
     assert g.current is not None and g.current.attempt == 1
     assert g.current.pending_seconds == pytest.approx(20, abs=1.5)
     assert g.badput_seconds.startup == 2 and g.productive_seconds == 30
+
+
+@pytest.mark.parametrize("skew", [-60.0, 60.0])
+def test_a_worker_clock_a_minute_off_moves_at_most_a_few_heartbeats_between_causes(
+        skew: float) -> None:
+    from datetime import timedelta
+
+    w = World(raw_spec())
+    w.until("Running")
+    for _ in range(20):
+        w.step()
+        w.advance(1)
+    trainer = Trainer()
+    trainer.spend("startup", 5)
+    w.beat(0, "starting", activity=trainer.activity(),
+           progress_time=w.now + timedelta(seconds=skew))
+    g = w.step().status.goodput
+    assert g.current is not None and g.current.pending_seconds is not None
+    exact = g.current.window_seconds - 5
+    bound = 3 * w.settings.heartbeat_period_seconds
+    assert abs(g.current.pending_seconds - exact) <= bound

@@ -328,3 +328,17 @@ def test_the_startup_clock_starts_when_the_last_worker_starts() -> None:
     pod = ObservedPod("tiny-a0-0", 0, 0, phase="Running", started_at=at(0))
     stale = staleness(spec, pod, None, SETTINGS, gang_started=at(40))
     assert stale is not None and stale.since == at(40)
+
+
+def test_a_save_longer_than_ever_seen_is_still_bounded_by_the_startup_timeout() -> None:
+    """A worker whose longest save was an hour is not given five hours in `checkpointing`: the
+    startup timeout (60 s here) caps every bound."""
+    w = World()
+    w.until("Running")
+    w.beat(20, phase="checkpointing", checkpoint_seconds=3600.0)
+    w.run(58)
+    assert w.status.phase == "Running"
+    w.run(5)
+    assert w.status.phase == "Restarting"
+    assert w.status.last_failure is not None
+    assert w.status.last_failure.reason == Reason.HEARTBEAT_TIMEOUT

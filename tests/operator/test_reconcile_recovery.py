@@ -325,3 +325,52 @@ def test_time_to_recover_is_reported_once_the_new_gang_trains() -> None:
     w.advance(1)
     w.beat(22)
     assert w.step().recovered_seconds is None
+
+
+def test_a_fault_replayed_after_a_crash_between_the_writes_is_counted_once() -> None:
+    """The operator dies after writing its state annotation but before the status: the next
+    pass sees the same fault again and must not count it as a second attempt without
+    progress (which would end the job NoProgress sooner than the spec says)."""
+    w = running_world(**{"faultTolerance.noProgressRestarts": 1})
+    w.fail(0)
+    w.step(crash_after=1)  # only PatchState landed
+    assert w.status.phase == "Running" and w.state.no_progress_streak == 1
+    w.step()
+    assert w.status.phase == "Restarting" and w.status.restarts.total == 1
+    assert w.state.no_progress_streak == 1
+
+
+def test_a_pod_slow_to_terminate_on_a_live_node_is_not_force_deleted() -> None:
+    """Force deletion is for pods on dead nodes (whose kubelet will never confirm); on a live
+    node it would let a new gang start beside a trainer that still runs."""
+    w = running_world()
+    # deleted behind the operator's back; the kubelet is alive but the pods take long to stop
+    w.pods = {n: replace(p, deletion_timestamp=w.now) for n, p in w.pods.items()}
+    forced = []
+    for _ in range(120):
+        w.advance(1)
+        forced += [a for a in w.step().actions
+                   if isinstance(a, DeletePod) and a.grace_seconds == 0]
+    assert w.status.phase == "Restarting"
+    assert forced == [] and w.status.attempt == 0
+
+
+def test_uptime_is_accounted_to_the_microsecond_at_sub_second_passes() -> None:
+    """Status written every 0.25 s pass for 10 s of Running: 10 s, not up to a second more per
+    pass (stamps truncated to the second would count each pass from the start of its
+    second)."""
+    from opfakes import SETTINGS
+
+    w = World(raw_spec(), settings=SETTINGS.model_copy(update={"status_interval_seconds": 0.1}))
+    w.until("Running")
+    w.step()  # accounted up to now
+    before = w.status.uptime.running_seconds
+    start = w.now
+    w.advance(0.6)  # off the whole second
+    for _ in range(40):
+        w.beat(6)
+        w.step()
+        w.advance(0.25)
+    w.step()
+    elapsed = (w.now - start).total_seconds()
+    assert w.status.uptime.running_seconds - before == pytest.approx(elapsed, abs=0.3)

@@ -73,6 +73,25 @@ def test_corrupt_or_incomplete_newest_checkpoint_falls_back_to_older(
     assert not half_written.exists(), "an incomplete checkpoint is removed at start"
 
 
+def test_every_complete_checkpoint_unreadable_is_an_error_not_a_fresh_start(
+    make_job: Callable[..., Job],
+) -> None:
+    """Restarting at step 1 over checkpoints that exist would throw the run away silently (and
+    the next save would purge them): the trainer stops with a config error naming them."""
+    from hlat_trainer.errors import UserError
+
+    job = make_job(train__steps=4, checkpoint__interval=2, checkpoint__keep=3)
+    collect(job)
+    root = Path(job.spec.checkpoint.dir)
+    for step in (2, 4):
+        for shard in step_dir(root, "job", step).glob("*.distcp"):
+            shard.write_bytes(b"garbage")
+    with pytest.raises(UserError, match=r"no complete checkpoint .* could be loaded") as err:
+        Trainer(make_job(train__steps=6, checkpoint__interval=2)).maybe_resume()
+    assert "step_2" in str(err.value) and "step_4" in str(err.value)
+    assert (step_dir(root, "job", 2) / "done").exists(), "nothing was deleted"
+
+
 def test_prometheus_endpoint_serves_training_metrics(make_job: Callable[..., Job]) -> None:
     job = make_job(train__steps=3)
     metrics = TrainMetrics()

@@ -162,3 +162,29 @@ def test_every_second_of_an_attempt_is_charged_to_one_activity(
     # the loop's step times, as logged, are the steps' activities (saves excluded)
     logged = sum(r["step_seconds"] for r in seen)
     assert spent.productive + spent.recompute + spent.data_wait == pytest.approx(logged, rel=0.1)
+
+
+def test_a_failed_asynchronous_write_never_gets_done_nor_purges_the_good_checkpoint(
+    make_job: Callable[..., Job], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The write of step_4 fails in the background (its directory is gone when the delayed
+    writer starts: a real ENOTDIR from the filesystem); with keep=1 a commit of it would have
+    purged step_2, the only good checkpoint."""
+    import shutil
+
+    monkeypatch.setenv("HLAT_FAULT_CHECKPOINT_WRITE_DELAY_SECONDS", "1.5")
+    job = make_job(train__steps=4, checkpoint__interval=2, checkpoint__keep=1,
+                   checkpoint__async=True)
+    trainer = Trainer(job)
+    trainer.save(2)
+    trainer.engine.wait()
+    root = Path(job.spec.checkpoint.dir)
+    assert (step_dir(root, "job", 2) / "done").exists()
+    trainer.save(4)  # returns at once; the write sleeps 1.5 s first
+    target = step_dir(root, "job", 4)
+    shutil.rmtree(target)
+    target.write_bytes(b"not a directory")
+    trainer.engine.wait()
+    assert not (step_dir(root, "job", 4) / "done").exists()
+    assert (step_dir(root, "job", 2) / "done").exists(), "the good checkpoint was purged"
+    assert trainer.engine.committed == 2

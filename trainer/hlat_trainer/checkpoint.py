@@ -98,7 +98,8 @@ class Checkpointer:
         self.rank = rank
         self.meta = meta or {}
         """Extra fields for each checkpoint's hlat.json (the saving layout)."""
-        self.pending: Future[Any] | None = None
+        self.pending: tuple[Future[Any], threading.Event] | None = None
+        """The in-flight asynchronous write, and the event its commit callback sets."""
         self.committed: int | None = None
         self.longest_write = 0.0
         """Longest asynchronous save so far, from its start to its commit (seconds)."""
@@ -131,20 +132,25 @@ class Checkpointer:
         if self.async_:
             future = dcp_async_save(state, storage_writer=writer, process_group=self.group)
             assert isinstance(future, Future)
-            future.add_done_callback(lambda f: self._on_written(step, f, start))
-            self.pending = future
+            settled = threading.Event()
+            future.add_done_callback(lambda f: self._on_written(step, f, start, settled))
+            self.pending = (future, settled)
         else:
             dcp_save(state, storage_writer=writer)
             self._commit(step)
         return time.perf_counter() - start
 
-    def _on_written(self, step: int, future: Future[Any], started: float) -> None:
-        err = future.exception()
-        if err is not None:
-            log.error("checkpoint step_%d failed, it stays incomplete: %s", step, err)
-            return
-        self._commit(step)
-        self.longest_write = max(self.longest_write, time.perf_counter() - started)
+    def _on_written(self, step: int, future: Future[Any], started: float,
+                    settled: threading.Event) -> None:
+        try:
+            err = future.exception()
+            if err is not None:
+                log.error("checkpoint step_%d failed, it stays incomplete: %s", step, err)
+                return
+            self._commit(step)
+            self.longest_write = max(self.longest_write, time.perf_counter() - started)
+        finally:
+            settled.set()
 
     def _commit(self, step: int) -> None:
         """Every rank's shards are durable: rank 0 marks the checkpoint complete and purges."""
@@ -161,13 +167,15 @@ class Checkpointer:
             log.info("checkpoint step_%d complete", step)
 
     def wait(self) -> None:
-        """Block until the in-flight asynchronous save (if any) is written and committed."""
+        """Block until the in-flight asynchronous save (if any) is written and committed (the
+        future resolves before its callbacks run: its `done` is written by the callback)."""
         if self.pending is not None:
-            future, self.pending = self.pending, None
+            (future, settled), self.pending = self.pending, None
             try:
                 future.result()
-            except Exception as err:  # the save's own callback logged it
-                log.error("asynchronous checkpoint failed: %s", err)
+            except (Exception, CheckpointException) as err:  # not an Exception subclass
+                log.error("asynchronous checkpoint failed: %s", str(err).splitlines()[0][:300])
+            settled.wait()
 
     def purge(self) -> None:
         """Keep the newest `keep` complete checkpoints; `done` goes first when deleting."""

@@ -21,6 +21,7 @@ def main() -> int:
         ["bench_loader.py", *(["--data", a.data] if a.data else [])],
         ["bench_checkpoint.py"],
         ["bench_recovery.py"],  # needs root: it runs the local cluster
+        ["bench_fleet.py"],  # simulated: writes docs/images/fleet-goodput.png
     ]
     failed = 0
     for args in runs:

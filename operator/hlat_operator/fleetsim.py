@@ -1,0 +1,437 @@
+"""Fleet simulator: uptime and goodput of a weeks-long pretraining job under faults, with and
+without automatic recovery, and the checkpoint interval that maximises goodput.
+
+Why it exists: the paper's Table 1 (98.81% uptime with automatic fault recovery, 77.83% without,
+64 trn1.32xlarge) is one pair of figures from two runs. This module turns fault rates, detection
+and recovery times and checkpoint costs into such figures, so that each input can be questioned
+and varied (`hlat-fleet-sim --help`; docs/benchmarks.md section 6 lists the defaults' sources).
+
+The model (Monte Carlo over independent runs; numpy only; seeded, so deterministic):
+- Faults arrive while the gang runs: independent Poisson processes per kind whose rates add up
+  to nodes / node MTBF. Arrivals are drawn in the gang's own running clock, so runs with and
+  without recovery on one seed meet the same faults at the same points of training (a gang that
+  is down does not fail again; faults during a restart are not modelled).
+- A fault costs its detection (crash: at once; hang: the heartbeat timeout; node lost: the node
+  lifecycle grace) and its recovery (the longer of teardown and backoff, then the new gang's
+  start up to its first step). Without automatic recovery a person restarts the job instead of
+  the operator: after a response time (exponential) from the fault when it falls in working
+  hours, from the start of the next working day otherwise; the restart itself costs the same.
+- Training alternates `interval` seconds of steps with a save that blocks `block` seconds. A
+  save is complete `complete` seconds after it began (sync: when it stops blocking; async: after
+  its background write; the next save waits for it). A fault loses the training done since the
+  last complete save.
+- uptime = up / (up + down), where up is all the time the gang runs (steps, recomputed steps,
+  saves): the paper's measure and `accounting.uptime_after`'s. One difference: the operator
+  counts a gang as running from when its pods run, so its own ratio also counts the in-pod start
+  (compile-cache and checkpoint load) and the detection time as up.
+  goodput = training seconds that count (not recomputed) / wall seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from hlat_api.spec import FaultToleranceSpec
+from hlat_operator.config import OperatorSettings
+
+FaultKind = Literal["crash", "hang", "node_lost"]
+KINDS: tuple[FaultKind, ...] = ("crash", "hang", "node_lost")
+Floats = npt.NDArray[np.float64]
+Ints = npt.NDArray[np.int64]
+HOUR, DAY = 3600.0, 86400.0
+
+# --- published inputs --------------------------------------------------------------------------
+
+PAPER_UPTIME_WITH, PAPER_UPTIME_WITHOUT, PAPER_NODES = 0.9881, 0.7783, 64
+"""HLAT paper, Table 1, on up to 64 trn1.32xlarge. The run without recovery was another,
+600B-token experimental run."""
+
+LLAMA3_DAYS, LLAMA3_HOSTS, LLAMA3_UNEXPECTED, LLAMA3_HARDWARE = 54.0, 2048, 419, 0.78
+"""Llama 3 ("The Llama 3 Herd of Models", 2024, section 3.3.4): 466 job interruptions in a
+54-day snapshot on 16,384 H100 GPUs (2,048 hosts of 8), 47 of them planned maintenance, 419
+unexpected; about 78% of the unexpected ones attributed to hardware."""
+
+LLAMA3_ROOT_CAUSES: dict[str, tuple[int, FaultKind]] = {
+    "faulty GPU": (148, "crash"), "GPU HBM3 memory": (72, "crash"), "software bug": (54, "crash"),
+    "network switch/cable": (35, "hang"), "host maintenance": (32, "node_lost"),
+    "GPU SRAM memory": (19, "crash"), "GPU system processor": (17, "crash"), "NIC": (7, "hang"),
+    "NCCL watchdog timeouts": (7, "hang"), "silent data corruption": (6, "crash"),
+    "GPU thermal interface + sensor": (6, "crash"), "SSD": (3, "node_lost"),
+    "power supply": (3, "node_lost"), "server chassis": (2, "node_lost"),
+    "IO expansion board": (2, "node_lost"), "dependency": (2, "crash"), "CPU": (2, "node_lost"),
+    "system memory": (2, "node_lost"),
+}
+"""Llama 3's Table 5 (the 419 unexpected interruptions by root cause) and how each shows to the
+operator. The mapping is ours, an assumption: device and software errors end the process, network
+faults stall a collective until the heartbeat timeout, host failures take the node away."""
+
+LLAMA3_SHARES: dict[FaultKind, float] = {
+    kind: sum(n for n, k in LLAMA3_ROOT_CAUSES.values() if k == kind) / LLAMA3_UNEXPECTED
+    for kind in KINDS
+}
+
+SYNC_SAVE_7B_S, ASYNC_SAVE_7B_S = 148.8, 6.3
+"""Seconds a 7B checkpoint blocks training, synchronous vs asynchronous DCP save (PyTorch blog
+"Reducing checkpointing times", via shared/reference/performance-anchors.md; docs/benchmarks.md
+section 4 measures the same mechanism locally: 8.12 s vs 2.27 s for 1.5 GiB)."""
+
+HLAT_STEP_S = 1024 * 4096 / (64 * 25_000)
+"""Derived: the paper's step (1,024 sequences of 4,096 tokens) at about 25k tokens/s per
+trn1.32xlarge (Llama2-7B on NxD, performance-anchors.md) on 64 nodes: 2.62 s."""
+
+NXD_CHECKPOINT_STEPS = 1000
+"""NxD's Llama pretraining example saves every 1,000 steps (shared/reference/neuron-eks.md)."""
+
+_OPERATOR, _FT = OperatorSettings(), FaultToleranceSpec()
+
+
+# --- inputs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FaultCost:
+    """What one fault of a kind costs, in seconds."""
+
+    detection_s: float
+    """From the fault until the operator acts on it."""
+    recovery_s: float
+    """From then until the new gang's first training step."""
+
+
+@dataclass(frozen=True)
+class ClusterTimes:
+    """The parts of a fault's cost on EKS with trn1.32xlarge nodes; `fault_costs` adds them up.
+    Defaults: the operator's own defaults where it sets the time, docs/benchmarks.md section 5
+    where the local cluster measures the same mechanism, named assumptions elsewhere."""
+
+    step_s: float = HLAT_STEP_S
+    """Seconds per training step: the learned heartbeat timeout is a multiple of it."""
+    crash_detection_s: float = 0.3
+    """A failed pod is a watch event: measured on the local cluster (benchmarks section 5)."""
+    node_monitor_grace_s: float = 40.0
+    """Node lifecycle controller's grace before NotReady: 40 s by default on EKS (benchmarks
+    section 5; the local rig uses 16 s and detects in 19.8 s)."""
+    resync_s: float = _OPERATOR.resync_seconds
+    """Operator resync: a fault found by polling (hang, lost node) waits half of it on average."""
+    heartbeat_floor_s: float = _OPERATOR.min_heartbeat_timeout_seconds
+    """Floor of the learned heartbeat timeout (OperatorSettings)."""
+    heartbeat_period_s: float = _OPERATOR.heartbeat_period_seconds
+    """Lease renewal period, added to every heartbeat timeout (OperatorSettings)."""
+    safety_factor: float = _FT.heartbeat.safety_factor
+    """Learned timeout = step time x this (the spec's default)."""
+    backoff_s: float = _FT.backoff.initial_seconds
+    """First restart's backoff, counted from the detection (reconcile); it hides a short teardown."""
+    termination_grace_s: float = _OPERATOR.termination_grace_seconds
+    """Assumption: a hung worker does not exit on SIGTERM, so its pod ends at the grace period."""
+    force_delete_s: float = _OPERATOR.force_delete_after_seconds
+    """Pods on a lost node stay Terminating until the operator force-deletes them."""
+    process_start_s: float = 17.6
+    """A gang's cold start on the local cluster, apply to first step (benchmarks section 5)."""
+    compile_cache_load_s: float = 180.0
+    """Assumption, no public figure found: loading the compiled graphs from the node's local
+    Neuron persistent cache (where the paper keeps it) onto its 32 NeuronCores."""
+    checkpoint_load_s: float = SYNC_SAVE_7B_S
+    """Assumption: reading a 7B checkpoint takes about as long as a synchronous save of it."""
+    node_replacement_s: float = 0.0
+    """Extra wait for a node to replace a lost one; 0 assumes a spare with a warm cache."""
+
+    def heartbeat_timeout_s(self) -> float:
+        learned = max(self.heartbeat_floor_s, self.safety_factor * self.step_s)
+        return learned + self.heartbeat_period_s
+
+    def gang_start_s(self) -> float:
+        return self.process_start_s + self.compile_cache_load_s + self.checkpoint_load_s
+
+    def fault_costs(self) -> dict[FaultKind, FaultCost]:
+        start, poll = self.gang_start_s(), self.resync_s / 2
+        return {
+            "crash": FaultCost(self.crash_detection_s, self.backoff_s + start),
+            "hang": FaultCost(self.heartbeat_timeout_s() + poll,
+                              max(self.backoff_s, self.termination_grace_s) + start),
+            "node_lost": FaultCost(self.node_monitor_grace_s + poll,
+                                   max(self.backoff_s, self.force_delete_s)
+                                   + self.node_replacement_s + start),
+        }
+
+
+@dataclass(frozen=True)
+class People:
+    """Who restarts the job when nothing restarts it automatically. Assumptions throughout."""
+
+    response_s: float = 2 * HOUR
+    """Mean (exponential) time from a fault in working hours to the restart: someone notices,
+    looks and resubmits."""
+    work_start_h: float = 9.0
+    """Working hours start (local time, every day: weekends are not modelled, optimistically)."""
+    work_end_h: float = 18.0
+    """Working hours end; a fault after it waits for the next start. 0-24: on call round the clock."""
+
+    def __post_init__(self) -> None:
+        _check(self.response_s >= 0, "response_s", "must be >= 0")
+        _check(0 <= self.work_start_h < self.work_end_h <= 24, "work_start_h/work_end_h",
+               "need 0 <= start < end <= 24")
+
+    def wait_s(self, hour: float) -> float:
+        """Seconds until working hours, for a fault at `hour` (0-24)."""
+        if self.work_start_h <= hour < self.work_end_h:
+            return 0.0
+        return ((self.work_start_h - hour) % 24) * HOUR
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One job: its size, how long it runs, how it fails and who restarts it."""
+
+    nodes: int = 64
+    duration_s: float = 28 * DAY
+    node_mtbf_s: float = math.inf
+    """Mean running seconds between faults of one node (inf: no faults)."""
+    shares: Mapping[FaultKind, float] = field(default_factory=lambda: dict(LLAMA3_SHARES))
+    """Fraction of faults of each kind (normalised)."""
+    costs: Mapping[FaultKind, FaultCost] = field(
+        default_factory=lambda: ClusterTimes().fault_costs())
+    auto_recovery: bool = True
+    people: People = field(default_factory=People)
+    start_hour: float = 9.0
+    """Local time of day at which the job starts."""
+
+    def __post_init__(self) -> None:
+        _check(self.nodes > 0, "nodes", "must be > 0")
+        _check(self.duration_s > 0, "duration_s", "must be > 0")
+        _check(self.node_mtbf_s > 0, "node_mtbf_s", "must be > 0")
+        _check(set(self.shares) == set(KINDS) and all(v >= 0 for v in self.shares.values())
+               and sum(self.shares.values()) > 0, "shares", f"need one value >= 0 per {KINDS}")
+        _check(all(c.detection_s >= 0 and c.recovery_s >= 0 for c in self.costs.values())
+               and set(self.costs) == set(KINDS), "costs", "need seconds >= 0 for each kind")
+
+    @property
+    def job_rate(self) -> float:
+        """Faults per running second of the whole gang."""
+        return self.nodes / self.node_mtbf_s
+
+    def mean_down_s(self) -> float:
+        """Expected down seconds per fault with automatic recovery (weighted by kind)."""
+        total = sum(self.shares.values())
+        return sum(self.shares[k] / total * (self.costs[k].detection_s + self.costs[k].recovery_s)
+                   for k in KINDS)
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """When and how the trainer saves."""
+
+    interval_s: float
+    """Training seconds between two saves."""
+    block_s: float
+    """Seconds a save blocks training (sync: all of it; async: the copy to host memory)."""
+    complete_s: float
+    """Seconds from a save's start until it can be resumed from (sync: block_s)."""
+
+    def __post_init__(self) -> None:
+        _check(self.interval_s > 0, "interval_s", "must be > 0")
+        _check(0 <= self.block_s <= self.complete_s, "block_s/complete_s",
+               "need 0 <= block_s <= complete_s")
+
+    @property
+    def blocking_s(self) -> float:
+        """Seconds blocked per save: an async save also waits for the previous one's write."""
+        return max(self.block_s, self.complete_s - self.interval_s)
+
+
+def sync_saves(interval_s: float, block_s: float = SYNC_SAVE_7B_S) -> Checkpointing:
+    return Checkpointing(interval_s, block_s, block_s)
+
+
+def async_saves(interval_s: float, block_s: float = ASYNC_SAVE_7B_S,
+                complete_s: float = SYNC_SAVE_7B_S) -> Checkpointing:
+    return Checkpointing(interval_s, block_s, max(block_s, complete_s))
+
+
+def _check(ok: bool, name: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {what}")
+
+
+# --- fault rates -------------------------------------------------------------------------------
+
+Rate = Literal["hlat", "llama3", "llama3-hw"]
+
+
+def llama3_node_mtbf_s(hardware_only: bool = False) -> float:
+    """Mean seconds between unexpected interruptions per host in Llama 3's snapshot."""
+    faults = LLAMA3_UNEXPECTED * (LLAMA3_HARDWARE if hardware_only else 1.0)
+    return LLAMA3_DAYS * DAY * LLAMA3_HOSTS / faults
+
+
+def fitted_node_mtbf_s(scenario: Scenario, target_uptime: float = PAPER_UPTIME_WITH) -> float:
+    """The node MTBF at which the expected uptime with recovery is `target_uptime`: with faults
+    at rate r per running second and D down seconds each, uptime = 1 / (1 + r D). A fitted input,
+    not a prediction: it depends on the assumed D as much as on the target."""
+    _check(0 < target_uptime < 1, "target_uptime", "must be between 0 and 1")
+    rate = (1 / target_uptime - 1) / scenario.mean_down_s()
+    return scenario.nodes / rate
+
+
+def node_mtbf_for(rate: Rate, scenario: Scenario, target_uptime: float) -> float:
+    """A node's MTBF by `rate`; the hlat fit is made for the paper's 64 nodes, so that another
+    gang size keeps the per-node rate."""
+    if rate == "hlat":
+        return fitted_node_mtbf_s(replace(scenario, nodes=PAPER_NODES), target_uptime)
+    return llama3_node_mtbf_s(hardware_only=rate == "llama3-hw")
+
+
+def young_interval(cost_s: float, mtbf_s: float) -> float:
+    """Young (1974): training seconds between saves = sqrt(2 C M)."""
+    return math.sqrt(2 * cost_s * mtbf_s)
+
+
+def daly_interval(cost_s: float, mtbf_s: float) -> float:
+    """Daly (2006), higher-order estimate: sqrt(2CM) (1 + x/3 + x^2/9) - C, x = sqrt(C / 2M),
+    for C < 2M; M otherwise."""
+    if cost_s >= 2 * mtbf_s:
+        return mtbf_s
+    x = math.sqrt(cost_s / (2 * mtbf_s))
+    return young_interval(cost_s, mtbf_s) * (1 + x / 3 + x * x / 9) - cost_s
+
+
+# --- simulation --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Timelines:
+    """Where the faults fell in each run. Independent of checkpointing, so every interval of a
+    sweep is evaluated on the same faults (common random numbers)."""
+
+    duration_s: float
+    faulted_up: Floats
+    """Running seconds of each attempt that ended in a fault (all runs)."""
+    faulted_run: Ints
+    """The run of each of them."""
+    final_up: Floats
+    """Per run: running seconds of the attempt still running at the end."""
+    down: Floats
+    """Per run: seconds between a fault and the next gang's first step."""
+    faults: Ints
+    """Per run and kind (KINDS order): faults."""
+
+
+def _arrivals(rng: np.random.Generator, rate: float, shares: Floats, horizon: float
+              ) -> tuple[Floats, Ints]:
+    """Running seconds between faults and their kinds, until they cover `horizon`."""
+    block = int(rate * horizon + 6 * math.sqrt(rate * horizon) + 10)
+    gaps: list[Floats] = []
+    kinds: list[Ints] = []
+    while sum(float(g.sum()) for g in gaps) < horizon:
+        gaps.append(rng.exponential(1 / rate, block))
+        kinds.append(rng.choice(len(KINDS), size=block, p=shares).astype(np.int64))
+    return np.concatenate(gaps), np.concatenate(kinds)
+
+
+def _run(scenario: Scenario, seed: int, run: int) -> tuple[Floats, float, float, Ints]:
+    """One run: (running seconds of the faulted attempts, of the final one, down seconds,
+    faults per kind)."""
+    end, rate = scenario.duration_s, scenario.job_rate
+    if rate == 0:
+        return np.zeros(0), end, 0.0, np.zeros(len(KINDS), dtype=np.int64)
+    shares = np.array([scenario.shares[k] for k in KINDS])
+    gaps, kinds = _arrivals(np.random.default_rng([seed, run, 0]), rate,
+                            shares / shares.sum(), end)
+    recovery = np.array([scenario.costs[k].recovery_s for k in KINDS])[kinds]
+    if scenario.auto_recovery:
+        down = np.array([scenario.costs[k].detection_s for k in KINDS])[kinds] + recovery
+    else:
+        responses = np.random.default_rng([seed, run, 1]).exponential(
+            scenario.people.response_s, len(gaps))
+        down, t = np.zeros(len(gaps)), 0.0
+        for i in range(len(gaps)):
+            t += gaps[i]
+            if t >= end:
+                break
+            hour = (scenario.start_hour + t / HOUR) % 24
+            down[i] = scenario.people.wait_s(hour) + responses[i] + recovery[i]
+            t += down[i]
+    fault_at = np.cumsum(gaps) + np.concatenate(([0.0], np.cumsum(down)[:-1]))
+    n = int(np.searchsorted(fault_at, end))
+    down_in = np.minimum(down[:n], end - fault_at[:n])
+    final_up = end - (fault_at[n - 1] + down[n - 1]) if n else end
+    counts = np.bincount(kinds[:n], minlength=len(KINDS)).astype(np.int64)
+    return gaps[:n], max(0.0, float(final_up)), float(down_in.sum()), counts
+
+
+def simulate(scenario: Scenario, runs: int, seed: int) -> Timelines:
+    """`runs` independent runs of `scenario`; run i draws from seed (seed, i)."""
+    _check(runs > 0, "runs", "must be > 0")
+    parts = [_run(scenario, seed, i) for i in range(runs)]
+    return Timelines(
+        duration_s=scenario.duration_s,
+        faulted_up=np.concatenate([p[0] for p in parts]),
+        faulted_run=np.concatenate([np.full(len(p[0]), i, dtype=np.int64)
+                                    for i, p in enumerate(parts)]),
+        final_up=np.array([p[1] for p in parts]),
+        down=np.array([p[2] for p in parts]),
+        faults=np.array([p[3] for p in parts], dtype=np.int64).reshape(runs, len(KINDS)),
+    )
+
+
+def attempt_work(up: Floats, ckpt: Checkpointing) -> tuple[Floats, Floats, Floats]:
+    """For attempts that ran `up` seconds from a restore: (training seconds, seconds blocked by
+    saves, training seconds covered by a complete save)."""
+    tau, block = ckpt.interval_s, ckpt.blocking_s
+    cycle = tau + block
+    cycles = np.floor(up / cycle)
+    rest = up - cycles * cycle
+    trained = cycles * tau + np.minimum(rest, tau)
+    blocked = cycles * block + np.maximum(rest - tau, 0.0)
+    complete = np.maximum(np.floor((up + block - ckpt.complete_s) / cycle), 0.0)
+    return trained, blocked, np.minimum(complete * tau, trained)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Per-run figures of a scenario under one checkpointing."""
+
+    uptime: Floats
+    goodput: Floats
+    lost_work_s: Floats
+    blocking_s: Floats
+    down_s: Floats
+    faults: Ints
+
+
+def evaluate(tl: Timelines, ckpt: Checkpointing) -> Figures:
+    runs = len(tl.final_up)
+    trained, blocked, saved = attempt_work(tl.faulted_up, ckpt)
+    _, final_blocked, _ = attempt_work(tl.final_up, ckpt)
+
+    def per_run(values: Floats) -> Floats:
+        return np.bincount(tl.faulted_run, weights=values, minlength=runs).astype(np.float64)
+
+    up = per_run(tl.faulted_up) + tl.final_up
+    lost = per_run(trained - saved)
+    blocking = per_run(blocked) + final_blocked
+    wall = up + tl.down
+    return Figures(up / wall, (up - blocking - lost) / wall, lost, blocking, tl.down, tl.faults)
+
+
+def sweep(tl: Timelines, intervals: Floats, saves: Callable[[float], Checkpointing]) -> Floats:
+    """Mean goodput at each checkpoint interval, on the same faults."""
+    return np.array([float(evaluate(tl, saves(float(t))).goodput.mean()) for t in intervals])
+
+
+def best_interval(intervals: Floats, goodput: Floats) -> float:
+    """The interval of highest goodput: the vertex of a parabola through the best grid point and
+    its neighbours (in log interval), which smooths the Monte Carlo noise of a flat maximum."""
+    i = int(np.argmax(goodput))
+    lo, hi = max(0, i - 3), min(len(intervals), i + 4)
+    x, y = np.log(intervals[lo:hi]), goodput[lo:hi]
+    if len(x) >= 3:
+        a, b, _ = np.polyfit(x, y, 2)
+        if a < 0 and x[0] <= -b / (2 * a) <= x[-1]:
+            return float(math.exp(-b / (2 * a)))
+    return float(intervals[i])

@@ -1,0 +1,247 @@
+"""`hlat_operator.k8s` and `handlers.reconcile_once` without a cluster: what each API answer
+(409, 404, 403, 422, 5xx, a dropped connection) makes the operator do.
+
+The Kubernetes client classes are replaced by a recorder that answers as the API server would
+for the calls a test scripts (the cluster tests run the same code against the real one): these
+tests pin the error handling, which a healthy cluster rarely exercises.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from opfakes import JOB, SETTINGS, raw_spec
+from urllib3.exceptions import ProtocolError
+
+from hlat_api.status import PretrainJobStatus
+from hlat_operator import handlers
+from hlat_operator.k8s import Conflict, K8sError, Kube, NotFound, Rejected
+from hlat_operator.metrics import OperatorMetrics
+from hlat_operator.reconcile import (
+    CreateObject,
+    Decision,
+    DeletePod,
+    EmitEvent,
+    PatchState,
+    PatchStatus,
+)
+
+
+@dataclass
+class Response:
+    data: bytes
+
+
+def api_error(status: int, message: str = "") -> ApiException:
+    err = ApiException(status=status, reason={404: "Not Found", 409: "Conflict",
+                                              403: "Forbidden", 422: "Unprocessable Entity",
+                                              500: "Internal Server Error"}.get(status, ""))
+    err.body = json.dumps({"message": message})
+    return err
+
+
+@dataclass
+class Recorder:
+    """Stands for one of the client's API classes: every call is recorded; `answers` maps a
+    method name to what it returns or raises (a list: one per call, in order)."""
+
+    answers: dict[str, Any] = field(default_factory=dict)
+    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = field(default_factory=list)
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        if method.startswith("__"):
+            raise AttributeError(method)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((method, args, kwargs))
+            answer = self.answers.get(method, Response(b"{}"))
+            if isinstance(answer, list):
+                answer = answer.pop(0) if answer else Response(b"{}")
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+
+        return call
+
+    def names(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+
+def kube(**answers: dict[str, Any]) -> Kube:
+    k = Kube(client.ApiClient())
+    k.core, k.custom = Recorder(answers.get("core", {})), Recorder(answers.get("custom", {}))  # type: ignore[assignment]
+    k.coordination = Recorder(answers.get("coordination", {}))  # type: ignore[assignment]
+    k.rbac = Recorder(answers.get("rbac", {}))  # type: ignore[assignment]
+    return k
+
+
+def decision(*actions: Any) -> Decision:
+    return Decision(actions=list(actions), requeue_after=None, status=PretrainJobStatus())
+
+
+POD = {"kind": "Pod", "metadata": {"name": "tiny-a0-0"}}
+CONFIG = {"kind": "ConfigMap", "metadata": {"name": "tiny-config"}}
+
+
+# --- execute ---------------------------------------------------------------------------------
+
+
+def test_the_status_patch_carries_the_version_the_state_patch_returned() -> None:
+    k = kube(custom={"patch_namespaced_custom_object":
+                     Response(json.dumps({"metadata": {"resourceVersion": "8"}}).encode())})
+    done = k.execute(JOB, decision(PatchState("{}"), PatchStatus({"phase": "Running"}, "7")))
+    assert done == 2
+    (state_call, status_call) = k.custom.calls  # type: ignore[attr-defined]
+    assert state_call[1][-1]["metadata"]["resourceVersion"] == "7"  # the version read
+    assert status_call[0] == "patch_namespaced_custom_object_status"
+    assert status_call[1][-1]["metadata"]["resourceVersion"] == "8"  # the one it got back
+
+
+def test_a_stale_view_loses_with_conflict_and_writes_nothing_after() -> None:
+    k = kube(custom={"patch_namespaced_custom_object": api_error(409, "the object has been "
+                                                                 "modified")})
+    with pytest.raises(Conflict, match="HTTP 409"):
+        k.execute(JOB, decision(PatchState("{}"), PatchStatus({}, "7"), CreateObject(POD)))
+    assert k.custom.names() == ["patch_namespaced_custom_object"]  # type: ignore[attr-defined]
+    assert k.core.calls == []  # type: ignore[attr-defined]
+
+
+def test_an_object_that_exists_is_left_or_replaced_as_the_action_says() -> None:
+    k = kube(core={"create_namespaced_pod": api_error(409, "already exists"),
+                   "create_namespaced_config_map": api_error(409, "already exists")})
+    k.execute(JOB, decision(CreateObject(POD), CreateObject(CONFIG, replace=True)))
+    assert k.core.names() == ["create_namespaced_pod", "create_namespaced_config_map",  # type: ignore[attr-defined]
+                              "replace_namespaced_config_map"]
+
+
+@pytest.mark.parametrize(("status", "message", "kind", "rejected"), [
+    (422, "spec.containers[0].image: Required value", "Pod", True),
+    (400, "bad request", "Pod", True),
+    (403, 'pods "x" is forbidden: violates PodSecurity "baseline:latest"', "Pod", True),
+    (403, 'pods "x" is forbidden: exceeded quota: compute', "Pod", False),
+    (403, "namespace x is being terminated", "Pod", False),
+    (404, "the server could not find the requested resource", "PodGroup", True),
+    (404, "namespaces not found", "Pod", False),
+    (500, "etcdserver: request timed out", "Pod", False),
+])
+def test_a_create_refused_for_good_is_rejected_and_a_passing_refusal_retried(
+        status: int, message: str, kind: str, rejected: bool) -> None:
+    obj = {"kind": kind, "apiVersion": "scheduling.volcano.sh/v1beta1",
+           "metadata": {"name": "tiny"}}
+    method = ("create_namespaced_custom_object" if kind == "PodGroup"
+              else "create_namespaced_pod")
+    k = kube(core={method: api_error(status, message)}, custom={method: api_error(status, message)})
+    with pytest.raises(K8sError) as err:
+        k.execute(JOB, decision(CreateObject(obj)))
+    assert isinstance(err.value, Rejected) is rejected
+    assert message in str(err.value) and f"create {kind}" in str(err.value)
+
+
+def test_deleting_a_pod_that_is_gone_is_done_and_other_errors_stop_the_pass() -> None:
+    k = kube(core={"delete_namespaced_pod": [api_error(404), api_error(500, "boom")]})
+    with pytest.raises(K8sError, match=r"HTTP 500.*boom"):
+        k.execute(JOB, decision(DeletePod("a"), DeletePod("b", grace_seconds=0), DeletePod("c")))
+    calls = k.core.calls  # type: ignore[attr-defined]
+    assert [c[1][0] for c in calls] == ["a", "b"]  # c never tried: the next pass decides
+    assert calls[1][2]["grace_period_seconds"] == 0
+
+
+def test_an_event_that_cannot_be_written_does_not_stop_the_pass() -> None:
+    k = kube(core={"create_namespaced_event": api_error(403, "events is forbidden")})
+    assert k.execute(JOB, decision(EmitEvent("Normal", "Created", "x"), CreateObject(POD))) == 2
+    assert k.core.names() == ["create_namespaced_event", "create_namespaced_pod"]  # type: ignore[attr-defined]
+
+
+def test_a_dropped_connection_is_an_error_without_a_status() -> None:
+    k = kube(core={"create_namespaced_pod": ProtocolError("Connection aborted.")})
+    with pytest.raises(K8sError) as err:
+        k.execute(JOB, decision(CreateObject(POD)))
+    assert err.value.status is None and not isinstance(err.value, Rejected)
+
+
+# --- reads -----------------------------------------------------------------------------------
+
+
+def test_reads_a_gone_job_as_none_and_unreadable_nodes_as_unknown() -> None:
+    k = kube(custom={"get_namespaced_custom_object": api_error(404)},
+             core={"list_node": api_error(403, "nodes is forbidden")})
+    assert k.get_job("ns", "tiny") is None
+    assert k.nodes() is None  # no node counts as lost when nodes cannot be read
+    k = kube(custom={"get_namespaced_custom_object": api_error(500)})
+    with pytest.raises(K8sError) as err:
+        k.get_job("ns", "tiny")
+    assert not isinstance(err.value, NotFound)
+
+
+# --- handlers.reconcile_once -----------------------------------------------------------------
+
+
+class FakeKube:
+    """What reconcile_once needs of `Kube`, with the job stored as the API server would."""
+
+    def __init__(self, fail: list[K8sError]) -> None:
+        self.job: dict[str, Any] = {
+            "apiVersion": "hlat.dev/v1alpha1", "kind": "PretrainJob",
+            "metadata": {"name": JOB.name, "namespace": JOB.namespace, "uid": JOB.uid,
+                         "resourceVersion": "1", "generation": 1},
+            "spec": raw_spec(),
+        }
+        self.fail = fail
+        self.executed: list[Decision] = []
+
+    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.job
+
+    def job_pods(self, namespace: str, job: str) -> list[Any]:
+        return []
+
+    def job_leases(self, namespace: str, job: str) -> list[Any]:
+        return []
+
+    def nodes(self) -> list[Any] | None:
+        return []
+
+    def execute(self, job: Any, d: Decision) -> int:
+        self.executed.append(d)
+        if self.fail:
+            raise self.fail.pop(0)
+        for action in d.actions:
+            if isinstance(action, PatchStatus):
+                self.job["status"] = action.status
+        return len(d.actions)
+
+
+def runtime(kube: FakeKube) -> handlers.Runtime:
+    return handlers.Runtime(SETTINGS, kube, OperatorMetrics())  # type: ignore[arg-type]
+
+
+def test_a_conflicting_pass_is_decided_again_soon() -> None:
+    k = FakeKube([Conflict("patch status: HTTP 409", 409)])
+    assert handlers.reconcile_once(runtime(k), JOB.namespace, JOB.name) == (
+        SETTINGS.fast_requeue_seconds)
+    assert len(k.executed) == 1 and "status" not in k.job
+
+
+def test_an_object_refused_for_good_fails_the_job_with_the_server_s_message() -> None:
+    k = FakeKube([Rejected('create Pod: HTTP 403 Forbidden: violates PodSecurity "baseline"',
+                           403)])
+    handlers.reconcile_once(runtime(k), JOB.namespace, JOB.name)
+    assert len(k.executed) == 2
+    status = k.job["status"]
+    assert status["phase"] == "Failed"
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "Rejected" and "PodSecurity" in failed["message"]
+
+
+def test_a_job_deleted_mid_pass_ends_its_loop() -> None:
+    k = FakeKube([])
+    k.job["metadata"]["deletionTimestamp"] = "2026-11-24T00:00:00Z"
+    with pytest.raises(handlers.JobGone):
+        handlers.reconcile_once(runtime(k), JOB.namespace, JOB.name)
+    assert k.executed == []

@@ -21,6 +21,25 @@ from hlat_api.errors import SpecError
 from hlat_api.spec import PretrainJobSpec
 
 _FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML as kubectl reads it (sigs.k8s.io/yaml, YAML 1.1 like PyYAML) in the one place
+    they differ for a spec: a float written without a dot, `3e-4`, is a number there and a
+    string in PyYAML (which, read strictly, would be refused)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)$"),
+    list("-+0123456789"),
+)
+
+
+def load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
 API_GROUP = "hlat.dev"
 API_VERSION = "v1alpha1"
 KIND = "PretrainJob"
@@ -53,7 +72,8 @@ def explain(err: ValidationError) -> list[tuple[str, str]]:
         loc = [str(p) for p in e["loc"] if isinstance(p, int) or _FIELD.match(str(p))]
         reason = e["msg"]
         if e["type"] not in ("missing", "extra_forbidden"):
-            reason += f" (got {e['input']!r})"
+            got = repr(e["input"])
+            reason += f" (got {got if len(got) <= 80 else got[:60] + '...'})"
         if e["type"] == "extra_forbidden":
             reason = "unknown field: check its spelling (fields are camelCase)"
         problems.setdefault(".".join(["spec", *loc]), []).append(reason)
@@ -61,8 +81,10 @@ def explain(err: ValidationError) -> list[tuple[str, str]]:
 
 
 def parse_spec(raw: Mapping[str, Any], source: str = "spec") -> PretrainJobSpec:
+    """A manifest's spec as the API server reads it: camelCase names only (a snake_case key is
+    an unknown field, not a second spelling), strict types."""
     try:
-        return PretrainJobSpec.model_validate(raw)
+        return PretrainJobSpec.model_validate(raw, by_alias=True, by_name=False)
     except ValidationError as err:
         raise InvalidSpecError(explain(err), source) from err
 
@@ -95,7 +117,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> dict[str, 
                 where = ".".join(parts[:i]) or "spec"
                 raise InvalidSpecError([(key, f"unknown key {part!r}; {where} has: {known}")], "--set")
             if i == len(parts) - 1:
-                node[part] = yaml.safe_load(text) if text else None
+                node[part] = load_yaml(text) if text else None
             else:
                 child = node.get(part)
                 node = node.setdefault(part, {}) if not isinstance(child, dict) else child
@@ -107,7 +129,7 @@ def load_job(path: str | Path, overrides: Iterable[str] = (), name: str | None =
     """Read a PretrainJob manifest or a bare spec from YAML/JSON and validate it."""
     path = Path(path)
     try:
-        doc = yaml.safe_load(path.read_text())
+        doc = load_yaml(path.read_text())
     except FileNotFoundError:
         raise InvalidSpecError([(str(path), "file not found")], "config") from None
     except yaml.YAMLError as err:

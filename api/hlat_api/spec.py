@@ -35,15 +35,32 @@ from hlat_api.presets import (
 Precision = Literal["fp32", "mixed", "bf16", "bf16-sr"]
 ActivationCheckpointing = Literal["none", "selective", "full"]
 PositiveInt = Annotated[int, Field(ge=1)]
+Text = Annotated[str, Field(min_length=1, max_length=4096)]
+"""A non-empty string of reasonable size (paths, URIs, image references)."""
+AbsolutePath = Annotated[str, Field(min_length=2, max_length=4096, pattern=r"^/")]
+ObjectName = Annotated[str, Field(min_length=1, max_length=253,
+                                  pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")]
+"""A Kubernetes object name (DNS subdomain): PVCs, PriorityClasses, queues."""
+MAX_NODES = 4096
+"""More worker nodes than any EKS cluster runs for one job (the paper: 64)."""
+MAX_PROCESSES_PER_NODE = 256
+BACKENDS_BY_ACCELERATOR = {"trn": ("neuron-xla", "neuron-native"), "p5": ("cuda",), "cpu": ("cpu",)}
+"""Which backends an instance type's devices can run (by the type's prefix)."""
 
 
 class _Model(BaseModel):
+    """Strict like the API server: a "2" is not a number nor a "false" a boolean, NaN and
+    infinities are refused, and only the camelCase names of the manifest are read (the
+    snake_case names are for Python code)."""
+
     model_config = ConfigDict(
         alias_generator=to_camel,
         populate_by_name=True,
         extra="forbid",
         validate_assignment=True,
         use_attribute_docstrings=True,
+        strict=True,
+        allow_inf_nan=False,
     )
 
 
@@ -110,10 +127,10 @@ class OptimizerSpec(_Model):
     """Peak learning rate, reached after warmupSteps."""
     min_lr: Annotated[float, Field(ge=0)] = 3.0e-5
     """Learning rate at the end of the cosine decay (the last training step)."""
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (
-        0.9,
-        0.95,
-    )
+    betas: Annotated[
+        tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]],
+        Field(strict=False),  # a YAML/JSON list; its items stay strict numbers
+    ] = (0.9, 0.95)
     """AdamW beta1, beta2. The paper found beta2=0.99 unstable with BF16+SR; 0.95 fixed it."""
     eps: Annotated[float, Field(gt=0)] = 1.0e-8
     """AdamW epsilon."""
@@ -128,11 +145,11 @@ class OptimizerSpec(_Model):
 class DataSpec(_Model):
     """The training corpus and how it is tokenized and packed."""
 
-    path: str
+    path: Text
     """Arrow files (IPC file or stream, as HF datasets writes): a file, a directory, or a glob."""
-    tokenizer: str
+    tokenizer: Text
     """A HF tokenizers JSON file, or "bytes" for the built-in byte-level tokenizer (tests)."""
-    text_column: str = "text"
+    text_column: Annotated[str, Field(min_length=1, max_length=256)] = "text"
     """The column holding each document's text."""
     seq_len: PositiveInt = 4096
     """Tokens per training sequence; at most the model's maxSeqLen."""
@@ -160,7 +177,7 @@ class TrainSpec(_Model):
 class CheckpointSpec(_Model):
     """Where and how often state is saved; layout `<dir>/<job>/step_<N>/`, complete iff `done`."""
 
-    dir: str = "/fsx/checkpoints"
+    dir: Text = "/fsx/checkpoints"
     """Root directory; each job writes under `<dir>/<job name>/`."""
     interval: PositiveInt = 1000
     """Save every this many steps (and always after the last step)."""
@@ -177,9 +194,9 @@ class CheckpointSpec(_Model):
 class StorageSpec(_Model):
     """The shared volume for data and checkpoints (FSx for Lustre on EKS)."""
 
-    claim_name: str | None = None
+    claim_name: ObjectName | None = None
     """PersistentVolumeClaim mounted in every worker pod; none for local runs."""
-    mount_path: str = "/fsx"
+    mount_path: AbsolutePath = "/fsx"
     """Where the claim is mounted in the pods."""
 
 
@@ -197,9 +214,9 @@ class HeartbeatSpec(_Model):
 
     startup_timeout_seconds: Annotated[float, Field(gt=0)] = 3600
     """Longest wait for a pod's first heartbeat (process start, compile, checkpoint load)."""
-    timeout_seconds: Annotated[float, Field(gt=0)] | Literal["auto"] = "auto"
-    """Longest a training worker may go without progress (a step); auto = observed step time x
-    safetyFactor."""
+    timeout_seconds: Annotated[int, Field(gt=0)] | Literal["auto"] = "auto"
+    """Longest a training worker may go without progress (a step), whole seconds; auto =
+    observed step time x safetyFactor."""
     safety_factor: Annotated[float, Field(ge=1)] = 5
     """Multiplier on the observed step time for the automatic timeout."""
 
@@ -241,20 +258,20 @@ class SchedulingSpec(_Model):
     """Extra node labels the worker nodes must carry."""
     tolerations: list[Toleration] = Field(default_factory=list)
     """Extra tolerations (the Neuron taint is tolerated automatically on trn instances)."""
-    priority_class_name: str | None = None
+    priority_class_name: ObjectName | None = None
     """PriorityClass of the worker pods."""
-    scheduler_name: str | None = None
+    scheduler_name: Annotated[str, Field(min_length=1, max_length=253)] | None = None
     """Scheduler for the worker pods; unset: the operator's default (HLAT_OPERATOR_SCHEDULER_NAME,
     else Kubernetes' default scheduler). `volcano`: the operator creates a PodGroup (minMember
     = nodes) so the gang is placed whole or not at all."""
-    queue: str | None = None
+    queue: ObjectName | None = None
     """Volcano queue of the job's PodGroup (with schedulerName volcano); unset: `default`."""
 
 
 class NeuronSpec(_Model):
     """Neuron compiler and runtime settings (Trainium only); see docs/neuron.md."""
 
-    cache_dir: str = "/var/tmp/neuron-compile-cache"
+    cache_dir: AbsolutePath = "/var/tmp/neuron-compile-cache"
     """Node-local compile cache (never on the shared volume: the paper saw timeouts there)."""
     compiler_flags: list[str] = Field(default_factory=lambda: ["--model-type=transformer"])
     """Extra NEURON_CC_FLAGS; --cache_dir is added from cacheDir."""
@@ -269,14 +286,15 @@ class NeuronSpec(_Model):
 class PretrainJobSpec(_Model):
     """What to train, on what, and how to survive faults."""
 
-    image: str | None = None
+    image: Text | None = None
     """The trainer image (Dockerfile.trainer); required on Kubernetes, unused by local runs."""
-    nodes: PositiveInt = 1
+    nodes: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1
     """Worker pods, one per node."""
     instance_type: InstanceType = "trn1.32xlarge"
     """Node type: trn1.2xlarge, trn1.32xlarge, trn1n.32xlarge, trn2.48xlarge, p5.48xlarge, cpu."""
-    processes_per_node: PositiveInt | None = None
-    """Trainer processes per node; defaults to the instance type's (32 on trn1.32xlarge)."""
+    processes_per_node: Annotated[int, Field(ge=1, le=MAX_PROCESSES_PER_NODE)] | None = None
+    """Trainer processes per node; defaults to the instance type's (32 on trn1.32xlarge), and
+    at most that on accelerator instances (one per NeuronCore or GPU)."""
     backend: Literal["auto", "cpu", "cuda", "neuron-native", "neuron-xla"] = "auto"
     """Device stack: auto picks neuron-xla on trn instances, cuda on p5, cpu on cpu."""
     neuron: NeuronSpec = Field(default_factory=NeuronSpec)
@@ -489,6 +507,30 @@ def _check_memory(spec: PretrainJobSpec) -> None:
         )
 
 
+def accelerator(instance_type: str) -> str:
+    """The key of `BACKENDS_BY_ACCELERATOR` an instance type falls under."""
+    return next(k for k in BACKENDS_BY_ACCELERATOR if instance_type.startswith(k))
+
+
+def _check_devices(spec: PretrainJobSpec) -> None:
+    kind = accelerator(spec.instance_type)
+    allowed = BACKENDS_BY_ACCELERATOR[kind]
+    if spec.backend != "auto" and spec.backend not in allowed:
+        raise SpecError(
+            "backend",
+            f"{spec.backend} cannot run on {spec.instance_type}: use "
+            f"{' or '.join(allowed)} (or auto), or another instanceType",
+        )
+    devices = INSTANCE_TYPES[spec.instance_type].ranks_per_node
+    if kind != "cpu" and spec.processes_per_node is not None and spec.processes_per_node > devices:
+        raise SpecError(
+            "processesPerNode",
+            f"{spec.processes_per_node} exceeds the {devices} "
+            f"{'GPUs' if kind == 'p5' else 'NeuronCores'} of one {spec.instance_type}: one "
+            "process per device at most",
+        )
+
+
 def _check_image(spec: PretrainJobSpec) -> None:
     theirs = spec.template.trainer().get("image") if spec.template else None
     if theirs and spec.image and theirs != spec.image:
@@ -499,4 +541,4 @@ def _check_image(spec: PretrainJobSpec) -> None:
         )
 
 
-_CHECKS = (_check_image, _check_model, _check_parallelism, _check_batch, _check_lengths, _check_memory)
+_CHECKS = (_check_image, _check_devices, _check_model, _check_parallelism, _check_batch, _check_lengths, _check_memory)

@@ -26,10 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from hlat_api import labels
 from hlat_api.manifest import API_GROUP, API_VERSION, KIND
-from hlat_api.spec import PretrainJobSpec
+from hlat_api.presets import INSTANCE_TYPES
+from hlat_api.spec import (
+    BACKENDS_BY_ACCELERATOR,
+    MAX_PROCESSES_PER_NODE,
+    PretrainJobSpec,
+    accelerator,
+)
 from hlat_api.status import PretrainJobStatus
 
 PLURAL = "pretrainjobs"
@@ -61,7 +68,7 @@ def _int_or_auto(node: Schema, defs: dict[str, Schema], with_defaults: bool) -> 
     out["x-kubernetes-validations"] = [
         {
             "rule": f"type(self) == string ? self == '{consts[0]}' : self > 0",
-            "message": f"must be a positive number of seconds or '{consts[0]}'",
+            "message": f"must be a positive whole number of seconds or '{consts[0]}'",
         }
     ]
     _copy_doc(node, out, with_defaults)
@@ -123,6 +130,15 @@ def structural(node: Schema, defs: dict[str, Schema], with_defaults: bool = True
     return out
 
 
+def _cel_map(values: dict[str, int]) -> str:
+    return "{" + ", ".join(f"'{k}': {v}" for k, v in values.items()) + "}"
+
+
+def _cel_map_of_lists(values: dict[str, list[str]]) -> str:
+    return "{" + ", ".join(f"'{k}': [{', '.join(repr(x) for x in v)}]"
+                           for k, v in values.items()) + "}"
+
+
 def _rule(
     rule: str, message: str, field_path: str | None = None, reason: str | None = None
 ) -> Schema:
@@ -179,6 +195,22 @@ SPEC_RULES: dict[tuple[str, ...], list[Schema]] = {
             "self.optimizer.warmupSteps <= self.train.steps",
             "optimizer.warmupSteps must not exceed train.steps",
             ".optimizer.warmupSteps",
+        ),
+        _rule(
+            "!has(self.backend) || self.backend == 'auto' || self.backend in "
+            + _cel_map_of_lists({t: list(BACKENDS_BY_ACCELERATOR[accelerator(t)])
+                                 for t in INSTANCE_TYPES}) + "[self.instanceType]",
+            "backend cannot run on instanceType: neuron-xla or neuron-native on trn*, cuda on "
+            "p5.48xlarge, cpu on cpu (or auto)",
+            ".backend",
+        ),
+        _rule(
+            "!has(self.processesPerNode) || self.processesPerNode <= "
+            + _cel_map({t: i.ranks_per_node if accelerator(t) != "cpu" else MAX_PROCESSES_PER_NODE
+                        for t, i in INSTANCE_TYPES.items()}) + "[self.instanceType]",
+            "processesPerNode must not exceed the instance type's devices (NeuronCores or "
+            "GPUs: trn1.2xlarge 2, trn1(n).32xlarge 32, trn2.48xlarge 64, p5.48xlarge 8)",
+            ".processesPerNode",
         ),
     ],
     ("model",): [
@@ -238,9 +270,25 @@ def _add_rules(schema: Schema, rules: dict[tuple[str, ...], list[Schema]]) -> No
         node.setdefault("x-kubernetes-validations", []).extend(node_rules)
 
 
+def _default_sections(schema: Schema, model: type[BaseModel]) -> None:
+    """`default: {}` on every section whose model has defaults for all its fields: the API
+    server applies nested defaults only where the parent exists, so without it an omitted
+    section would skip its own defaults and every CEL rule guarded by it (the default
+    warmupSteps of 2000 would pass for a 60-step job)."""
+    for name, info in model.model_fields.items():
+        nested = info.annotation
+        if info.default_factory is None or not (
+                isinstance(nested, type) and issubclass(nested, BaseModel)):
+            continue
+        node = schema["properties"][info.alias or name]
+        node["default"] = {}
+        _default_sections(node, nested)
+
+
 def spec_schema() -> Schema:
     raw = PretrainJobSpec.model_json_schema(by_alias=True)
     schema = structural(raw, raw.get("$defs", {}))
+    _default_sections(schema, PretrainJobSpec)
     _add_rules(schema, SPEC_RULES)
     return schema
 

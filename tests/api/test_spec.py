@@ -84,6 +84,25 @@ INVALID = [
     ({"parallelism": {"tensor": 1}, "train": {"globalBatch": 2048}}, "spec.parallelism.tensor", "GiB per rank"),
     ({"model": {"preset": "70b"}}, "spec.parallelism.tensor", "GiB per rank"),
     ({"parallelism": {"tensor": 8, "activationCheckpointing": "some"}}, "spec.parallelism.activationCheckpointing", "Input should be"),
+    # strings: empty, oversized, not absolute, not an object name
+    ({"data": {"path": "", "tokenizer": "bytes"}}, "spec.data.path", "at least 1 character"),
+    ({"data": {"path": "/d", "tokenizer": "t" * 5000}}, "spec.data.tokenizer", "at most 4096"),
+    ({"image": ""}, "spec.image", "at least 1 character"),
+    ({"storage": {"mountPath": "fsx"}}, "spec.storage.mountPath", "should match pattern"),
+    ({"storage": {"claimName": "My_Claim"}}, "spec.storage.claimName", "should match pattern"),
+    # devices: the backend and the process count the instance can run
+    ({"backend": "cuda"}, "spec.backend", "cannot run on trn1.32xlarge"),
+    ({"instanceType": "p5.48xlarge", "backend": "neuron-xla"}, "spec.backend", "cannot run on p5"),
+    ({"instanceType": "cpu", "backend": "neuron-native"}, "spec.backend", "cannot run on cpu"),
+    ({"processesPerNode": 64}, "spec.processesPerNode", "exceeds the 32 NeuronCores"),
+    ({"nodes": 100000}, "spec.nodes", "less than or equal to 4096"),
+    # strict like the API server: no NaN, no numbers or booleans in strings, whole seconds
+    ({"optimizer": {"lr": float("nan")}}, "spec.optimizer.lr", "finite number"),
+    ({"train": {"steps": None, "tokens": float("inf")}}, "spec.train.tokens", "finite number"),
+    ({"nodes": "64"}, "spec.nodes", "valid integer"),
+    ({"suspend": "false"}, "spec.suspend", "valid boolean"),
+    ({"faultTolerance": {"heartbeat": {"timeoutSeconds": 2.5}}}, "spec.faultTolerance.heartbeat.timeoutSeconds", "valid integer"),
+    ({"instance_type": "cpu"}, "spec.instance_type", "unknown field"),
 ]
 
 
@@ -182,3 +201,19 @@ def test_docs_memory_table_is_current() -> None:
 
     docs = (Path(__file__).parents[2] / "docs" / "neuron.md").read_text()
     assert table() in docs, "run: .venv/bin/python -c 'from hlat_api.memory import table; print(table())'"
+
+
+def test_a_float_without_a_dot_reads_as_kubectl_reads_it(tmp_path: Path) -> None:
+    """`3e-4` is a number to kubectl (sigs.k8s.io/yaml) and a string to plain PyYAML; read
+    strictly, the same file must not be valid in one place and refused in the other."""
+    from hlat_api.manifest import load_job
+
+    doc = tmp_path / "job.yaml"
+    doc.write_text("data: {path: /d, tokenizer: bytes}\ntrain: {steps: 4000}\n"
+                   "optimizer: {lr: 3e-4, minLr: 3E-5}\n")
+    spec = load_job(doc).spec
+    assert spec.optimizer.lr == 3e-4 and spec.optimizer.min_lr == 3e-5
+    quoted = tmp_path / "quoted.yaml"
+    quoted.write_text("data: {path: /d, tokenizer: bytes}\ntrain: {steps: '4000'}\n")
+    with pytest.raises(InvalidSpecError, match=r"train\.steps"):
+        load_job(quoted)

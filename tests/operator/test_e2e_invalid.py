@@ -87,6 +87,18 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("no-progress-restarts-zero", {"faultTolerance.noProgressRestarts": 0}, "noProgressRestarts"),
     ("too-little-memory-per-device", SEVENTY_B_ON_TRN1, "tensor"),
     ("name-too-long", {}, "name"),
+    ("empty-data-path", {"data.path": ""}, "path"),
+    ("empty-image", {"image": ""}, "image"),
+    ("oversized-tokenizer", {"data.tokenizer": "t" * 5000}, "tokenizer"),
+    ("relative-mount-path", {"storage.mountPath": "fsx"}, "mountPath"),
+    ("backend-the-instance-cannot-run", {"backend": "cuda"}, "backend"),
+    ("more-processes-than-neuron-cores", {"instanceType": "trn1.2xlarge", "processesPerNode": 4},
+     "processesPerNode"),
+    ("huge-node-count", {"nodes": 100000}, "nodes"),
+    ("fractional-heartbeat-timeout", {"faultTolerance.heartbeat": {"timeoutSeconds": 2.5}},
+     "timeoutSeconds"),
+    ("omitted-optimizer-keeps-the-default-warmup", {"optimizer": DROP}, "warmupSteps"),
+    ("omitted-train", {"train": DROP}, "train"),
 ]
 
 
@@ -146,3 +158,27 @@ def test_an_invalid_pretrainjob_is_rejected_naming_the_field(
     core = client.CoreV1Api(cluster.admin_api())
     assert not core.list_namespaced_pod(namespace).items
     assert operator.alive()
+
+
+def test_omitted_sections_are_defaulted_by_the_api_server(
+        cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
+    """Sections left out get the schema's defaults on the server (so their CEL rules apply,
+    and `kubectl get -o yaml` shows what will run), the same values the operator assumes."""
+    spec = copy.deepcopy(BASE)
+    for section in ("faultTolerance", "checkpoint", "parallelism", "scheduling"):
+        spec.pop(section)
+    spec["suspend"] = True  # admission is the point: no pods
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "PretrainJob",
+            "metadata": {"name": "defaults"}, "spec": spec}
+    custom = client.CustomObjectsApi(cluster.admin_api())
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body,
+                                           field_validation="Strict")
+    stored: Any = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                      "defaults")
+    s = stored["spec"]
+    assert s["faultTolerance"]["backoff"] == {"initialSeconds": 30, "maxSeconds": 600}
+    assert s["faultTolerance"]["heartbeat"]["timeoutSeconds"] == "auto"
+    assert s["checkpoint"]["interval"] == 1000 and s["checkpoint"]["async"] is True
+    assert s["parallelism"]["pipeline"] == 1 and "tensor" not in s["parallelism"]
+    assert s["scheduling"] == {"nodeSelector": {}, "tolerations": []} or s["scheduling"] == {}
+    custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "defaults")

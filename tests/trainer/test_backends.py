@@ -51,8 +51,6 @@ def make_spec(instance: str = "cpu", backend: str = "auto", **over: Any) -> Pret
     ("trn2.48xlarge", "neuron-native", "neuron-native", "neuron", "neuron"),
     ("p5.48xlarge", "auto", "cuda", "nccl", "cuda"),
     ("cpu", "auto", "cpu", "gloo", "cpu"),
-    ("trn1.32xlarge", "cpu", "cpu", "gloo", "cpu"),
-    ("p5.48xlarge", "cpu", "cpu", "gloo", "cpu"),
 ])
 def test_selection(instance: str, backend: str, name: str, dist_backend: str,
                    autocast: str) -> None:

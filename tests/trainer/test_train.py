@@ -154,7 +154,8 @@ def test_every_second_of_an_attempt_is_charged_to_one_activity(
     job = make_job(train__steps=6, checkpoint__interval=2, checkpoint__async=True)
     trainer, seen = collect(job)
     spent = trainer.ledger.snapshot()
-    assert spent.total() == pytest.approx(time.monotonic() - started + 2.0, abs=0.05)
+    elapsed = time.monotonic() - started + 2.0  # the run's tail after its last charge: not in
+    assert elapsed - 0.5 < spent.total() <= elapsed  # the ledger (closing the loader, logging)
     assert spent.startup >= 2.0  # from the launcher's start, not the process's
     assert spent.recompute > 0 and spent.productive > 0
     assert spent.checkpoint > 0 and spent.compile == 0  # eager CPU compiles nothing

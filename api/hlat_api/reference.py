@@ -21,6 +21,14 @@ HEADER = """# PretrainJob spec reference
 Generated from `hlat_api.spec` by `python -m hlat_api.reference > docs/api.md`; do not edit.
 Fields are camelCase in YAML. A manifest looks like `examples/pretrainjob-tiny.yaml`.
 
+Validation is strict and the same on the cluster (the CRD's schema and CEL rules, then the
+operator) and locally (`hlat-train --config`): camelCase names only, a quoted `"2"` is not a
+number nor `"false"` a boolean, NaN and infinities are refused, strings are non-empty and
+bounded, the backend must be one the instance type runs, processes per node at most its
+NeuronCores or GPUs, and sections left out get their defaults before the cross-field rules
+run (so the default `warmupSteps` of 2000 is refused for a 60-step run). Every error names
+the field.
+
 | field | type | default | description |
 |---|---|---|---|
 """

@@ -110,6 +110,19 @@ def _wrap(what: str, err: Exception) -> K8sError:
 
 _API_ERRORS = (ApiException, HTTPError, OSError)
 
+_KINDS: dict[str, tuple[str, str, bool]] = {
+    "Pod": ("core", "pod", False),
+    "Service": ("core", "service", True),
+    "ConfigMap": ("core", "config_map", True),
+    "ServiceAccount": ("core", "service_account", False),
+    "Role": ("rbac", "role", True),
+    "RoleBinding": ("rbac", "role_binding", True),
+    "Lease": ("coordination", "lease", True),
+}
+"""The kinds the operator creates: which client (a `Kube` attribute), the method suffix
+(`create_namespaced_<suffix>`, `replace_namespaced_<suffix>`), and whether it may replace one
+that exists."""
+
 
 def _json(response: Any) -> Raw:
     data: Raw = json.loads(response.data)
@@ -252,41 +265,24 @@ class Kube:
 
     def _create_call(self, kind: str, ns: str, obj: Mapping[str, Any]) -> None:
         body: Any = obj
-        if kind == "Pod":
-            self.core.create_namespaced_pod(ns, body, _preload_content=False)
-        elif kind == "Service":
-            self.core.create_namespaced_service(ns, body, _preload_content=False)
-        elif kind == "ConfigMap":
-            self.core.create_namespaced_config_map(ns, body, _preload_content=False)
-        elif kind == "ServiceAccount":
-            self.core.create_namespaced_service_account(ns, body, _preload_content=False)
-        elif kind == "Role":
-            self.rbac.create_namespaced_role(ns, body, _preload_content=False)
-        elif kind == "RoleBinding":
-            self.rbac.create_namespaced_role_binding(ns, body, _preload_content=False)
-        elif kind == "Lease":
-            self.coordination.create_namespaced_lease(ns, body, _preload_content=False)
-        elif kind == "PodGroup":
+        if kind == "PodGroup":  # a custom resource (Volcano's): through the custom objects API
             group, version = str(obj["apiVersion"]).split("/")
             self.custom.create_namespaced_custom_object(
                 group, version, ns, "podgroups", body, _preload_content=False)
-        else:
+            return
+        if kind not in _KINDS:
             raise K8sError(f"create {kind}: kind not supported by the operator")
+        api, suffix, _ = _KINDS[kind]
+        getattr(getattr(self, api), f"create_namespaced_{suffix}")(
+            ns, body, _preload_content=False)
 
     def _replace_call(self, kind: str, ns: str, name: str, obj: Mapping[str, Any]) -> None:
         body: Any = obj
-        if kind == "ConfigMap":
-            self.core.replace_namespaced_config_map(name, ns, body, _preload_content=False)
-        elif kind == "Role":
-            self.rbac.replace_namespaced_role(name, ns, body, _preload_content=False)
-        elif kind == "Lease":
-            self.coordination.replace_namespaced_lease(name, ns, body, _preload_content=False)
-        elif kind == "Service":
-            self.core.replace_namespaced_service(name, ns, body, _preload_content=False)
-        elif kind == "RoleBinding":
-            self.rbac.replace_namespaced_role_binding(name, ns, body, _preload_content=False)
-        else:
+        if kind not in _KINDS or not _KINDS[kind][2]:
             raise K8sError(f"replace {kind}: kind not supported by the operator")
+        api, suffix, _ = _KINDS[kind]
+        getattr(getattr(self, api), f"replace_namespaced_{suffix}")(
+            name, ns, body, _preload_content=False)
 
     def _delete_pod(self, job: JobRef, action: DeletePod) -> None:
         what = f"delete pod {job.namespace}/{action.name}"

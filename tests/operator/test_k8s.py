@@ -245,3 +245,32 @@ def test_a_job_deleted_mid_pass_ends_its_loop() -> None:
     with pytest.raises(handlers.JobGone):
         handlers.reconcile_once(runtime(k), JOB.namespace, JOB.name)
     assert k.executed == []
+
+
+@pytest.mark.parametrize(("kind", "api", "create", "replace"), [
+    ("Pod", "core", "create_namespaced_pod", None),
+    ("Service", "core", "create_namespaced_service", "replace_namespaced_service"),
+    ("ConfigMap", "core", "create_namespaced_config_map", "replace_namespaced_config_map"),
+    ("ServiceAccount", "core", "create_namespaced_service_account", None),
+    ("Role", "rbac", "create_namespaced_role", "replace_namespaced_role"),
+    ("RoleBinding", "rbac", "create_namespaced_role_binding", "replace_namespaced_role_binding"),
+    ("Lease", "coordination", "create_namespaced_lease", "replace_namespaced_lease"),
+])
+def test_each_kind_is_created_and_replaced_through_its_own_api(
+        kind: str, api: str, create: str, replace: str | None) -> None:
+    obj = {"kind": kind, "metadata": {"name": "tiny-x"}}
+    k = kube(**{api: {create: api_error(409, "already exists")}})
+    if replace is None:
+        with pytest.raises(K8sError, match=f"replace {kind}: kind not supported"):
+            k.execute(JOB, decision(CreateObject(obj, replace=True)))
+    else:
+        k.execute(JOB, decision(CreateObject(obj, replace=True)))
+    recorder: Recorder = getattr(k, api)
+    assert recorder.names() == [create] + ([replace] if replace else [])
+    if replace:
+        assert recorder.calls[1][1][:2] == ("tiny-x", JOB.namespace)
+
+
+def test_a_kind_the_operator_does_not_make_is_an_error() -> None:
+    with pytest.raises(K8sError, match="create Secret: kind not supported"):
+        kube().execute(JOB, decision(CreateObject({"kind": "Secret", "metadata": {"name": "s"}})))

@@ -32,9 +32,10 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -43,7 +44,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from hlat_api.layout import DONE, latest_complete, list_checkpoints, step_dir
+from hlat_api.layout import DONE, CheckpointEntry, latest_complete, list_checkpoints, step_dir
 from hlat_trainer.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,31 @@ def write_durably(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+T = TypeVar("T")
+
+
+def load_newest(root: Path, job: str, load: Callable[[CheckpointEntry], T | None]) -> T | None:
+    """The newest complete checkpoint that `load` manages to load (it returns None, having
+    said why, for one it cannot read), trying older ones in turn; None when there is no
+    complete checkpoint. When there are some and none loads, a UserError naming them: starting
+    over at step 1 would silently throw the run away (and the next saves would purge them).
+    Both engines resume through here."""
+    failed = []
+    for entry in reversed(list_checkpoints(root, job)):
+        if not entry.complete:
+            continue
+        loaded = load(entry)
+        if loaded is not None:
+            return loaded
+        failed.append(str(entry.path))
+    if failed:
+        raise UserError(
+            f"no complete checkpoint of job {job} could be loaded ({', '.join(failed)} are "
+            "unreadable): move them aside to start over, or restore them"
+        )
+    return None
 
 
 def remove_incomplete(root: Path, job: str, coordinator: bool,
@@ -191,25 +217,20 @@ class Checkpointer:
 
     def load_latest(self, state: dict[str, Any]) -> int:
         """Load the newest readable complete checkpoint into `state` in place; its step, or 0."""
-        failed = []
-        for entry in reversed(list_checkpoints(self.root, self.job)):
-            if not entry.complete:
-                continue
+
+        def load(entry: CheckpointEntry) -> int | None:
             try:
                 dcp_load(state, checkpoint_id=entry.path)
             except (Exception, CheckpointException) as err:  # unreadable: try an older one
                 log.warning("checkpoint %s is unreadable (%s): trying an older one",
                             entry.path, str(err).splitlines()[0][:300])
-                failed.append(str(entry.path))
-                continue
-            self.committed = entry.step
+                return None
             return entry.step
-        if failed:
-            raise UserError(
-                f"no complete checkpoint of job {self.job} could be loaded ({', '.join(failed)} "
-                "are unreadable): move them aside to start over, or restore them"
-            )
-        return 0
+
+        step = load_newest(self.root, self.job, load)
+        if step is not None:
+            self.committed = step
+        return step or 0
 
     def latest_step(self) -> int | None:
         entry = latest_complete(self.root, self.job)

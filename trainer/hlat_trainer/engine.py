@@ -55,9 +55,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hlat_api import PretrainJobSpec
-from hlat_api.layout import latest_complete, list_checkpoints, step_dir
+from hlat_api.layout import CheckpointEntry, latest_complete, step_dir
 from hlat_trainer.backends import Backend
-from hlat_trainer.checkpoint import META_FILE, Checkpointer, remove_incomplete, write_durably
+from hlat_trainer.checkpoint import (
+    META_FILE,
+    Checkpointer,
+    load_newest,
+    remove_incomplete,
+    write_durably,
+)
 from hlat_trainer.distributed import World
 from hlat_trainer.errors import UserError
 from hlat_trainer.optim import AdamWSR
@@ -426,49 +432,42 @@ class ManagedEngine(Engine):
     def resume(self) -> Restored | None:
         for path in remove_incomplete(self.root, self.job, self.world.is_coordinator, self._vote):
             log.warning("removed incomplete checkpoint %s (no `done` marker)", path)
-        failed = []
-        for entry in reversed(list_checkpoints(self.root, self.job)):
-            if not entry.complete:
-                continue
-            saved = read_layout(entry.path) or self.layout
-            if saved != self.layout:
-                raise UserError(
-                    f"checkpoint {entry.path} was saved by {saved.world} ranks (dp {saved.dp}, "
-                    f"tp {saved.tp}, zero1 {saved.zero1}); backend {self.backend.name} resumes "
-                    f"only the same layout, this run is {self.layout.world} ranks (dp "
-                    f"{self.layout.dp}, tp {self.layout.tp}, zero1 {self.layout.zero1}): "
-                    "restore that layout or start a new run (another checkpoint.dir)"
-                )
-            # Vote before loading: the backend's load runs collectives (NxD's load_checkpoint
-            # synchronises the ranks), so a rank that failed inside it would leave its peers
-            # blocked there. Each rank checks what it can alone; only a unanimous yes loads.
-            loop = self._readable_loop_state(entry.path, entry.step)
-            if not self._all_ok(loop is not None):
-                log.warning("checkpoint %s is not readable on every rank: trying an older one",
-                            entry.path)
-                failed.append(str(entry.path))
-                continue
-            assert loop is not None
-            try:
-                self.backend.load_checkpoint(str(self.root / self.job), entry.step, self.model,
-                                             self.optimizer)
-            except Exception as err:  # peers may be inside the load's collectives: stop here
-                raise RuntimeError(
-                    f"checkpoint {entry.path} passed every rank's check but did not load on "
-                    f"rank {self.world.rank}; the ranks cannot agree on another one: {err}"
-                ) from err
-            # the loaded values as device data now (on XLA a graph of their own): left pending,
-            # the copies would join the first micro-batch's graph, a graph no run before the
-            # restart compiled (on Neuron, a fresh compilation at every restart)
-            self.backend.step_end()
-            self._committed = entry.step
-            return Restored(entry.step, saved, {self.world.rank: loop}, True)
-        if failed:
+        return load_newest(self.root, self.job, self._load)
+
+    def _load(self, entry: CheckpointEntry) -> Restored | None:
+        """Load one checkpoint if every rank can read it (None: an older one is tried)."""
+        saved = read_layout(entry.path) or self.layout
+        if saved != self.layout:
             raise UserError(
-                f"no complete checkpoint of job {self.job} could be loaded ({', '.join(failed)} "
-                "are unreadable): move them aside to start over, or restore them"
+                f"checkpoint {entry.path} was saved by {saved.world} ranks (dp {saved.dp}, "
+                f"tp {saved.tp}, zero1 {saved.zero1}); backend {self.backend.name} resumes "
+                f"only the same layout, this run is {self.layout.world} ranks (dp "
+                f"{self.layout.dp}, tp {self.layout.tp}, zero1 {self.layout.zero1}): "
+                "restore that layout or start a new run (another checkpoint.dir)"
             )
-        return None
+        # Vote before loading: the backend's load runs collectives (NxD's load_checkpoint
+        # synchronises the ranks), so a rank that failed inside it would leave its peers
+        # blocked there. Each rank checks what it can alone; only a unanimous yes loads.
+        loop = self._readable_loop_state(entry.path, entry.step)
+        if not self._all_ok(loop is not None):
+            log.warning("checkpoint %s is not readable on every rank: trying an older one",
+                        entry.path)
+            return None
+        assert loop is not None
+        try:
+            self.backend.load_checkpoint(str(self.root / self.job), entry.step, self.model,
+                                         self.optimizer)
+        except Exception as err:  # peers may be inside the load's collectives: stop here
+            raise RuntimeError(
+                f"checkpoint {entry.path} passed every rank's check but did not load on "
+                f"rank {self.world.rank}; the ranks cannot agree on another one: {err}"
+            ) from err
+        # the loaded values as device data now (on XLA a graph of their own): left pending,
+        # the copies would join the first micro-batch's graph, a graph no run before the
+        # restart compiled (on Neuron, a fresh compilation at every restart)
+        self.backend.step_end()
+        self._committed = entry.step
+        return Restored(entry.step, saved, {self.world.rank: loop}, True)
 
     def _readable_loop_state(self, path: Path, step: int) -> bytes | None:
         """This rank's loop state of a checkpoint, if it and the backend's files are readable."""

@@ -663,8 +663,20 @@ def _beat(p: _Pass, pod: str) -> Heartbeat | None:
 
 
 def _on_fault(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> None:
-    ft, s, attempt = spec.fault_tolerance, p.status, p.status.attempt
+    """Count the fault, then end the job or restart the gang."""
     p.fault = fault
+    streak = _count_fault(p, spec, fault)
+    verdict = _verdict(spec, p.status, fault, streak)
+    if verdict is not None:
+        _fail(p, *verdict)
+    else:
+        _restart(p, spec, fault)
+
+
+def _count_fault(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> int:
+    """Record the fault once per attempt (a replayed pass counts nothing again): the attempts
+    in a row without a new checkpoint, the node to avoid, `lastFailure`. Returns the streak."""
+    ft, s, attempt = spec.fault_tolerance, p.status, p.status.attempt
     latest = s.latest_checkpoint.step if s.latest_checkpoint else -1
     start = p.state.checkpoint_at_attempt_start
     if p.state.faulted_attempt == attempt:  # replayed pass: this fault is already counted
@@ -689,37 +701,48 @@ def _on_fault(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> None:
         message=fault.message,
         time=p.stamp,
     )
-    counted = not fault.infrastructure or ft.infra_faults_count
+    return streak
+
+
+def _counts(spec: PretrainJobSpec, fault: Fault) -> bool:
+    """Whether the fault uses restart budget (infrastructure faults may not)."""
+    return not fault.infrastructure or spec.fault_tolerance.infra_faults_count
+
+
+def _verdict(spec: PretrainJobSpec, status: PretrainJobStatus, fault: Fault, streak: int
+             ) -> tuple[Reason, str] | None:
+    """Why the job must end instead of restarting, or None."""
+    ft = spec.fault_tolerance
     if fault.permanent:
-        _fail(p, fault.reason, f"{fault.message}: not retried (a restart cannot fix it)")
-    elif counted and s.restarts.counted + 1 > ft.max_restarts:
-        _fail(
-            p,
-            Reason.BUDGET_EXHAUSTED,
-            f"{fault.message}; restart budget of {ft.max_restarts} used up",
-        )
-    elif streak > ft.no_progress_restarts:
-        _fail(
-            p,
-            Reason.NO_PROGRESS,
-            f"{fault.message}; {streak} attempts in a row ended without "
-            f"a new complete checkpoint (noProgressRestarts={ft.no_progress_restarts})",
-        )
-    else:
-        s.restarts.total += 1
-        s.restarts.counted += int(counted)
-        lost = _lost_steps(p, latest)
-        s.lost_steps += lost
-        p.lost_work = lost * (p.lead.step_seconds or 0.0) if p.lead is not None else 0.0
-        p.restarted = True
-        p.phase(
-            "Restarting",
-            fault.reason,
-            f"{fault.message}; restarting the gang (restart {s.restarts.total})",
-            warning=True,
-        )
-        _teardown(p, p.observed.pods)
-        p.after(p.settings.fast_requeue_seconds)
+        return fault.reason, f"{fault.message}: not retried (a restart cannot fix it)"
+    if _counts(spec, fault) and status.restarts.counted + 1 > ft.max_restarts:
+        return (Reason.BUDGET_EXHAUSTED,
+                f"{fault.message}; restart budget of {ft.max_restarts} used up")
+    if streak > ft.no_progress_restarts:
+        return (Reason.NO_PROGRESS,
+                f"{fault.message}; {streak} attempts in a row ended without "
+                f"a new complete checkpoint (noProgressRestarts={ft.no_progress_restarts})")
+    return None
+
+
+def _restart(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> None:
+    """Count the restart and the work it loses, and start tearing the gang down."""
+    s = p.status
+    latest = s.latest_checkpoint.step if s.latest_checkpoint else -1
+    s.restarts.total += 1
+    s.restarts.counted += int(_counts(spec, fault))
+    lost = _lost_steps(p, latest)
+    s.lost_steps += lost
+    p.lost_work = lost * (p.lead.step_seconds or 0.0) if p.lead is not None else 0.0
+    p.restarted = True
+    p.phase(
+        "Restarting",
+        fault.reason,
+        f"{fault.message}; restarting the gang (restart {s.restarts.total})",
+        warning=True,
+    )
+    _teardown(p, p.observed.pods)
+    p.after(p.settings.fast_requeue_seconds)
 
 
 def _lost_steps(p: _Pass, checkpoint: int) -> int:

@@ -31,16 +31,31 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+from kubernetes.client import ApiClient
 
 from hlat_testbed import cgroups, netns, podfiles, podrun, podspec
-from hlat_testbed.config import API_PORT, K8S_CLUSTER_DOMAIN
+from hlat_testbed.config import API_PORT, K8S_CLUSTER_DOMAIN, ClusterConfig
 from hlat_testbed.kube import Obj, Pod
 
-if TYPE_CHECKING:
-    from hlat_testbed.kubelet import NodeAgent
-
 Status = dict[str, Any]
+
+
+class Agent(Protocol):
+    """What a pod worker needs of its node's kubelet (`hlat_testbed.kubelet.NodeAgent`), so the
+    two modules do not import each other."""
+
+    config: ClusterConfig
+    api: ApiClient
+    allocatable: dict[str, str]
+    online: threading.Event
+
+    def log(self, message: str) -> None: ...
+    def allocate_ip(self, uid: str) -> str: ...
+    def release_ip(self, uid: str) -> None: ...
+    def report_status(self, worker: PodWorker, status: Status) -> None: ...
+    def pod_gone(self, worker: PodWorker) -> None: ...
 
 
 def now() -> str:
@@ -109,7 +124,7 @@ def exit_code_of(returncode: int) -> int:
 class PodWorker:
     """Runs one pod; ``terminate`` and ``kill_silently`` may be called from other threads."""
 
-    def __init__(self, agent: NodeAgent, pod: Pod) -> None:
+    def __init__(self, agent: Agent, pod: Pod) -> None:
         self.agent = agent
         self.pod = pod
         self.uid: str = pod.metadata.uid

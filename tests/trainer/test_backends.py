@@ -139,6 +139,7 @@ def test_not_a_torch_native_name() -> None:
 @needs_no_neuron
 def test_neuron_xla_imports_without_the_packages_and_says_what_to_install() -> None:
     import hlat_trainer.backends.neuron_xla as nx
+    from hlat_trainer.backends.neuron_import import NEURON_IMAGE
 
     assert "torch_xla" not in sys.modules and "neuronx_distributed" not in sys.modules
     backend = select_backend(make_spec("trn1.32xlarge", train={"globalBatch": 64, "steps": 4}))
@@ -147,7 +148,7 @@ def test_neuron_xla_imports_without_the_packages_and_says_what_to_install() -> N
                 lambda: backend.build_model(torch.device("cpu")), backend.finalize_checkpoint):
         with pytest.raises(UserError) as err:
             use()
-        assert nx.NEURON_IMAGE in str(err.value)
+        assert NEURON_IMAGE in str(err.value)
     with pytest.raises(UserError, match="`torch-xla \\(Neuron build\\)`"):
         backend.device(0)
     with pytest.raises(UserError, match="`neuronx-distributed`"):

@@ -40,12 +40,10 @@ the backend without them raises `UserError` naming the package and the image to 
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from hlat_trainer.backends.base import Backend, BackendName
-from hlat_trainer.errors import UserError
+from hlat_trainer.backends.neuron_import import require_neuron
 from hlat_trainer.neuron_env import logical_nc_size
 
 if TYPE_CHECKING:
@@ -57,25 +55,6 @@ if TYPE_CHECKING:
     from hlat_trainer.distributed import World
 
 _NO_CLIP = 1e30
-NEURON_IMAGE = "public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.30.0-ubuntu24.04"
-_PACKAGES = {"torch_xla": "torch-xla (Neuron build)", "torch_neuronx": "torch-neuronx",
-             "neuronx_distributed": "neuronx-distributed"}
-
-
-def require_neuron(module: str) -> ModuleType:
-    """Import a Neuron-stack module, or raise a UserError that says where to get it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        package = _PACKAGES.get(module.split(".")[0], module.split(".")[0])
-        raise UserError(
-            f"backend neuron-xla needs the `{package}` package (module {module} is missing), "
-            "which is not on PyPI: run in the trainer image built FROM "
-            f"{NEURON_IMAGE} (Dockerfile.trainer), or install it from the Neuron pip "
-            "repository; off Trainium set backend: cpu or cuda"
-        ) from err
-
-
 class NeuronXlaBackend(Backend):
     name: BackendName = "neuron-xla"
     dist_backend = "xla"

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from hlat_api.presets import ModelDims
-from hlat_trainer.backends.neuron_xla import require_neuron
+from hlat_trainer.backends.neuron_import import require_neuron
 from hlat_trainer.model import INIT_STD, RMSNorm, apply_rope, rope_tables
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -108,6 +108,9 @@ class ObservedLease:
     name: str
     renew_time: datetime | None = None
     heartbeat: Heartbeat | None = None
+    clock_offset: float = 0.0
+    """Seconds the writer's clock was found ahead of the API server's (0 within tolerance);
+    `renew_time` and the heartbeat's `progress_time` are already corrected by it."""
 
 
 class OperatorState(BaseModel):
@@ -229,13 +232,31 @@ def node_from_raw(raw: Mapping[str, Any]) -> ObservedNode:
     )
 
 
+CLOCK_SKEW_TOLERANCE_SECONDS = 5.0
+"""A writer's clock further than this from the API server's is corrected for (the server's
+write times have a resolution of one second)."""
+
+
 def lease_from_raw(raw: Mapping[str, Any]) -> ObservedLease:
+    """A Lease as the operator reads it. Its `renewTime` and the heartbeat's `progress_time`
+    are the worker's clock; the API server stamps each write in `managedFields` with its own.
+    A worker clock off by more than the tolerance (a node whose time sync failed) would make
+    a healthy worker look hung or hide a hung one: its times are shifted onto the server's."""
     meta, spec = raw.get("metadata") or {}, raw.get("spec") or {}
-    return ObservedLease(
-        name=meta.get("name", ""),
-        renew_time=parse_time(spec.get("renewTime")),
-        heartbeat=Heartbeat.from_annotations(meta.get("annotations")),
-    )
+    renewed = parse_time(spec.get("renewTime"))
+    beat = Heartbeat.from_annotations(meta.get("annotations"))
+    written = [t for f in meta.get("managedFields") or [] if (t := parse_time(f.get("time")))]
+    offset = 0.0
+    if renewed is not None and written:
+        ahead = (renewed - max(written)).total_seconds()
+        if abs(ahead) > CLOCK_SKEW_TOLERANCE_SECONDS:
+            offset = ahead
+            shift = timedelta(seconds=offset)
+            renewed -= shift
+            if beat is not None and beat.progress_time is not None:
+                beat = beat.model_copy(update={"progress_time": beat.progress_time - shift})
+    return ObservedLease(name=meta.get("name", ""), renew_time=renewed, heartbeat=beat,
+                         clock_offset=offset)
 
 
 def status_from_raw(raw: Mapping[str, Any] | None) -> PretrainJobStatus:

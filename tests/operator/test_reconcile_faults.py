@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -342,3 +342,43 @@ def test_a_save_longer_than_ever_seen_is_still_bounded_by_the_startup_timeout() 
     assert w.status.phase == "Restarting"
     assert w.status.last_failure is not None
     assert w.status.last_failure.reason == Reason.HEARTBEAT_TIMEOUT
+
+
+def _raw_lease(renew: datetime, progress: datetime, written: datetime) -> dict[str, Any]:
+    """A Lease as the API server returns it: the worker's times, the server's write stamp."""
+    beat = Heartbeat(phase="training", step=5, attempt=0, step_seconds=0.5,
+                     progress_time=progress)
+    stamp = written.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"metadata": {"name": "tiny-a0-0", "annotations": beat.to_annotations(),
+                         "managedFields": [{"manager": "hlat-operator", "operation": "Update",
+                                            "time": "2025-01-01T00:00:00Z"},
+                                           {"manager": "OpenAPI-Generator",
+                                            "operation": "Update", "time": stamp}]},
+            "spec": {"renewTime": renew.isoformat()}}
+
+
+@pytest.mark.parametrize("skew", [-60.0, 60.0])
+def test_a_worker_clock_a_minute_off_neither_causes_nor_hides_a_hang(skew: float) -> None:
+    """Behind, its fresh beats would look a minute old (a false hang, a restart loop); ahead,
+    a hung worker would look alive for a minute more. Its times are read on the server's
+    clock (the API server's write stamp), so the steady timeout (7 s here) holds either way."""
+    from hlat_operator.observe import lease_from_raw
+
+    spec = PretrainJobSpec.model_validate(raw_spec())
+    pod = ObservedPod("tiny-a0-0", 0, 0, phase="Running", node="node-a", started_at=at(0))
+    off = timedelta(seconds=skew)
+    fresh = lease_from_raw(_raw_lease(at(100) + off, at(100) + off, at(100)))
+    assert fresh.clock_offset == pytest.approx(skew)
+    s = staleness(spec, pod, fresh, SETTINGS)
+    assert s is not None and s.since == at(100) and s.timeout == pytest.approx(7.0, abs=1)
+    hung = lease_from_raw(_raw_lease(at(120) + off, at(100) + off, at(120)))
+    s = staleness(spec, pod, hung, SETTINGS)
+    assert s is not None and (at(120) - s.since).total_seconds() > s.timeout  # caught at 120 s
+
+
+def test_a_clock_within_the_server_s_resolution_is_left_as_it_is() -> None:
+    from hlat_operator.observe import lease_from_raw
+
+    renew = at(100) + timedelta(seconds=0.7)
+    lease = lease_from_raw(_raw_lease(renew, renew, at(100)))
+    assert lease.clock_offset == 0 and lease.renew_time == renew

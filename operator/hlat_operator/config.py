@@ -55,6 +55,10 @@ class OperatorSettings(BaseModel):
     """Requeue delay while a job is alive, so timeouts fire without a watch event."""
     fast_requeue_seconds: float = 1.0
     """Requeue delay while waiting for pods to go away (deletion is usually quick)."""
+    exit_after_finish_seconds: float = 300.0
+    """A worker that reported `finished` (its last checkpoint complete) and still runs after
+    this long is hung in its exit: the gang is restarted, and the new one, resuming from the
+    final checkpoint, has nothing left to do and exits."""
     force_delete_after_seconds: float = 60.0
     """A pod terminating this long on a NotReady or missing node is force-deleted: its kubelet
     will never confirm, and the next gang must not wait forever."""

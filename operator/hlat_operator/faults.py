@@ -155,6 +155,8 @@ class Staleness:
     reason: Reason
     renewed: datetime | None = None
     """The last renewal (the process was alive then); None before the first beat."""
+    finished: bool = False
+    """The worker reported `finished`: it no longer renews, it should exit."""
 
 
 def staleness(
@@ -175,10 +177,11 @@ def staleness(
     if beat is None or lease is None or lease.renew_time is None:
         since = max(filter(None, (pod.started_at or pod.created_at, gang_started)), default=None)
         return Staleness(since, startup, Reason.STARTUP_TIMEOUT) if since else None
-    if beat.phase == "finished":
-        return None
     renewed = lease.renew_time
     progressed = min(beat.progress_time, renewed) if beat.progress_time else renewed
+    if beat.phase == "finished":  # it stops renewing; it must exit soon
+        return Staleness(progressed, settings.exit_after_finish_seconds,
+                         Reason.HEARTBEAT_TIMEOUT, renewed, finished=True)
     if beat.phase in ("starting", "compiling"):
         return Staleness(progressed, startup, Reason.STARTUP_TIMEOUT, renewed)
     steady = steady_timeout(spec, beat.step_seconds, settings)
@@ -216,7 +219,8 @@ def _heartbeat_fault(
         over = (now - stale.since).total_seconds() - stale.timeout
         if over > 0:
             hung.append((over, pod, stale))
-        if stale.renewed is not None and (quiet := (now - stale.renewed).total_seconds()) > expiry:
+        quiet = (now - stale.renewed).total_seconds() if stale.renewed is not None else 0.0
+        if quiet > expiry and not stale.finished:  # a finished worker stops renewing by design
             silent.append((quiet, pod, stale))
     if not hung:
         return None
@@ -225,7 +229,9 @@ def _heartbeat_fault(
     # than its phase allows (frozen before it ever reported training, say), the first peer's
     ran_out = stale if any(p is pod for _, p, _ in hung) else max(hung, key=lambda e: e[0])[2]
     age = (now - stale.since).total_seconds()
-    if stale.renewed is None:
+    if stale.finished:
+        what = f"finished but still running {age:.0f}s later"
+    elif stale.renewed is None:
         what = f"no first heartbeat for {age:.0f}s"
     elif silent:
         what = f"no heartbeat for {(now - stale.renewed).total_seconds():.0f}s"

@@ -55,7 +55,8 @@ class ObservedPod:
     """From the attempt label; None for a pod without one (not ours to judge)."""
     rank: int | None = None
     phase: str = "Pending"
-    """Pending | Running | Succeeded | Failed | Unknown."""
+    """Pending | Running | Succeeded | Failed | Unknown: the worker's, which is the trainer
+    container's once it ended (a sidecar may keep the pod itself Running)."""
     exit_code: int | None = None
     """Of the trainer container, once it terminated."""
     reason: str | None = None
@@ -76,6 +77,9 @@ class ObservedPod:
     """The scheduler's message, e.g. `0/3 nodes are available: 3 Insufficient cpu.`"""
     avoided: tuple[str, ...] | None = None
     """The nodes its affinity avoids (the operator's annotation); None: not annotated."""
+    lingering: bool = False
+    """The trainer container ended but the pod still runs (a sidecar that does not stop with
+    it): finished for the job, yet holding its node until deleted."""
 
     @property
     def terminating(self) -> bool:
@@ -193,11 +197,15 @@ def pod_from_raw(raw: Mapping[str, Any], container: str = "trainer") -> Observed
     gates = [g.get("name", "") for g in (raw.get("spec") or {}).get("schedulingGates") or []]
     note = f" (scheduling gates: {', '.join(gates)})" if gates else ""
     avoided = (meta.get("annotations") or {}).get(AVOIDED_ANNOTATION)
+    phase = status.get("phase") or "Pending"
+    lingering = phase == "Running" and bool(term) and mine.get("name") == container
+    if lingering:  # the trainer is done: its exit code decides, whatever the sidecars do
+        phase = "Succeeded" if _int(term.get("exitCode")) == 0 else "Failed"
     return ObservedPod(
         name=meta.get("name", ""),
         attempt=_int(pod_labels.get(labels.ATTEMPT)),
         rank=_int(pod_labels.get(labels.NODE_RANK)),
-        phase=status.get("phase") or "Pending",
+        phase=phase,
         exit_code=_int(term.get("exitCode")),
         reason=status.get("reason") or term.get("reason"),
         message=status.get("message") or term.get("message") or "",
@@ -211,6 +219,7 @@ def pod_from_raw(raw: Mapping[str, Any], container: str = "trainer") -> Observed
         unschedulable_since=parse_time(scheduled.get("lastTransitionTime")) if stuck else None,
         schedule_message=str(scheduled.get("message") or "") + note if stuck else "",
         avoided=None if avoided is None else tuple(n for n in avoided.split(",") if n),
+        lingering=lingering,
     )
 
 

@@ -392,10 +392,11 @@ def _deadline_passed(p: _Pass, spec: PretrainJobSpec) -> bool:
 
 def _teardown(p: _Pass, pods: list[ObservedPod], keep_finished: bool = False) -> bool:
     """Delete these pods; True once none is left. Pods stuck terminating on a dead node past
-    the bound are force-deleted: their kubelet will never confirm."""
+    the bound are force-deleted: their kubelet will never confirm. `keep_finished` keeps the
+    pods whose trainer ended (their logs), except those a sidecar keeps running."""
     left = False
     for pod in pods:
-        if keep_finished and pod.finished:
+        if keep_finished and pod.finished and not pod.lingering:  # kept for their logs
             continue
         left = True
         if not pod.terminating:

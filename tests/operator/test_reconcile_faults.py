@@ -297,11 +297,18 @@ def test_compiling_workers_get_the_startup_timeout() -> None:
     assert w.status.phase == "Running"
 
 
-def test_a_finished_worker_is_not_expected_to_beat() -> None:
+def test_a_finished_worker_is_not_expected_to_beat_but_to_exit() -> None:
+    """After `finished` (its last checkpoint complete) a worker stops renewing; one still
+    running after exitAfterFinish (hung in its exit, e.g. a collective in teardown) gets the
+    gang restarted: the new gang resumes from the final checkpoint and has nothing to do."""
     w = running_world()
     w.beat(120, phase="finished")
-    w.run(100)
+    w.run(SETTINGS.exit_after_finish_seconds - 5)
     assert w.status.phase == "Running"
+    w.run(10)
+    assert w.status.phase == "Restarting"
+    assert w.status.last_failure is not None
+    assert w.status.last_failure.reason == Reason.HEARTBEAT_TIMEOUT
 
 
 @pytest.mark.parametrize(
@@ -382,3 +389,23 @@ def test_a_clock_within_the_server_s_resolution_is_left_as_it_is() -> None:
     renew = at(100) + timedelta(seconds=0.7)
     lease = lease_from_raw(_raw_lease(renew, renew, at(100)))
     assert lease.clock_offset == 0 and lease.renew_time == renew
+
+
+def test_a_worker_that_finished_is_not_blamed_for_a_peer_s_hang() -> None:
+    """Rank 0 finished and stopped renewing (by design); rank 1 hangs before finishing: the
+    hang is rank 1's."""
+    w = running_world()
+    w.beat(120)
+    rank0 = w.pod_of(0)
+    lease = w.leases[rank0.name]
+    assert lease.heartbeat is not None
+    w.leases[rank0.name] = replace(lease, heartbeat=lease.heartbeat.model_copy(
+        update={"phase": "finished"}))
+    for _ in range(30):
+        w.advance(1)
+        w.step()
+        if w.status.phase == "Restarting":
+            break
+    assert w.status.phase == "Restarting" and w.status.last_failure is not None
+    assert w.status.last_failure.pod == "tiny-a0-1", w.status.last_failure
+    assert "finished" not in w.status.last_failure.message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -232,3 +233,33 @@ def test_leases_of_the_attempt_are_precreated_and_old_ones_removed() -> None:
     assert set(w.leases) == {lease_name("tiny-a1-0"), lease_name("tiny-a1-1")}
     role = w.objects[("Role", labels.service_account_name("tiny"))]
     assert role["rules"][0]["resourceNames"] == ["tiny-a1-0", "tiny-a1-1"]
+
+
+def test_a_sidecar_neither_keeps_a_finished_job_running_nor_its_nodes_held() -> None:
+    """A plain sidecar container (not a native one) keeps the pod Running after the trainer
+    exited 0: the worker is finished (the trainer container says so), the job Succeeds, and
+    those pods are deleted (they hold the nodes' devices) while pods that ended are kept."""
+    from hlat_operator.observe import pod_from_raw
+
+    raw = {"metadata": {"name": "tiny-a0-0", "labels": {labels.ATTEMPT: "0",
+                                                         labels.NODE_RANK: "0"}},
+           "status": {"phase": "Running", "containerStatuses": [
+               {"name": "log-shipper", "state": {"running": {"startedAt": "2025-01-01T00:00:00Z"}}},
+               {"name": "trainer", "state": {"terminated": {"exitCode": 0,
+                                                            "startedAt": "2025-01-01T00:00:00Z"}}}]}}
+    pod = pod_from_raw(raw)
+    assert pod.phase == "Succeeded" and pod.lingering and pod.exit_code == 0
+    raw["status"]["containerStatuses"][1]["state"]["terminated"]["exitCode"] = 1
+    assert pod_from_raw(raw).phase == "Failed"
+
+    w = World(raw_spec())
+    w.until("Running")
+    w.succeed_all()
+    first = w.pod_of(0)
+    w.pods[first.name] = replace(first, lingering=True)  # rank 0's sidecar still runs
+    d = w.step()
+    assert w.status.phase == "Succeeded"
+    w.advance(1)
+    d = w.step()
+    deleted = [a.name for a in d.actions if isinstance(a, DeletePod)]
+    assert deleted == [first.name]  # rank 1's ended pod is kept for its logs

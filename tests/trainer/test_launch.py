@@ -139,6 +139,10 @@ def test_main_execs_torchrun_with_the_merged_environment(
     launch.main([])
     assert seen["file"] == "torchrun" and seen["args"][-1] == str(config_file)
     assert seen["env"]["FI_PROVIDER"] == "efa" and seen["env"][Env.JOB_NAME] == "llama"
+    # torchrun (and so the trainer) is the one beside hlat-launch, not whatever PATH finds
+    # first (the local rig's kubelets may have been started from another checkout)
+    assert seen["env"]["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
+    assert float(seen["env"][Env.LAUNCHED_MONOTONIC]) > 0
 
 
 def test_main_dry_run_prints_the_command(

@@ -108,6 +108,14 @@ def build_command(
     return argv, extra
 
 
+def own_bin_first(path: str) -> str:
+    """PATH with this interpreter's directory first: torchrun (and the trainer it starts) is
+    the one installed beside hlat-launch, whatever PATH the container (or the local rig's
+    kubelet) was started with."""
+    own = os.path.dirname(sys.executable)
+    return os.pathsep.join([own, *(p for p in path.split(os.pathsep) if p and p != own)])
+
+
 def read_driver_version() -> str | None:
     """The node's Neuron kernel driver version (sysfs is visible in containers), if readable."""
     try:
@@ -158,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.OK
     try:
         os.execvpe(command[0], command,
-                   {**env, **extra, Env.LAUNCHED_MONOTONIC: f"{launched:.6f}"})
+                   {**env, **extra, Env.LAUNCHED_MONOTONIC: f"{launched:.6f}",
+                    "PATH": own_bin_first(env.get("PATH", ""))})
     except OSError as err:  # not found in the image: permanent, a restart cannot fix it
         print(f"hlat-launch: cannot run {command[0]}: {err}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR

@@ -135,7 +135,8 @@ class OperatorState(BaseModel):
     ready_attempt: int | None = None
     """The attempt that became Ready (all workers training), for time-to-recover."""
     high_step: int = 0
-    """The highest step any attempt reported: the next gang's recomputed work ends there."""
+    """The highest step node rank 0 of any attempt reported: the next gang's recomputed work
+    ends there."""
 
     @classmethod
     def from_annotations(cls, annotations: Mapping[str, str] | None) -> OperatorState:

@@ -535,8 +535,10 @@ def _new_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> None:
 
 
 def _steps_done(p: _Pass) -> int:
-    """The highest step any attempt reported finishing (recomputed work below it)."""
-    return max(p.state.high_step, p.status.progress.step)
+    """The highest step node rank 0 of any attempt reported finishing: the next gang's steps
+    up to it are recomputed work. Rank 0's, because its report carries the time those steps
+    took (goodput counts each step's time once, from the report that covers it)."""
+    return p.state.high_step
 
 
 def _create_missing(p: _Pass, spec: PretrainJobSpec) -> None:
@@ -759,11 +761,13 @@ def _update_progress(p: _Pass, spec: PretrainJobSpec) -> None:
              for r in range(spec.nodes)]
     beats = [_beat(p, n) for n in names]
     p.lead = beats[0] if beats else None
+    lead = p.lead
+    if lead is not None and lead.phase not in accounting.RESUMING_PHASES and (
+            lead.step > p.state.high_step):
+        p.state = p.state.model_copy(update={"high_step": lead.step})
     progress = accounting.progress_of(beats, spec.total_steps)
     if progress is not None:
         p.status.progress = progress
-        if progress.step > p.state.high_step:
-            p.state = p.state.model_copy(update={"high_step": progress.step})
     newer = accounting.newer_checkpoint(beats, p.status.latest_checkpoint, p.stamp)
     if newer is not None:
         p.status.latest_checkpoint = newer

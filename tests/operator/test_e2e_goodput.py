@@ -74,6 +74,13 @@ class Stopwatch:
         return next(t for p, t in self.phases if p == phase)
 
 
+def steps_done(env: Env, pod: str) -> int:
+    """The HLAT_STEPS_DONE the operator gave a pod."""
+    spec = client.CoreV1Api(env.cluster.admin_api()).read_namespaced_pod(pod, env.ns).spec
+    trainer = next(c for c in spec.containers if c.name == "trainer")
+    return int(next(e.value for e in trainer.env if e.name == "HLAT_STEPS_DONE"))
+
+
 def records(log: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.splitlines() if line.startswith('{"step"')]
 
@@ -126,21 +133,25 @@ def test_goodput_in_status_matches_the_trainers_logs(job_env: Env, stopwatch: St
     g, b = done["goodput"], done["goodput"]["badputSeconds"]
     first, second = records(job_env.pod_log(0, 0)), records(job_env.pod_log(1, 0))
     log0, log1 = job_env.pod_log(0, 0), job_env.pod_log(1, 0)
-    done_before = max(r["step"] for r in first)
+    # the steps the operator knew were done when it created the second gang (the last step a
+    # heartbeat of the first reported): steps the first gang trained after that report died
+    # with it unreported (detection), and the second gang trains them as new work
+    done_before = steps_done(job_env, f"{JOB}-a1-0")
+    assert done_before <= max(r["step"] for r in first)
+    reported = [r for r in first if r["step"] <= done_before]
 
-    # productive: the steps no earlier attempt logged; recompute: those it had; each step's
-    # time less its data wait (the JSON line's stepSeconds excludes saves)
+    # each step's time less its data wait (the JSON line's stepSeconds excludes saves)
     def work(rs: list[dict[str, Any]]) -> float:
         return sum(r["stepSeconds"] - r["dataWaitSeconds"] for r in rs)
 
-    productive = work(first) + work([r for r in second if r["step"] > done_before])
+    productive = work(reported) + work([r for r in second if r["step"] > done_before])
     recompute = work([r for r in second if r["step"] <= done_before])
-    checkpoint = sum(r.get("checkpointBlockingSeconds", 0.0) for r in first + second)
-    data_wait = sum(r["dataWaitSeconds"] for r in first + second)
+    checkpoint = sum(r.get("checkpointBlockingSeconds", 0.0) for r in reported + second)
+    data_wait = sum(r["dataWaitSeconds"] for r in reported + second)
     created = [stopwatch.pods[f"{JOB}-a{a}-0"] for a in (0, 1)]
     wall = stopwatch.first("Succeeded") - created[0]
     restarting = stopwatch.first("Restarting")
-    detection = restarting - first[-1]["time"]
+    detection = restarting - reported[-1]["time"]
     between = created[1] - restarting  # teardown + backoff
     # pending + startup + restore: pod created -> the first step began (its line's time less
     # its step time)

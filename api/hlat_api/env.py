@@ -30,8 +30,8 @@ class Env(StrEnum):
     METRICS_PORT = "HLAT_METRICS_PORT"
     """Port of the trainer's Prometheus endpoint (local rank 0); 0 or unset disables it."""
     STEPS_DONE = "HLAT_STEPS_DONE"
-    """The highest step node rank 0 of an earlier attempt reported (the operator's view when it created the
-    gang): a step at or below it is work done again (goodput's recompute)."""
+    """The highest step node rank 0 of an earlier attempt reported (the operator's view when
+    it created the gang): a step at or below it is work done again (goodput's recompute)."""
     LAUNCHED_MONOTONIC = "HLAT_LAUNCHED_MONOTONIC"
     """The launcher's start on the machine's monotonic clock: where the attempt's time
     accounting begins (set by hlat-launch)."""

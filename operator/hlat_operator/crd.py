@@ -270,19 +270,38 @@ def _add_rules(schema: Schema, rules: dict[tuple[str, ...], list[Schema]]) -> No
         node.setdefault("x-kubernetes-validations", []).extend(node_rules)
 
 
+REQUIRED_SECTIONS = ("train",)
+"""Sections with no valid default (the run's length is the user's to give)."""
+
+
+def _filled(node: Schema) -> dict[str, Any]:
+    """What the API server makes of `{}` at this object: its properties' defaults, nested
+    sections filled the same way."""
+    out: dict[str, Any] = {}
+    for key, child in node.get("properties", {}).items():
+        if "default" in child:
+            out[key] = child["default"]
+    return out
+
+
 def _default_sections(schema: Schema, model: type[BaseModel]) -> None:
-    """`default: {}` on every section whose model has defaults for all its fields: the API
-    server applies nested defaults only where the parent exists, so without it an omitted
-    section would skip its own defaults and every CEL rule guarded by it (the default
-    warmupSteps of 2000 would pass for a 60-step job)."""
+    """A default on every section whose model has defaults for all its fields: the API server
+    applies nested defaults only where the parent exists, so without it an omitted section
+    would skip its own defaults and every CEL rule guarded by it (the default warmupSteps of
+    2000 would pass for a 60-step job). The default is the filled object, not `{}`: the API
+    server checks a default against the rules as it stands."""
     for name, info in model.model_fields.items():
         nested = info.annotation
         if info.default_factory is None or not (
                 isinstance(nested, type) and issubclass(nested, BaseModel)):
             continue
-        node = schema["properties"][info.alias or name]
-        node["default"] = {}
+        key = info.alias or name
+        node = schema["properties"][key]
         _default_sections(node, nested)
+        if key in REQUIRED_SECTIONS:
+            schema.setdefault("required", []).append(key)
+        else:
+            node["default"] = _filled(node)
 
 
 def spec_schema() -> Schema:

@@ -166,7 +166,7 @@ def test_omitted_sections_are_defaulted_by_the_api_server(
     and `kubectl get -o yaml` shows what will run), the same values the operator assumes."""
     spec = copy.deepcopy(BASE)
     for section in ("faultTolerance", "checkpoint", "parallelism", "scheduling"):
-        spec.pop(section)
+        spec.pop(section, None)
     spec["suspend"] = True  # admission is the point: no pods
     body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "PretrainJob",
             "metadata": {"name": "defaults"}, "spec": spec}

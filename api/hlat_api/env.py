@@ -35,6 +35,9 @@ class Env(StrEnum):
     LAUNCHED_MONOTONIC = "HLAT_LAUNCHED_MONOTONIC"
     """The launcher's start on the machine's monotonic clock: where the attempt's time
     accounting begins (set by hlat-launch)."""
+    EXIT_FILE = "HLAT_EXIT_FILE"
+    """Where a trainer that fails for good writes its exit code (set by hlat-launch, which
+    makes it the pod's: torchrun reports every failed worker as 1)."""
     LOG_FORMAT = "HLAT_LOG_FORMAT"
     """`json` (one object per step on stdout) or `bar` (progress bar); default by isatty."""
 

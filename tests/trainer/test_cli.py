@@ -61,7 +61,10 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["train.stpes=4"], "unknown key 'stpes'"),
         (["nodes=2"], "single process"),
         # the NxD path is selected and driven, but its packages are not on this machine
-        (["backend=neuron-xla"], "backend neuron-xla needs the `torch-xla (Neuron build)`"),
+        (["backend=neuron-xla", "instanceType=trn1.2xlarge", "processesPerNode=1"],
+         "backend neuron-xla needs the `torch-xla (Neuron build)`"),
+        # a backend the instance type cannot run, named before anything starts
+        (["backend=neuron-xla"], "spec.backend: neuron-xla cannot run on cpu"),
     ]
 
 

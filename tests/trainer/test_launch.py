@@ -125,18 +125,19 @@ def _set_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
         monkeypatch.setenv(key, value)
 
 
-def test_main_execs_torchrun_with_the_merged_environment(
+def test_main_runs_torchrun_with_the_merged_environment(
     config_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config_file)}))
     monkeypatch.delenv("FI_PROVIDER", raising=False)
     seen: dict[str, Any] = {}
 
-    def fake_exec(file: str, args: list[str], env: dict[str, str]) -> None:
-        seen.update(file=file, args=args, env=env)
+    def fake_supervise(args: list[str], env: dict[str, str], exit_file: Path) -> int:
+        seen.update(file=args[0], args=args, env=env)
+        return 0
 
-    monkeypatch.setattr(os, "execvpe", fake_exec)
-    launch.main([])
+    monkeypatch.setattr(launch, "supervise", fake_supervise)
+    assert launch.main([]) == 0
     assert seen["file"] == "torchrun" and seen["args"][-1] == str(config_file)
     assert seen["env"]["FI_PROVIDER"] == "efa" and seen["env"][Env.JOB_NAME] == "llama"
     # torchrun (and so the trainer) is the one beside hlat-launch, not whatever PATH finds
@@ -208,6 +209,44 @@ def test_main_refuses_a_node_whose_neuron_driver_is_too_old(
     version = tmp_path / "version"
     version.write_text("2.26.5.0\n")
     monkeypatch.setattr(launch, "NEURON_DRIVER_VERSION_FILE", str(version))
-    monkeypatch.setattr(os, "execvpe", lambda *a: pytest.fail("must not start torchrun"))
+    monkeypatch.setattr(launch, "supervise", lambda *a: pytest.fail("must not start torchrun"))
     assert launch.main([]) == ExitCode.CONFIG_ERROR
     assert "Neuron driver is 2.26.5.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("script", "written", "expected"), [
+    ("exit 0", None, 0),
+    ("exit 1", None, 1),
+    ("exit 1", "2", ExitCode.CONFIG_ERROR),  # a worker failed for good; torchrun says 1
+    ("exit 1", "garbage", 1),
+    ("kill -KILL $$", None, 137),
+])
+def test_the_supervisor_reports_the_exit_code_the_operator_must_see(
+        tmp_path: Path, script: str, written: str | None, expected: int) -> None:
+    exit_file = tmp_path / "exit-code"
+    if written is not None:
+        exit_file.write_text(written)
+    env = {"PATH": os.environ["PATH"]}
+    assert launch.supervise(["sh", "-c", script], env, exit_file) == expected
+
+
+def test_the_supervisor_forwards_sigterm_to_torchrun(tmp_path: Path) -> None:
+    """The kubelet's SIGTERM (pod deletion) must reach torchrun, which stops the workers."""
+    import signal
+    import subprocess
+    import time
+
+    marker = tmp_path / "got-term"
+    child = (f"import signal, sys, time, pathlib\n"
+             f"signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path({str(marker)!r})"
+             f".write_text('x'), sys.exit(143)))\n"
+             f"print('ready', flush=True)\ntime.sleep(60)\n")
+    code = (f"import sys, pathlib; from hlat_trainer import launch; "
+            f"sys.exit(launch.supervise([sys.executable, '-c', {child!r}], "
+            f"{{'PATH': ''}}, pathlib.Path({str(tmp_path / 'exit')!r})))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 143
+    assert marker.read_text() == "x"

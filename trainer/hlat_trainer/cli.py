@@ -8,10 +8,12 @@ bare spec. A bad config, dataset, tokenizer or checkpoint prints what to fix and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hlat_api import Env, ExitCode, InvalidSpecError, PretrainJobSpec, load_job
@@ -54,6 +56,10 @@ def main(argv: list[str] | None = None, *, backend: BackendFactory | None = None
         return _run(args, backend)
     except (InvalidSpecError, UserError) as err:
         print(f"hlat-train: {err}", file=sys.stderr)
+        exit_file = os.environ.get(Env.EXIT_FILE)
+        if exit_file:  # torchrun reports any failure as 1: tell hlat-launch it is for good
+            with contextlib.suppress(OSError):
+                Path(exit_file).write_text(str(int(ExitCode.CONFIG_ERROR)))
         return ExitCode.CONFIG_ERROR
 
 

@@ -1,15 +1,19 @@
-"""`hlat-launch`: turn the operator's environment into the torchrun line, then become it.
+"""`hlat-launch`: turn the operator's environment into the torchrun line, then supervise it.
 
 Every worker pod runs this as its entrypoint (Dockerfile.trainer). It reads the HLAT_* variables
 the operator sets (`hlat_api.Env`) and the trainer config (HLAT_CONFIG: the PretrainJob spec,
-JSON or YAML), adds the Neuron environment computed from the spec (`neuron_env`), and execs
+JSON or YAML), adds the Neuron environment computed from the spec (`neuron_env`), and runs
 
     [neuron_parallel_compile] torchrun --nnodes N --nproc-per-node P --node-rank R
         --master-addr A --master-port PORT --max-restarts 0 -m hlat_trainer --config FILE [ARGS]
 
 Choices:
-- exec, not a child process: torchrun becomes the container's main process, so the kubelet's
-  SIGTERM reaches it directly and its exit code is the pod's.
+- A small supervisor, not an exec: torchrun runs as its child; SIGTERM, SIGINT and SIGHUP are
+  forwarded to it (the kubelet's SIGTERM on deletion reaches it at once), and the pod's exit
+  code is torchrun's (128+n when a signal ended it), except that a trainer that failed for a
+  reason no restart can fix (`ExitCode.CONFIG_ERROR`, written to HLAT_EXIT_FILE by the
+  trainer) makes the pod exit with that code: torchrun itself reports every failed child as 1,
+  which would have the operator restart a job that can never run.
 - `--max-restarts 0`: the operator restarts the whole gang from the last checkpoint; torchrun
   restarting one node's workers alone would only wait for peers that are not coming back.
 - Static rendezvous at HLAT_MASTER_ADDR:HLAT_MASTER_PORT (node rank 0's pod, through the
@@ -34,11 +38,16 @@ Arguments after `--` go to the trainer (e.g. `-- --set train.steps=4`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from hlat_api import Env, ExitCode, InvalidSpecError, PretrainJobSpec, load_job
 from hlat_trainer.backends import is_neuron, resolve_backend_name
@@ -164,14 +173,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(shlex.join(command), file=out, flush=True)
     if args.dry_run:
         return ExitCode.OK
+    exit_file = Path(tempfile.mkdtemp(prefix="hlat-launch-")) / "exit-code"
     try:
-        os.execvpe(command[0], command,
-                   {**env, **extra, Env.LAUNCHED_MONOTONIC: f"{launched:.6f}",
-                    "PATH": own_bin_first(env.get("PATH", ""))})
+        return supervise(command, {**env, **extra, Env.LAUNCHED_MONOTONIC: f"{launched:.6f}",
+                                   Env.EXIT_FILE: str(exit_file),
+                                   "PATH": own_bin_first(env.get("PATH", ""))}, exit_file)
     except OSError as err:  # not found in the image: permanent, a restart cannot fix it
         print(f"hlat-launch: cannot run {command[0]}: {err}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
-    return ExitCode.OK  # unreachable: exec replaced this process
+
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def supervise(command: Sequence[str], env: Mapping[str, str], exit_file: Path) -> int:
+    """Run `command`, forwarding signals to it; its exit code, or CONFIG_ERROR when the
+    trainer left that code in `exit_file`."""
+    proc = subprocess.Popen(list(command), env=dict(env))
+
+    def forward(sig: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(sig)
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    code = proc.wait()
+    with contextlib.suppress(OSError, ValueError):
+        if int(exit_file.read_text().strip()) == ExitCode.CONFIG_ERROR:
+            return ExitCode.CONFIG_ERROR
+    return code if code >= 0 else 128 - code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,107 @@
+"""Checkpoint faults end to end: a crash in the middle of an asynchronous write, a corrupt
+newest checkpoint, every checkpoint unreadable. Real operator, real trainers, the shared
+volume's real files; what must hold: no complete checkpoint is lost, the work lost is at most
+one checkpoint interval, one gang at a time, and a run that cannot resume fails with the
+reason instead of starting over at step 1.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from e2e_env import JOB, Env, resumed_from, steps_logged
+from e2e_spec import tiny_spec
+
+from hlat_api.layout import list_checkpoints
+from hlat_testbed import faults
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+INTERVAL = 4
+
+
+def checkpoints(env: Env) -> Path:
+    return env.fsx / "checkpoints"
+
+
+def complete_steps(env: Env) -> list[int]:
+    return [e.step for e in list_checkpoints(checkpoints(env), JOB) if e.complete]
+
+
+def async_spec(steps: int, write_delay: float) -> dict[str, object]:
+    spec = tiny_spec(steps=steps)
+    spec["checkpoint"].update({"async": True, "interval": INTERVAL, "keep": 3})
+    spec["template"] = {"spec": {"containers": [{"name": "trainer", "env": [
+        {"name": "HLAT_FAULT_CHECKPOINT_WRITE_DELAY_SECONDS", "value": str(write_delay)}]}]}}
+    return spec
+
+
+def test_a_crash_in_the_middle_of_an_asynchronous_write_loses_no_checkpoint(job_env: Env
+                                                                            ) -> None:
+    """Writes take 3 s; the worker is killed while one is in flight (its directory exists,
+    its `done` does not): the new gang removes the incomplete one, resumes from the newest
+    complete one, and loses at most one interval of steps."""
+    job_env.create(async_spec(steps=24, write_delay=3.0))
+    job_env.wait("a complete checkpoint", lambda s: s.get("phase") == "Running"
+                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= INTERVAL, 180)
+    root = checkpoints(job_env) / JOB
+    deadline = time.monotonic() + 60
+    in_flight = None
+    while time.monotonic() < deadline:  # a write in flight: a step directory without `done`
+        entries = list_checkpoints(checkpoints(job_env), JOB)
+        in_flight = next((e.step for e in entries if not e.complete), None)
+        if in_flight is not None:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"no write in flight seen in {root}")
+    before = complete_steps(job_env)
+    faults.kill(job_env.cluster.config, job_env.ns, f"{JOB}-a0-0")
+    done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    assert done["restarts"]["total"] == 1 and done["progress"]["step"] == 24
+    resumed = resumed_from(job_env.pod_log(1, 0))
+    assert resumed is not None and resumed == max(before), (resumed, before)
+    # the one before the unfinished write: lost are that interval and the steps trained
+    # while it was written (an asynchronous checkpoint counts only once complete)
+    assert in_flight is not None and resumed == in_flight - INTERVAL
+    assert max(steps_logged(job_env.pod_log(0, 0))) >= in_flight
+    assert not (checkpoints(job_env) / JOB / f"step_{in_flight}").exists() or (
+        in_flight in complete_steps(job_env))  # removed, or written again to completion
+    assert 24 in complete_steps(job_env)
+    assert all(e.complete for e in list_checkpoints(checkpoints(job_env), JOB))
+    assert job_env.max_gangs == 1
+
+
+def test_a_corrupt_newest_checkpoint_resumes_from_the_one_before(job_env: Env) -> None:
+    job_env.create(tiny_spec(steps=30))
+    job_env.wait("two checkpoints", lambda s: s.get("phase") == "Running"
+                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= 4, 180)
+    faults.kill(job_env.cluster.config, job_env.ns, f"{JOB}-a0-1")
+    job_env.wait_phase("Restarting", 30)
+    newest = max(complete_steps(job_env))
+    for shard in (checkpoints(job_env) / JOB / f"step_{newest}").glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])  # truncated, though `done` exists
+    done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    assert done["progress"]["step"] == 30
+    log = job_env.pod_log(1, 0)
+    assert resumed_from(log) == newest - 2, log[-1500:]
+    assert f"step_{newest} is unreadable" in log
+
+
+def test_every_checkpoint_unreadable_fails_the_job_instead_of_starting_over(job_env: Env
+                                                                           ) -> None:
+    job_env.create(tiny_spec(steps=30))
+    job_env.wait("two checkpoints", lambda s: s.get("phase") == "Running"
+                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= 4, 180)
+    faults.kill(job_env.cluster.config, job_env.ns, f"{JOB}-a0-1")
+    job_env.wait_phase("Restarting", 30)
+    for shard in (checkpoints(job_env) / JOB).glob("step_*/*.distcp"):
+        shard.write_bytes(b"garbage")
+    failed = job_env.wait("Failed", lambda s: s.get("phase") == "Failed", 180)
+    assert failed["lastFailure"]["reason"] == "ConfigError", failed["lastFailure"]
+    assert failed["restarts"]["total"] == 1  # the kill's restart only: not retried
+    log = job_env.pod_log(1, 0)
+    assert "no complete checkpoint of job" in log and "could be loaded" in log
+    assert not steps_logged(log), "it started over at step 1"

@@ -377,9 +377,10 @@ class PretrainJobSpec(_Model):
             instance = _field(raw, "instanceType") or "trn1.32xlarge"
             ranks = _field(raw, "processesPerNode") or INSTANCE_TYPES[instance].ranks_per_node
             preset = (_field(raw, "model") or {}).get("preset", "7b")
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return raw
-        return {**raw, "parallelism": {**par, "tensor": default_tensor(dims, preset, ranks)}}
+            tensor = default_tensor(dims, preset, ranks)
+        except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
+            return raw  # the field's own validation reports what is wrong
+        return {**raw, "parallelism": {**par, "tensor": tensor}}
 
     @model_validator(mode="after")
     def _check(self) -> PretrainJobSpec:

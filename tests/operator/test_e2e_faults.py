@@ -7,6 +7,8 @@ reason instead of starting over at step 1.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from e2e_spec import tiny_spec
 
 from hlat_api.layout import list_checkpoints
 from hlat_testbed import faults
+from hlat_testbed.podfiles import container_pid
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -105,3 +108,38 @@ def test_every_checkpoint_unreadable_fails_the_job_instead_of_starting_over(job_
     log = job_env.pod_log(1, 0)
     assert "no complete checkpoint of job" in log and "could be loaded" in log
     assert not steps_logged(log), "it started over at step 1"
+
+
+def _process_with_local_rank(root: int, rank: int) -> int:
+    """The trainer process of `root`'s tree whose LOCAL_RANK is `rank`."""
+    for pid in faults._descendants(root):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"hlat_trainer" in cmdline and f"LOCAL_RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no trainer with LOCAL_RANK={rank} under {root}")
+
+
+def test_a_worker_alive_and_renewing_but_stuck_in_a_collective_is_restarted(
+        job_env: Env) -> None:
+    """Two processes per node; node 1's second process is frozen, so every rank blocks in
+    the next collective while each node's heartbeat thread (local rank 0) goes on renewing:
+    a hang only the progress clock shows."""
+    spec = tiny_spec(steps=40, heartbeat={"startupTimeoutSeconds": 120, "timeoutSeconds": 6})
+    spec["processesPerNode"] = 2
+    spec["train"].update({"globalBatch": 8, "microBatch": 2})
+    job_env.create(spec)
+    job_env.wait("a checkpoint", lambda s: s.get("phase") == "Running"
+                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= 2, 180)
+    pod = f"{JOB}-a0-1"
+    frozen = _process_with_local_rank(container_pid(job_env.cluster.config, job_env.ns, pod), 1)
+    os.kill(frozen, signal.SIGSTOP)
+    restarting = job_env.wait_phase("Restarting", 60)
+    failure = restarting["lastFailure"]
+    assert failure["reason"] == "HeartbeatTimeout", failure
+    assert "alive but no progress" in failure["message"], failure
+    done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    assert done["progress"]["step"] == 40 and job_env.max_gangs == 1

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -80,11 +80,63 @@ def explain(err: ValidationError) -> list[tuple[str, str]]:
     return [(path, " or ".join(reasons)) for path, reasons in problems.items()]
 
 
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds, directly or as the element of a list (`tolerations`)."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+        if get_origin(candidate) is list:
+            return _nested_model(get_args(candidate)[0])
+    return None
+
+
+def _types(annotation: Any) -> set[Any]:
+    """The plain types a field's annotation is made of (unions and Annotated unwrapped)."""
+    args = get_args(annotation)
+    if not args or get_origin(annotation) in (list, dict):
+        return {get_origin(annotation) or annotation}
+    return set().union(*(_types(a) for a in args if not hasattr(a, "metadata")))
+
+
+_SAFE_INTEGER = 2**53 - 1
+"""The largest float the API server's OpenAPI validation takes as an integer (go-openapi's
+IsFloat64AJSONInteger)."""
+
+
+def as_server_decodes(raw: Any, model: type[BaseModel] = PretrainJobSpec) -> Any:
+    """`raw` as the API server stores it, where it differs from strict validation: a null for
+    a field that is not nullable in the CRD (its type does not admit None) is pruned before
+    defaulting, so `nodes:` with no value means the default; and a whole number written as a
+    float (`nodes: 2.0`) is an integer, up to 2^53 - 1. Without this a file would mean one thing to
+    `hlat-train --config` and another on the cluster."""
+    if isinstance(raw, list):
+        return [as_server_decodes(item, model) for item in raw]
+    if not isinstance(raw, Mapping):
+        return raw
+    fields = {info.alias or name: info for name, info in model.model_fields.items()}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        info = fields.get(key)
+        if info is None:  # unknown: left for validation to name
+            out[key] = value
+            continue
+        types = _types(info.annotation)
+        if value is None and type(None) not in types:
+            continue
+        if isinstance(value, float) and value.is_integer() and abs(value) <= _SAFE_INTEGER and (
+                int in types and float not in types):
+            value = int(value)
+        nested = _nested_model(info.annotation)
+        out[key] = as_server_decodes(value, nested) if nested is not None else value
+    return out
+
+
 def parse_spec(raw: Mapping[str, Any], source: str = "spec") -> PretrainJobSpec:
     """A manifest's spec as the API server reads it: camelCase names only (a snake_case key is
-    an unknown field, not a second spelling), strict types."""
+    an unknown field, not a second spelling), strict types; nulls and whole floats read as the
+    server reads them (`as_server_decodes`)."""
     try:
-        return PretrainJobSpec.model_validate(raw, by_alias=True, by_name=False)
+        return PretrainJobSpec.model_validate(as_server_decodes(raw), by_alias=True, by_name=False)
     except ValidationError as err:
         raise InvalidSpecError(explain(err), source) from err
 

@@ -217,3 +217,27 @@ def test_a_float_without_a_dot_reads_as_kubectl_reads_it(tmp_path: Path) -> None
     quoted.write_text("data: {path: /d, tokenizer: bytes}\ntrain: {steps: '4000'}\n")
     with pytest.raises(InvalidSpecError, match=r"train\.steps"):
         load_job(quoted)
+
+
+def test_nulls_and_whole_floats_read_as_the_api_server_stores_them(tmp_path: Path) -> None:
+    """The API server prunes a null for a field that cannot be null (its default applies) and
+    stores `2.0` for an integer field as 2 (found by test_e2e_crd_agreement): locally too."""
+    from hlat_api.manifest import load_job
+
+    doc = tmp_path / "job.yaml"
+    doc.write_text("nodes:\ninstanceType: cpu\nprocessesPerNode: 2.0\n"
+                   "data: {path: /d, tokenizer: bytes, seqLen: null}\n"
+                   "train: {steps: 4000.0, globalBatch: 8, microBatch: 4}\n"
+                   "parallelism: {tensor: null}\n"
+                   "scheduling: {tolerations: [{key: k, operator: Exists, effect: null}]}\n")
+    spec = load_job(doc).spec
+    assert (spec.nodes, spec.processes_per_node, spec.train.steps) == (1, 2, 4000)
+    assert spec.data.seq_len == parse_spec({"data": {"path": "/d", "tokenizer": "bytes"},
+                                            "train": {"steps": 4000}}).data.seq_len
+    assert spec.scheduling.tolerations[0].effect is None  # nullable: kept as null
+    for bad, field in (("nodes: 2.5", "nodes"), ("nodes: 9007199254740992.0", "nodes"),
+                       ("train: {steps: true}", "train.steps")):
+        doc.write_text(f"data: {{path: /d, tokenizer: bytes}}\n{bad}\n"
+                       + ("" if bad.startswith("train") else "train: {steps: 4000}\n"))
+        with pytest.raises(InvalidSpecError, match=field.replace(".", r"\.")):
+            load_job(doc)

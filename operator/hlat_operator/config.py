@@ -65,6 +65,11 @@ class OperatorSettings(BaseModel):
     node_not_ready_grace_seconds: float = 0.0
     """A worker's node must be NotReady this long before it counts as lost (the node
     lifecycle controller already waits its own grace period before marking NotReady)."""
+    api_return_grace_seconds: float = 40.0
+    """After the operator gets the API server back, how long a NotReady or unreachable node is
+    not yet lost: the node lifecycle controller marks every node whose kubelet could not
+    renew during the outage, and the kubelets renew within their lease period (10 s on EKS;
+    40 s is the node lease's duration). A worker's own fresh heartbeat clears it sooner."""
     termination_grace_seconds: int = 60
     """terminationGracePeriodSeconds of worker pods: time to finish an async checkpoint write."""
     scheduler_name: str | None = None

@@ -18,6 +18,9 @@ A gang is only as alive as its least alive member, so any one of these ends the 
   safetyFactor (never below a floor), plus one heartbeat period since renewals may be a period
   apart. While a worker reports `checkpointing`, the longer of the steady timeout and its
   longest save so far x safetyFactor (+ a period); before its first save, the startup timeout.
+Silence the operator could not have heard is not held against anyone: after it gets the API
+server back from an outage (`Observed.seeing_since`), heartbeat timeouts run from that moment,
+and a node NotReady or unreachable is not lost for `api_return_grace_seconds`.
 The blamed pod is the one that failed first; among hangs, one whose Lease expired (it stopped
 renewing; the others are usually waiting for it in a collective), then the one without progress
 the longest.
@@ -25,7 +28,7 @@ the longest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from hlat_api import labels
@@ -114,11 +117,23 @@ def node_dead(node: ObservedNode | None, now: datetime, grace: float, known: boo
     return since is None or (now - since).total_seconds() >= grace
 
 
-def _node_fault(pod: ObservedPod, observed: Observed, now: datetime, grace: float) -> Fault | None:
+def _back_from_outage(observed: Observed, now: datetime, window: float) -> bool:
+    """The operator got the API server back less than `window` seconds ago."""
+    back = observed.seeing_since
+    return back is not None and (now - back).total_seconds() < window
+
+
+def _node_fault(pod: ObservedPod, observed: Observed, now: datetime,
+                settings: OperatorSettings) -> Fault | None:
     if pod.node is None:
         return None
     node = observed.nodes.get(pod.node)
-    if node_dead(node, now, grace, observed.nodes_known):
+    # right after an outage of the API server every node looks NotReady (no kubelet could
+    # renew): not lost until its kubelet has had the time to (a deleted Node is lost at once)
+    excused = node is not None and _back_from_outage(observed, now,
+                                                     settings.api_return_grace_seconds)
+    if not excused and node_dead(node, now, settings.node_not_ready_grace_seconds,
+                                 observed.nodes_known):
         state = "is gone" if node is None else "is NotReady"
         return Fault(
             Reason.NODE_LOST, f"node {pod.node} of pod {pod.name} {state}", pod.name, pod.node
@@ -195,6 +210,12 @@ def staleness(
     return Staleness(progressed, timeout, Reason.HEARTBEAT_TIMEOUT, renewed)
 
 
+def _seen_from(stale: Staleness, back: datetime) -> Staleness:
+    """`stale` with its clocks started no earlier than `back`."""
+    renewed = None if stale.renewed is None else max(stale.renewed, back)
+    return replace(stale, since=max(stale.since, back), renewed=renewed)
+
+
 def _heartbeat_fault(
     spec: PretrainJobSpec,
     pods: list[ObservedPod],
@@ -216,6 +237,8 @@ def _heartbeat_fault(
         stale = staleness(spec, pod, lease, settings, gang_started)
         if stale is None:
             continue
+        if observed.seeing_since is not None:  # nothing could renew while it was away
+            stale = _seen_from(stale, observed.seeing_since)
         over = (now - stale.since).total_seconds() - stale.timeout
         if over > 0:
             hung.append((over, pod, stale))
@@ -270,7 +293,7 @@ def detect_fault(
                 return Fault(Reason.POD_DELETED, f"pod {name} disappeared", name)
     for pod in pods:
         if not pod.finished:
-            fault = _node_fault(pod, observed, now, settings.node_not_ready_grace_seconds)
+            fault = _node_fault(pod, observed, now, settings)
             if fault is not None:
                 return fault
     if phase != "Running":

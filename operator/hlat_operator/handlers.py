@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,6 +25,7 @@ import kopf
 from kubernetes import client
 from kubernetes import config as kube_config
 
+from hlat_api.apitimeouts import bound_requests
 from hlat_api.labels import COMPONENT, JOB, WORKER, Reason
 from hlat_api.manifest import API_GROUP, API_VERSION
 from hlat_operator import observe
@@ -57,6 +58,10 @@ class Runtime:
     metrics: OperatorMetrics
     tasks: dict[tuple[str, str], asyncio.Task[None]] = field(default_factory=dict)
     wakes: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    api_lost: bool = False
+    """A pass could not reach the API server (connection refused or dropped, timeout, 5xx)."""
+    api_back_at: datetime | None = None
+    """When a pass reached it again after that: Observed.seeing_since."""
 
 
 _runtime: Runtime | None = None
@@ -82,7 +87,7 @@ def api_client() -> client.ApiClient:
         kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
     except kube_config.ConfigException:
         kube_config.load_kube_config()  # type: ignore[no-untyped-call]
-    return client.ApiClient()
+    return bound_requests(client.ApiClient())
 
 
 # --- one pass ------------------------------------------------------------------------------
@@ -95,7 +100,12 @@ def _observe(rt: Runtime, namespace: str, name: str) -> tuple[Any, observe.Obser
     pods = rt.kube.job_pods(namespace, name)
     leases = rt.kube.job_leases(namespace, name)
     nodes = rt.kube.nodes()
-    return body, observe.observe(body, pods, nodes, leases)
+    if rt.api_lost:
+        rt.api_lost, rt.api_back_at = False, datetime.now(UTC)
+        log.warning("the API server answers again: heartbeats and node readiness are judged "
+                    "from now on, not from before it was lost")
+    return body, replace(observe.observe(body, pods, nodes, leases),
+                         seeing_since=rt.api_back_at)
 
 
 def reconcile_once(rt: Runtime, namespace: str, name: str) -> float | None:
@@ -106,7 +116,7 @@ def reconcile_once(rt: Runtime, namespace: str, name: str) -> float | None:
     decision = decide(body.get("spec") or {}, status, observed, now, rt.settings)
     job: JobRef = observed.job
     try:
-        rt.kube.execute(job, decision)
+        rt.kube.execute(job, decision, read=body)
     except Conflict as err:
         log.info("%s/%s: stale view, deciding again (%s)", namespace, name, err)
         return rt.settings.fast_requeue_seconds
@@ -145,6 +155,8 @@ async def _job_loop(rt: Runtime, namespace: str, name: str) -> None:
                 rt.metrics.forget(namespace, name)
                 return
             except K8sError as err:
+                if err.status is None or err.status >= 500:
+                    rt.api_lost = True
                 errors += 1
                 requeue = error_backoff(errors)
                 log.warning("%s/%s: %s; retrying in %gs", namespace, name, err, requeue)
@@ -199,6 +211,8 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 60
+    settings.networking.connect_timeout = 10
+    settings.watching.connect_timeout = 10
     # server-side: the API server sends only our workers' events (kopf's `labels=` on the
     # handler alone filters client-side, after every pod of the cluster crossed the wire)
     settings.watching.label_selectors["v1", "pods"] = POD_SELECTOR

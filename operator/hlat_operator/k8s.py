@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 from kubernetes import client
@@ -124,6 +125,24 @@ _KINDS: dict[str, tuple[str, str, bool]] = {
 that exists."""
 
 
+REBASE_ATTEMPTS = 5
+
+
+def unchanged_for_decision(read: Mapping[str, Any], fresh: Mapping[str, Any],
+                           written_state: str | None) -> bool:
+    """Whether `fresh` differs from the `read` a decision was made on only where the decision
+    does not look: same spec and generation, same status, not being deleted, and the state
+    annotation as read (or as this pass wrote it)."""
+    old, new = read.get("metadata") or {}, fresh.get("metadata") or {}
+    if new.get("deletionTimestamp") or old.get("generation") != new.get("generation"):
+        return False
+    if read.get("spec") != fresh.get("spec") or read.get("status") != fresh.get("status"):
+        return False
+    want = written_state if written_state is not None else (
+        (old.get("annotations") or {}).get(labels.STATE_ANNOTATION))
+    return (new.get("annotations") or {}).get(labels.STATE_ANNOTATION) == want
+
+
 def _json(response: Any) -> Raw:
     data: Raw = json.loads(response.data)
     return data
@@ -202,26 +221,57 @@ class Kube:
         return items
 
     # --- executing a decision ----------------------------------------------------------------
-    def execute(self, job: JobRef, decision: Decision) -> int:
-        """Run the actions in order; raise at the first failure. Returns how many ran."""
+    def execute(self, job: JobRef, decision: Decision, read: Raw | None = None) -> int:
+        """Run the actions in order; raise at the first failure. Returns how many ran.
+        `read`: the job as the pass read it, to rebase a conditional write that lost to a
+        change the decision does not depend on (see `_conditional`)."""
         expected = next(
             (a.resource_version for a in decision.actions if isinstance(a, PatchStatus)), None
         )
+        written: str | None = None
         done = 0
         for action in decision.actions:
             if isinstance(action, PatchState):
                 # the annotation patch bumps the resourceVersion the status patch carries:
                 # it is made with the version read (a stale pass loses here) and the status
                 # patch then carries the version it returned
-                expected = self._patch_state(job, action.annotation, expected)
+                annotation = action.annotation
+                expected = self._conditional(
+                    job, partial(self._patch_state, job, annotation), expected, read, written)
+                written = annotation
             elif isinstance(action, PatchStatus):
                 if action.resource_version and expected:
-                    action = PatchStatus(action.status, expected)
-                self._patch_status(job, action)
+                    status = action.status
+                    self._conditional(
+                        job, partial(self._patch_status_at, job, status), expected, read,
+                        written)
+                else:
+                    self._patch_status(job, action)
             else:
                 self.run(job, action)
             done += 1
         return done
+
+    def _conditional(self, job: JobRef, write: Callable[[str | None], str | None],
+                     version: str | None, read: Raw | None, written: str | None) -> str | None:
+        """`write(version)`; on 409, when the job changed only where the decision does not
+        look (another client's label or annotation: see `unchanged_for_decision`), again with
+        the new version, up to REBASE_ATTEMPTS times. Without this a client that touches the
+        job's metadata faster than a pass takes (one read of the job, pods, leases, nodes,
+        then the write) starves every status write for as long as it keeps at it."""
+        for attempt in range(1, REBASE_ATTEMPTS + 1):
+            try:
+                return write(version)
+            except Conflict:
+                if read is None or attempt == REBASE_ATTEMPTS or not version:
+                    raise
+                fresh = self.get_job(job.namespace, job.name)
+                if fresh is None or not unchanged_for_decision(read, fresh, written):
+                    raise
+                version = str((fresh.get("metadata") or {}).get("resourceVersion") or "")
+                log.debug("%s/%s: rebased a write on version %s", job.namespace, job.name,
+                          version)
+        return None  # pragma: no cover - the loop returns or raises
 
     def run(self, job: JobRef, action: Action) -> None:
         if isinstance(action, CreateObject):
@@ -326,6 +376,9 @@ class Kube:
             )
         except _API_ERRORS as err:
             raise _wrap(f"patch status of {KIND} {job.namespace}/{job.name}", err) from err
+
+    def _patch_status_at(self, job: JobRef, status: Raw, version: str | None) -> None:
+        self._patch_status(job, PatchStatus(status, version))
 
     def _patch_state(
         self, job: JobRef, annotation: str, resource_version: str | None = None

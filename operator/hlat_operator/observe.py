@@ -166,6 +166,10 @@ class Observed:
     generation: int | None = None
     resource_version: str | None = None
     creation_time: datetime | None = None
+    seeing_since: datetime | None = None
+    """When the operator got the API server back after losing it (None: never lost). While it
+    was away no worker could renew and no kubelet report, so silence from before this moment
+    is no evidence: timeouts run again from here (faults.detect_fault)."""
 
     def pods_of(self, attempt: int) -> list[ObservedPod]:
         return [p for p in self.pods if p.attempt == attempt]

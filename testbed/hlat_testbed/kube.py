@@ -13,6 +13,8 @@ from typing import Any, TypeAlias
 
 from kubernetes import client, config
 
+from hlat_api.apitimeouts import bound_requests
+
 Pod: TypeAlias = Any
 """A ``V1Pod`` as returned by the API server (metadata, spec and status present)."""
 Obj: TypeAlias = Any
@@ -23,4 +25,4 @@ def api_client(kubeconfig: Path) -> client.ApiClient:
     """An API client for one kubeconfig file (never the process-global default)."""
     api: client.ApiClient = config.new_client_from_config(config_file=str(kubeconfig))  # type: ignore[no-untyped-call]
     api.configuration.connection_pool_maxsize = 32
-    return api
+    return bound_requests(api)

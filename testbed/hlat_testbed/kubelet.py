@@ -177,6 +177,19 @@ class NodeAgent:
         except ApiException as err:
             if err.status not in (404, 409):
                 self.log(f"status of {worker.key}: {err.status} {err.reason}")
+        except Exception as err:  # API server unreachable: sent again by report_unreported
+            with self.lock:
+                self.unreported[worker.uid] = (worker, status)
+            self.log(f"status of {worker.key} kept to send again: {err!r}")
+
+    def report_unreported(self) -> None:
+        """Statuses the API server could not take yet, sent again (a real kubelet's status
+        manager resyncs the same way): a pod that finished during an outage of the API server
+        must not stay Running there for good."""
+        with self.lock:
+            pending, self.unreported = self.unreported, {}
+        for worker, _ in pending.values():
+            worker.report()
 
     def pod_gone(self, worker: PodWorker) -> None:
         """Final step of deletion: the processes are gone, so remove the API object."""
@@ -228,7 +241,8 @@ class NodeAgent:
         watcher = watch.Watch()  # type: ignore[no-untyped-call]
         stream = watcher.stream(  # type: ignore[no-untyped-call]
             self.core.list_pod_for_all_namespaces, field_selector=selector, timeout_seconds=30,
-            resource_version=listed.metadata.resource_version)
+            resource_version=listed.metadata.resource_version,
+            _request_timeout=(5, 45))  # a stream quiet past the server's 30 s is broken
         for event in stream:
             if not self.online.is_set() or self.stopping.is_set():
                 return
@@ -268,9 +282,7 @@ class NodeAgent:
         self.online.set()
         self.renew_lease()
         self.patch_status()
-        pending, self.unreported = self.unreported, {}
-        for worker, _ in pending.values():
-            worker.report()
+        self.report_unreported()
 
     def shutdown(self) -> None:
         self.stopping.set()
@@ -282,7 +294,8 @@ class NodeAgent:
     def run(self) -> None:
         self.register()
         for target, period in ((self.renew_lease, self.config.lease_renew_s),
-                               (self.patch_status, STATUS_PERIOD_S)):
+                               (self.patch_status, STATUS_PERIOD_S),
+                               (self.report_unreported, self.config.lease_renew_s)):
             threading.Thread(target=self._every, args=(period, target), daemon=True).start()
         threading.Thread(target=self.watch_pods, name="watch", daemon=True).start()
         signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=self.go_down).start())

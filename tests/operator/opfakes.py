@@ -120,6 +120,7 @@ class World:
         self.events: list[EmitEvent] = []
         self.deleted = False
         self.status_writes = 0
+        self.seeing_since: datetime | None = None  # the operator got the API server back
 
     # --- the operator's side ------------------------------------------------------------------
 
@@ -131,6 +132,7 @@ class World:
             leases=dict(self.leases),
             state=self.state,
             generation=1,
+            seeing_since=self.seeing_since,
         )
 
     def decide(self) -> Decision:

@@ -21,7 +21,7 @@ from urllib3.exceptions import ProtocolError
 
 from hlat_api.status import PretrainJobStatus
 from hlat_operator import handlers
-from hlat_operator.k8s import Conflict, K8sError, Kube, NotFound, Rejected
+from hlat_operator.k8s import REBASE_ATTEMPTS, Conflict, K8sError, Kube, NotFound, Rejected
 from hlat_operator.metrics import OperatorMetrics
 from hlat_operator.reconcile import (
     CreateObject,
@@ -110,6 +110,66 @@ def test_a_stale_view_loses_with_conflict_and_writes_nothing_after() -> None:
         k.execute(JOB, decision(PatchState("{}"), PatchStatus({}, "7"), CreateObject(POD)))
     assert k.custom.names() == ["patch_namespaced_custom_object"]  # type: ignore[attr-defined]
     assert k.core.calls == []  # type: ignore[attr-defined]
+
+
+READ = {"metadata": {"resourceVersion": "7", "generation": 1,
+                     "annotations": {"hlat.dev/operator-state": "{}"}},
+        "spec": {"nodes": 2}, "status": {"phase": "Pending"}}
+
+
+def _stored(version: str, **changes: Any) -> Response:
+    body = json.loads(json.dumps(READ))
+    body["metadata"]["resourceVersion"] = version
+    for key, value in changes.items():
+        if key == "labels":
+            body["metadata"]["labels"] = value
+        elif key == "state":
+            body["metadata"]["annotations"]["hlat.dev/operator-state"] = value
+        else:
+            body[key] = value
+    return Response(json.dumps(body).encode())
+
+
+def _conflict() -> ApiException:
+    return api_error(409, "the object has been modified")
+
+
+def test_a_write_that_lost_to_another_client_s_label_is_made_again_on_the_new_version(
+) -> None:
+    """Someone else touched only the job's metadata: the decision still holds, so the state
+    and status writes are made again on the version they lost to (no whole new pass)."""
+    version_9 = Response(json.dumps({"metadata": {"resourceVersion": "9"}}).encode())
+    k = kube(custom={
+        "patch_namespaced_custom_object": [_conflict(), version_9],
+        "patch_namespaced_custom_object_status": [_conflict(), Response(b"{}")],
+        "get_namespaced_custom_object": [_stored("8", labels={"team": "a"}),
+                                         _stored("10", labels={"team": "b"},
+                                                 state='{"new": 1}')]})
+    done = k.execute(JOB, decision(PatchState('{"new": 1}'), PatchStatus({"phase": "Running"},
+                                                                         "7")), read=READ)
+    assert done == 2
+    versions = [c[1][-1]["metadata"]["resourceVersion"] for c in k.custom.calls  # type: ignore[attr-defined]
+                if c[0].startswith("patch")]
+    assert versions == ["7", "8", "9", "10"]
+
+
+@pytest.mark.parametrize("change", [{"spec": {"nodes": 4}}, {"status": {"phase": "Failed"}},
+                                    {"state": '{"other": 1}'}])
+def test_a_write_that_lost_to_a_change_the_decision_reads_is_not_made_again(
+        change: dict[str, Any]) -> None:
+    k = kube(custom={"patch_namespaced_custom_object": [_conflict()],
+                     "get_namespaced_custom_object": [_stored("8", **change)]})
+    with pytest.raises(Conflict):
+        k.execute(JOB, decision(PatchState("{}"), PatchStatus({}, "7")), read=READ)
+    assert k.custom.names().count("patch_namespaced_custom_object") == 1  # type: ignore[attr-defined]
+
+
+def test_rebasing_is_bounded() -> None:
+    k = kube(custom={"patch_namespaced_custom_object": [_conflict()] * 10,
+                     "get_namespaced_custom_object": [_stored(str(v)) for v in range(8, 18)]})
+    with pytest.raises(Conflict):
+        k.execute(JOB, decision(PatchState("{}"), PatchStatus({}, "7")), read=READ)
+    assert k.custom.names().count("patch_namespaced_custom_object") == REBASE_ATTEMPTS  # type: ignore[attr-defined]
 
 
 def test_an_object_that_exists_is_left_or_replaced_as_the_action_says() -> None:
@@ -207,7 +267,7 @@ class FakeKube:
     def nodes(self) -> list[Any] | None:
         return []
 
-    def execute(self, job: Any, d: Decision) -> int:
+    def execute(self, job: Any, d: Decision, read: Any = None) -> int:
         self.executed.append(d)
         if self.fail:
             raise self.fail.pop(0)

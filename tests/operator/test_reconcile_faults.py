@@ -409,3 +409,53 @@ def test_a_worker_that_finished_is_not_blamed_for_a_peer_s_hang() -> None:
     assert w.status.phase == "Restarting" and w.status.last_failure is not None
     assert w.status.last_failure.pod == "tiny-a0-1", w.status.last_failure
     assert "finished" not in w.status.last_failure.message
+
+
+def _api_server_outage(w: World, seconds: float) -> None:
+    """Nobody renews and every worker's node goes NotReady/unreachable for `seconds`; the
+    operator sees none of it and gets the API server back at the end."""
+    w.advance(seconds)
+    for node in {p.node for p in w.live() if p.node}:
+        w.nodes[node] = replace(w.nodes[node], ready=False, unreachable=True,
+                                not_ready_since=w.now)
+    w.seeing_since = w.now
+
+
+def test_silence_while_the_api_server_was_away_is_neither_a_hang_nor_a_lost_node() -> None:
+    w = running_world(**{"faultTolerance.heartbeat.timeoutSeconds": 6})
+    _api_server_outage(w, 20)
+    w.step()
+    assert w.status.phase == "Running", w.status.last_failure
+    w.advance(3)  # the workers renew within their period; the kubelets report Ready again
+    w.beat(8)
+    for node in w.nodes:
+        w.node_up(node)
+    w.run(10, step=9)
+    assert w.status.phase == "Running" and w.status.last_failure is None
+
+
+def test_after_an_outage_a_silent_worker_is_hung_once_its_timeout_ran_again() -> None:
+    w = running_world(**{"faultTolerance.heartbeat.timeoutSeconds": 6})
+    _api_server_outage(w, 20)
+    for node in w.nodes:
+        w.node_up(node)
+    hung = w.pod_of(1).name
+    detected = seconds_until_restarting(w, lambda t: renew_all_but(w, hung, step=6 + t))
+    assert detected is not None and 6 <= detected <= 7, detected
+    assert w.status.last_failure is not None and w.status.last_failure.pod == hung
+
+
+def test_after_an_outage_a_node_still_not_ready_is_lost_after_the_grace() -> None:
+    w = running_world(**{"faultTolerance.heartbeat.timeoutSeconds": 600})
+    node = w.pod_of(0).node
+    _api_server_outage(w, 20)
+    for other in w.nodes:
+        if other != node:
+            w.node_up(other)
+    grace = w.settings.api_return_grace_seconds
+    w.run(grace - 1, step=7)
+    assert w.status.phase == "Running"
+    w.run(2, step=8)
+    assert w.status.phase == "Restarting"
+    assert w.status.last_failure is not None
+    assert (w.status.last_failure.reason, w.status.last_failure.node) == (Reason.NODE_LOST, node)

@@ -47,10 +47,12 @@ class LeaseHeartbeat:
             return None
         from kubernetes import client, config
 
+        from hlat_api.apitimeouts import bound_requests
+
         config.load_incluster_config()  # type: ignore[no-untyped-call]
         attempt = os.environ.get(Env.ATTEMPT)
         return cls(
-            client.CoordinationV1Api(), os.environ.get(Env.NAMESPACE, "default"), lease,
+            client.CoordinationV1Api(bound_requests(client.ApiClient())), os.environ.get(Env.NAMESPACE, "default"), lease,
             os.environ.get(Env.POD_NAME, lease),
             float(os.environ.get(Env.HEARTBEAT_PERIOD) or DEFAULT_PERIOD_SECONDS),
             int(attempt) if attempt else None,

@@ -1,0 +1,113 @@
+"""Control-plane faults end to end: the API server and etcd restarted in the middle of a job,
+and a burst of 409 conflicts on the job. Neither is the workers' fault: the job must go on
+with no restart, or (with a real fault inside the burst) with exactly the restarts that
+happened, one gang at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from e2e_env import JOB, Env, resumed_from, steps_logged
+from e2e_spec import tiny_spec
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from hlat_testbed import controlplane, faults
+from hlat_testbed.demo import GROUP, PLURAL, VERSION
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+def _restart_api_server_and_etcd(env: Env, down_seconds: float) -> float:
+    """Stop the API server, then etcd; keep both down; start them again (etcd first).
+    Returns the seconds the API server was unreachable."""
+    config = env.cluster.config
+    table = controlplane.processes(config)
+    began = time.monotonic()
+    table.stop("kube-apiserver", timeout=15)
+    table.stop("etcd", timeout=15)
+    time.sleep(down_seconds)
+    controlplane.start_etcd(config)
+    controlplane.start_apiserver(config)  # returns once /readyz answers
+    return time.monotonic() - began
+
+
+def test_the_api_server_and_etcd_restarted_mid_job_cause_no_restart(job_env: Env) -> None:
+    """Down for longer than the heartbeat timeout: while the API server is away no worker can
+    renew its Lease and the operator sees nothing, which is no evidence of a hang; after it is
+    back the job goes on where it was, in the same gang."""
+    steps = 600  # about 40 s of training here: the outage falls well inside it
+    spec = tiny_spec(steps=steps, heartbeat={"startupTimeoutSeconds": 120, "timeoutSeconds": 6})
+    spec["checkpoint"]["interval"] = 25
+    job_env.create(spec)
+    before = job_env.wait("training", lambda s: s.get("phase") == "Running"
+                          and (s.get("progress") or {}).get("step", 0) >= 10, 180)
+    began = time.time()
+    outage = _restart_api_server_and_etcd(job_env, down_seconds=12)
+    ended = time.time()
+    assert outage > 12
+    done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    assert done["restarts"]["total"] == 0, done.get("lastFailure")
+    assert "Restarting" not in job_env.phases()
+    assert done["progress"]["step"] == steps and job_env.max_gangs == 1
+    log = job_env.pod_log(0, 0)
+    assert resumed_from(log) is None
+    trained = steps_logged(log)
+    assert trained == list(range(1, steps + 1)), "steps repeated or skipped"
+    assert before["progress"]["step"] < steps
+    # training went on while the API server was away, and after it came back
+    times = [json.loads(line)["time"] for line in log.splitlines()
+             if line.startswith("{") and '"step"' in line]
+    assert any(began < t < ended for t in times) and max(times) > ended + 5, (began, ended)
+    names = {p.metadata.name for p in job_env.pods()}
+    assert names == {f"{JOB}-a0-0", f"{JOB}-a0-1"}, names
+
+
+def _conflict_burst(env: Env, stop: threading.Event, counter: list[int]) -> None:
+    """Patch the job's metadata as fast as the API server takes it: every patch moves its
+    resourceVersion, so the operator's status writes (which carry the version they read) lose
+    with 409 again and again."""
+    custom = client.CustomObjectsApi(env.cluster.admin_api())
+    while not stop.is_set():
+        try:
+            custom.patch_namespaced_custom_object(
+                GROUP, VERSION, env.ns, PLURAL, env.name,
+                {"metadata": {"annotations": {"test.hlat.dev/burst": str(counter[0])}}})
+            counter[0] += 1
+        except ApiException:
+            time.sleep(0.05)
+
+
+def test_a_burst_of_conflicts_around_a_fault_counts_it_once(job_env: Env) -> None:
+    """A kill in the middle of a burst of 409s: the restart is decided once and counted once,
+    the job ends Succeeded with one gang at a time, and conflicts did happen."""
+    steps = 60
+    job_env.create(tiny_spec(steps=steps))
+    job_env.wait("a checkpoint", lambda s: s.get("phase") == "Running"
+                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= 2, 180)
+    log_path = job_env.operator["op"].log_path
+    conflicts_before = log_path.read_text(errors="replace").count("stale view, deciding again")
+    stop, patches = threading.Event(), [0]
+    burst = threading.Thread(target=_conflict_burst, args=(job_env, stop, patches), daemon=True)
+    burst.start()
+    try:
+        time.sleep(2)
+        faults.kill(job_env.cluster.config, job_env.ns, f"{JOB}-a0-1")
+        done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    finally:
+        stop.set()
+        burst.join(10)
+    conflicts = (log_path.read_text(errors="replace").count("stale view, deciding again")
+                 - conflicts_before)
+    print(f"burst: {patches[0]} patches, {conflicts} passes lost to a conflict")
+    assert patches[0] > 100 and conflicts >= 5, (patches[0], conflicts)
+    assert done["restarts"]["total"] == 1, done["restarts"]
+    assert done["lastFailure"]["reason"] == "Killed"
+    assert done["progress"]["step"] == steps and job_env.max_gangs == 1
+    assert resumed_from(job_env.pod_log(1, 0)) is not None
+    restarts = [m for _, m in job_env.event_messages() if "restarting the gang" in m]
+    assert len(restarts) == 1, restarts

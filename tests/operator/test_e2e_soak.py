@@ -1,0 +1,130 @@
+"""A soak: one job through 30+ faults of random kinds (seeded), on the local cluster.
+
+The kinds: a worker SIGKILLed, a worker SIGTERMed, a worker pod deleted, a worker frozen
+(SIGSTOP: a hang), the operator SIGKILLed and started again. Each fault comes once the job has
+made progress since the last one (the operator saw a newer complete checkpoint), as faults do
+on a long run. What must hold at the end:
+- the job Succeeded, all its steps trained;
+- restarts counted exactly: one per worker fault, none for the operator's own death, and one
+  "restarting the gang" Event each;
+- the losses are an uninterrupted run's: every step any attempt trained (recomputed ones
+  included) has the loss a run of the same spec without faults had at that step, bit for bit;
+- never two gangs at once.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+from collections import Counter
+
+import pytest
+from e2e_env import JOB, Env
+from e2e_spec import tiny_spec
+
+from hlat_testbed import faults
+from hlat_testbed.demo import OperatorProcess
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+SEED = 20261124
+FAULTS = 32
+STEPS = 900
+KINDS = {"kill": 5, "term": 2, "delete": 3, "hang": 1, "operator": 2}
+WORKER_FAULTS = {"kill", "term", "delete", "hang"}
+
+
+def _spec() -> dict[str, object]:
+    spec = tiny_spec(steps=STEPS, maxRestarts=FAULTS + 5,
+                     backoff={"initialSeconds": 0.5, "maxSeconds": 1},
+                     heartbeat={"startupTimeoutSeconds": 120, "timeoutSeconds": 5})
+    spec["checkpoint"].update({"interval": 10, "keep": 2})  # type: ignore[union-attr]
+    return spec
+
+
+def _losses(log: str) -> dict[int, float]:
+    out = {}
+    for line in log.splitlines():
+        if line.startswith("{") and '"loss"' in line:
+            entry = json.loads(line)
+            out[int(entry["step"])] = float(entry["loss"])
+    return out
+
+
+def _all_attempt_losses(env: Env, attempts: int) -> list[dict[int, float]]:
+    return [_losses(env.pod_log(a, 0)) for a in range(attempts)]
+
+
+def _restart_operator(env: Env) -> None:
+    old = env.operator["op"]
+    old.kill()
+    env.operator["op"] = OperatorProcess(env.cluster, old.log_path, old.namespaces,
+                                         old.extra_env, old.kubeconfig).start()
+
+
+def _inject(env: Env, kind: str, attempt: int, rng: random.Random) -> None:
+    pod = f"{JOB}-a{attempt}-{rng.randrange(2)}"
+    config = env.cluster.config
+    if kind == "kill":
+        faults.kill(config, env.ns, pod)
+    elif kind == "term":
+        faults.kill(config, env.ns, pod, signal.SIGTERM)
+    elif kind == "delete":
+        env.core.delete_namespaced_pod(pod, env.ns)
+    elif kind == "hang":
+        faults.hang(config, env.ns, pod)
+    else:
+        _restart_operator(env)
+
+
+def test_thirty_random_faults_end_succeeded_with_an_uninterrupted_run_s_losses(
+        job_env: Env) -> None:
+    # the uninterrupted run first, same spec, under another name
+    reference = job_env.other("reference")
+    reference.create(_spec())
+    reference.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    expected = _losses(reference.pod_log(0, 0))
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    reference.delete()
+
+    rng = random.Random(SEED)
+    kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=FAULTS)
+    job_env.create(_spec())
+    attempt, last_checkpoint, injected = 0, -1, Counter[str]()
+    for n, kind in enumerate(kinds):
+        status = job_env.wait(
+            f"attempt {attempt} running past checkpoint {last_checkpoint} (fault {n})",
+            lambda s: s.get("phase") == "Running" and s.get("attempt") == attempt  # noqa: B023
+            and (s.get("latestCheckpoint") or {}).get("step", -1) > last_checkpoint,  # noqa: B023
+            240)
+        if status["progress"]["step"] >= STEPS - 20:
+            break  # the run ends before the faults do: fewer than planned (checked below)
+        last_checkpoint = status["latestCheckpoint"]["step"]
+        _inject(job_env, kind, attempt, rng)
+        injected[kind] += 1
+        if kind in WORKER_FAULTS:
+            attempt += 1
+        else:
+            time.sleep(1)
+    done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    print(f"faults injected: {dict(injected)}; transitions: {len(job_env.transitions)}")
+    assert sum(injected.values()) >= 30, injected
+
+    worker_faults = sum(injected[k] for k in WORKER_FAULTS)
+    assert done["restarts"]["total"] == worker_faults, (done["restarts"], injected)
+    assert done["attempt"] == worker_faults
+    restarts = [m for _, m in job_env.event_messages() if "restarting the gang" in m]
+    assert len(restarts) == worker_faults, restarts
+    assert done["progress"]["step"] == STEPS and job_env.max_gangs == 1
+
+    trained = _all_attempt_losses(job_env, worker_faults + 1)
+    steps_seen = set().union(*trained)
+    assert steps_seen == set(range(1, STEPS + 1)), "a step was never trained"
+    for number, losses in enumerate(trained):
+        differing = {s: (loss, expected[s]) for s, loss in losses.items() if loss != expected[s]}
+        assert not differing, f"attempt {number}: losses differ from the uninterrupted run: " \
+                              f"{dict(list(differing.items())[:5])}"
+    recomputed = sum(len(losses) for losses in trained) - STEPS
+    print(f"steps recomputed over the run: {recomputed}")

@@ -7,9 +7,13 @@ reason instead of starting over at step 1.
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import signal
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,7 @@ from e2e_env import JOB, Env, resumed_from, steps_logged
 from e2e_spec import tiny_spec
 
 from hlat_api.layout import list_checkpoints
-from hlat_testbed import faults
+from hlat_testbed import faults, netns
 from hlat_testbed.podfiles import container_pid
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -143,3 +147,78 @@ def test_a_worker_alive_and_renewing_but_stuck_in_a_collective_is_restarted(
     assert "alive but no progress" in failure["message"], failure
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
     assert done["progress"]["step"] == 40 and job_env.max_gangs == 1
+
+
+@pytest.fixture
+def small_disk(job_env: Env) -> Iterator[Path]:
+    """The job's shared volume on a 40 MiB tmpfs (its data copied over): a disk that fills."""
+    data = job_env.fsx.parent / "data-copy"
+    shutil.copytree(job_env.fsx, data)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(job_env.fsx)],
+                   check=True)
+    try:
+        shutil.copytree(data, job_env.fsx, dirs_exist_ok=True)
+        yield job_env.fsx
+    finally:
+        job_env.delete()
+        subprocess.run(["umount", "-l", str(job_env.fsx)], check=False)
+
+
+def _fill(disk: Path) -> Path:
+    """Write a filler file until the file system is full."""
+    filler = disk / "filler"
+    chunk = b"\0" * (1 << 20)
+    with filler.open("wb") as out:
+        try:
+            while True:
+                out.write(chunk)
+                out.flush()
+        except OSError as err:
+            assert err.errno == errno.ENOSPC, err
+    return filler
+
+
+def test_a_disk_that_fills_while_writing_loses_no_checkpoint(job_env: Env, small_disk: Path
+                                                             ) -> None:
+    """The volume fills up (another job's files, say) while checkpoints are being written: the
+    write fails, the trainer exits with the error, the gang restarts, the half-written
+    checkpoint is removed, and once space is freed the job resumes from its newest complete
+    checkpoint (work lost: at most one interval) and ends Succeeded."""
+    interval = 2
+    job_env.create(tiny_spec(steps=200))
+    job_env.wait("a checkpoint", lambda s: s.get("phase") == "Running"
+                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= 4, 180)
+    filler = _fill(small_disk)
+    restarting = job_env.wait_phase("Restarting", 60)
+    assert restarting["lastFailure"]["reason"] == "PodFailed", restarting["lastFailure"]
+    complete_before = complete_steps(job_env)
+    filler.unlink()  # space freed
+    done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    assert done["progress"]["step"] == 200 and job_env.max_gangs == 1
+    assert done["restarts"]["total"] == 1
+    first = job_env.pod_log(0, 0) + job_env.pod_log(0, 1)
+    assert "No space left on device" in first, first[-2000:]
+    resumed = resumed_from(job_env.pod_log(1, 0))
+    assert resumed is not None and resumed == max(complete_before), (resumed, complete_before)
+    assert max(steps_logged(job_env.pod_log(0, 0))) - resumed <= interval
+    assert all(e.complete for e in list_checkpoints(checkpoints(job_env), JOB))
+
+
+def test_a_master_never_reachable_at_rendezvous_restarts_the_gang(job_env: Env) -> None:
+    """The rank-0 pod is cut off the network as it starts (a broken ENI, a security group that
+    drops the rendezvous port): no worker gets past rendezvous and none sends a first
+    heartbeat. The startup timeout restarts the gang, whose new pods are reachable."""
+    spec = tiny_spec(steps=20, heartbeat={"startupTimeoutSeconds": 20, "timeoutSeconds": "auto"})
+    job_env.create(spec)
+    master = f"{JOB}-a0-0"
+    job_env.wait_process(master, 120)  # its network exists; its trainer is still importing
+    uid = next(p.metadata.uid for p in job_env.pods() if p.metadata.name == master)
+    netns.set_pod_link(job_env.cluster.config.bridge, uid, up=False)
+    restarting = job_env.wait_phase("Restarting", 120)
+    failure = restarting["lastFailure"]
+    assert failure["reason"] == "StartupTimeout", failure
+    assert "no first heartbeat" in failure["message"], failure
+    done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    assert done["restarts"]["total"] == 1 and done["progress"]["step"] == 20
+    assert job_env.max_gangs == 1
+    assert not steps_logged(job_env.pod_log(0, 1)), "a worker trained without its master"

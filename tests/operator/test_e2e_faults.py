@@ -8,6 +8,7 @@ reason instead of starting over at step 1.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -222,3 +223,47 @@ def test_a_master_never_reachable_at_rendezvous_restarts_the_gang(job_env: Env) 
     assert done["restarts"]["total"] == 1 and done["progress"]["step"] == 20
     assert job_env.max_gangs == 1
     assert not steps_logged(job_env.pod_log(0, 1)), "a worker trained without its master"
+
+
+def _libfaketime() -> Path:
+    import libfaketime
+
+    found = list((Path(libfaketime.__file__).parent / "vendor").rglob("libfaketime.so.1"))
+    assert found, "libfaketime (a dev dependency) ships its library in its wheel"
+    return found[0]
+
+
+@pytest.mark.parametrize("skew", [60, -60], ids=["ahead", "behind"])
+def test_worker_clocks_a_minute_off_neither_cause_nor_hide_a_hang(job_env: Env, skew: int
+                                                                  ) -> None:
+    """Every process of the workers runs with its wall clock a minute off (libfaketime
+    preloaded; monotonic clocks left alone, as NTP skew would): the heartbeats they stamp are
+    a minute off. No hang is seen while they train, and a frozen worker is caught within its
+    timeout, not a minute early or late."""
+    timeout = 6
+    spec = tiny_spec(steps=200, heartbeat={"startupTimeoutSeconds": 120,
+                                           "timeoutSeconds": timeout})
+    spec["template"] = {"spec": {"containers": [{"name": "trainer", "env": [
+        {"name": "LD_PRELOAD", "value": str(_libfaketime())},
+        {"name": "FAKETIME", "value": f"{skew:+d}s"},
+        {"name": "DONT_FAKE_MONOTONIC", "value": "1"}]}]}}
+    job_env.create(spec)
+    job_env.wait("a checkpoint", lambda s: s.get("phase") == "Running"
+                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= 10, 180)
+    lines = [json.loads(line) for line in job_env.pod_log(0, 0).splitlines()
+             if line.startswith("{") and '"step"' in line]
+    off = lines[-1]["time"] - time.time()
+    assert abs(off - skew) < 10, f"the worker's clock is {off:+.0f}s off, not {skew:+d}s"
+    time.sleep(2 * timeout)  # training on: a skew taken at face value would have fired
+    assert job_env.status()["phase"] == "Running" and "Restarting" not in job_env.phases()
+    faults.hang(job_env.cluster.config, job_env.ns, f"{JOB}-a0-1")
+    frozen = time.monotonic()
+    restarting = job_env.wait_phase("Restarting", 60)
+    detected = time.monotonic() - frozen
+    assert restarting["lastFailure"]["reason"] == "HeartbeatTimeout", restarting["lastFailure"]
+    # the timeout, give or take: the correction is as fine as the server's stamp (1 s), a
+    # beat comes every period (2 s here), the status is written every 2 s. A minute off shows.
+    assert timeout - 2 <= detected <= timeout + 12, detected
+    print(f"clock {skew:+d}s: hang detected {detected:.1f}s after the freeze")
+    done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    assert done["restarts"]["total"] == 1 and job_env.max_gangs == 1

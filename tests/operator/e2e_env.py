@@ -158,3 +158,21 @@ def steps_logged(log: str) -> list[int]:
 def resumed_from(log: str) -> int | None:
     m = re.search(r"resumed from checkpoint step_(\d+)", log)
     return int(m.group(1)) if m else None
+
+
+def first_step_time(log: str) -> float | None:
+    """The wall-clock time of the first step a trainer logged (its JSON `time`)."""
+    for line in log.splitlines():
+        if line.startswith("{") and '"step"' in line:
+            with contextlib.suppress(ValueError, KeyError):
+                return float(json.loads(line)["time"])
+    return None
+
+
+def report_recovery(env: Env, what: str, fault_at: float, attempt: int = 1) -> float:
+    """Print (and return) the seconds from a fault (`time.time()` when it was made) to the next
+    training step of `attempt`: the figure of docs/operator.md's fault matrix."""
+    first = first_step_time(env.pod_log(attempt, 0))
+    assert first is not None, f"attempt {attempt} trained no step"
+    print(f"[fault matrix] {what}: next training step {first - fault_at:.1f}s after the fault")
+    return first - fault_at

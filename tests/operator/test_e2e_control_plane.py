@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from e2e_env import JOB, Env, resumed_from, steps_logged
+from e2e_env import JOB, Env, report_recovery, resumed_from, steps_logged
 from e2e_spec import tiny_spec
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -96,6 +96,7 @@ def test_a_burst_of_conflicts_around_a_fault_counts_it_once(job_env: Env) -> Non
     burst.start()
     try:
         time.sleep(2)
+        fault_at = time.time()
         faults.kill(job_env.cluster.config, job_env.ns, f"{JOB}-a0-1")
         done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
     finally:
@@ -109,5 +110,6 @@ def test_a_burst_of_conflicts_around_a_fault_counts_it_once(job_env: Env) -> Non
     assert done["lastFailure"]["reason"] == "Killed"
     assert done["progress"]["step"] == steps and job_env.max_gangs == 1
     assert resumed_from(job_env.pod_log(1, 0)) is not None
+    report_recovery(job_env, "SIGKILL inside a burst of 409s", fault_at)
     restarts = [m for _, m in job_env.event_messages() if "restarting the gang" in m]
     assert len(restarts) == 1, restarts

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_env import JOB, Env, resumed_from, steps_logged
+from e2e_env import JOB, Env, report_recovery, resumed_from, steps_logged
 from e2e_spec import tiny_spec
 
 from hlat_api.layout import list_checkpoints
@@ -28,6 +28,7 @@ from hlat_testbed.podfiles import container_pid
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 INTERVAL = 4
+OPERATOR_ENV = {"HLAT_OPERATOR_EXIT_AFTER_FINISH_SECONDS": "8"}  # 300 s by default
 
 
 def checkpoints(env: Env) -> Path:
@@ -66,8 +67,10 @@ def test_a_crash_in_the_middle_of_an_asynchronous_write_loses_no_checkpoint(job_
     else:
         pytest.fail(f"no write in flight seen in {root}")
     before = complete_steps(job_env)
+    fault_at = time.time()
     faults.kill(job_env.cluster.config, job_env.ns, f"{JOB}-a0-0")
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    report_recovery(job_env, "crash mid asynchronous write", fault_at)
     assert done["restarts"]["total"] == 1 and done["progress"]["step"] == 24
     resumed = resumed_from(job_env.pod_log(1, 0))
     assert resumed is not None and resumed == max(before), (resumed, before)
@@ -86,6 +89,7 @@ def test_a_corrupt_newest_checkpoint_resumes_from_the_one_before(job_env: Env) -
     job_env.create(tiny_spec(steps=30))
     job_env.wait("two checkpoints", lambda s: s.get("phase") == "Running"
                  and (s.get("latestCheckpoint") or {}).get("step", 0) >= 4, 180)
+    fault_at = time.time()
     faults.kill(job_env.cluster.config, job_env.ns, f"{JOB}-a0-1")
     job_env.wait_phase("Restarting", 30)
     newest = max(complete_steps(job_env))
@@ -93,6 +97,7 @@ def test_a_corrupt_newest_checkpoint_resumes_from_the_one_before(job_env: Env) -
         shard.write_bytes(shard.read_bytes()[:100])  # truncated, though `done` exists
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
     assert done["progress"]["step"] == 30
+    report_recovery(job_env, "newest checkpoint corrupt", fault_at)
     log = job_env.pod_log(1, 0)
     assert resumed_from(log) == newest - 2, log[-1500:]
     assert f"step_{newest} is unreadable" in log
@@ -133,7 +138,8 @@ def test_a_worker_alive_and_renewing_but_stuck_in_a_collective_is_restarted(
     """Two processes per node; node 1's second process is frozen, so every rank blocks in
     the next collective while each node's heartbeat thread (local rank 0) goes on renewing:
     a hang only the progress clock shows."""
-    spec = tiny_spec(steps=40, heartbeat={"startupTimeoutSeconds": 120, "timeoutSeconds": 6})
+    # 300 steps: still training when frozen (40 could all be done before the freeze)
+    spec = tiny_spec(steps=300, heartbeat={"startupTimeoutSeconds": 120, "timeoutSeconds": 6})
     spec["processesPerNode"] = 2
     spec["train"].update({"globalBatch": 8, "microBatch": 2})
     job_env.create(spec)
@@ -141,13 +147,15 @@ def test_a_worker_alive_and_renewing_but_stuck_in_a_collective_is_restarted(
                  and (s.get("latestCheckpoint") or {}).get("step", 0) >= 2, 180)
     pod = f"{JOB}-a0-1"
     frozen = _process_with_local_rank(container_pid(job_env.cluster.config, job_env.ns, pod), 1)
+    fault_at = time.time()
     os.kill(frozen, signal.SIGSTOP)
     restarting = job_env.wait_phase("Restarting", 60)
     failure = restarting["lastFailure"]
     assert failure["reason"] == "HeartbeatTimeout", failure
     assert "alive but no progress" in failure["message"], failure
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
-    assert done["progress"]["step"] == 40 and job_env.max_gangs == 1
+    assert done["progress"]["step"] == 300 and job_env.max_gangs == 1
+    report_recovery(job_env, "one process stuck in a collective (6 s timeout)", fault_at)
 
 
 @pytest.fixture
@@ -193,8 +201,10 @@ def test_a_disk_that_fills_while_writing_loses_no_checkpoint(job_env: Env, small
     restarting = job_env.wait_phase("Restarting", 60)
     assert restarting["lastFailure"]["reason"] == "PodFailed", restarting["lastFailure"]
     complete_before = complete_steps(job_env)
+    freed_at = time.time()
     filler.unlink()  # space freed
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    report_recovery(job_env, "disk full (from the space freed)", freed_at)
     assert done["progress"]["step"] == 200 and job_env.max_gangs == 1
     assert done["restarts"]["total"] == 1
     first = job_env.pod_log(0, 0) + job_env.pod_log(0, 1)
@@ -214,6 +224,7 @@ def test_a_master_never_reachable_at_rendezvous_restarts_the_gang(job_env: Env) 
     master = f"{JOB}-a0-0"
     job_env.wait_process(master, 120)  # its network exists; its trainer is still importing
     uid = next(p.metadata.uid for p in job_env.pods() if p.metadata.name == master)
+    fault_at = time.time()
     netns.set_pod_link(job_env.cluster.config.bridge, uid, up=False)
     restarting = job_env.wait_phase("Restarting", 120)
     failure = restarting["lastFailure"]
@@ -222,6 +233,8 @@ def test_a_master_never_reachable_at_rendezvous_restarts_the_gang(job_env: Env) 
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
     assert done["restarts"]["total"] == 1 and done["progress"]["step"] == 20
     assert job_env.max_gangs == 1
+    report_recovery(job_env, "master unreachable at rendezvous (20 s startup timeout)",
+                    fault_at)
     assert not steps_logged(job_env.pod_log(0, 1)), "a worker trained without its master"
 
 
@@ -256,6 +269,7 @@ def test_worker_clocks_a_minute_off_neither_cause_nor_hide_a_hang(job_env: Env, 
     assert abs(off - skew) < 10, f"the worker's clock is {off:+.0f}s off, not {skew:+d}s"
     time.sleep(2 * timeout)  # training on: a skew taken at face value would have fired
     assert job_env.status()["phase"] == "Running" and "Restarting" not in job_env.phases()
+    fault_at = time.time() + skew  # on the workers' clock, which stamps the steps
     faults.hang(job_env.cluster.config, job_env.ns, f"{JOB}-a0-1")
     frozen = time.monotonic()
     restarting = job_env.wait_phase("Restarting", 60)
@@ -267,3 +281,27 @@ def test_worker_clocks_a_minute_off_neither_cause_nor_hide_a_hang(job_env: Env, 
     print(f"clock {skew:+d}s: hang detected {detected:.1f}s after the freeze")
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
     assert done["restarts"]["total"] == 1 and job_env.max_gangs == 1
+    report_recovery(job_env, f"hang with worker clocks {skew:+d}s off (6 s timeout)", fault_at)
+
+
+def test_a_worker_that_finished_but_never_exits_gets_the_gang_restarted(job_env: Env) -> None:
+    """Every worker reports finished and the final checkpoint is complete, but the processes
+    do not exit (stuck in teardown, here while a file exists): after the operator's
+    `exit_after_finish_seconds` the gang is restarted; the new one resumes at the last step,
+    has nothing to train, and exits: Succeeded."""
+    linger = job_env.fsx / "linger"
+    linger.touch()
+    spec = tiny_spec(steps=20)
+    spec["template"] = {"spec": {"containers": [{"name": "trainer", "env": [
+        {"name": "HLAT_FAULT_LINGER_WHILE_EXISTS", "value": "/fsx/linger"}]}]}}
+    job_env.create(spec)
+    restarting = job_env.wait_phase("Restarting", 180)
+    failure = restarting["lastFailure"]
+    assert failure["reason"] == "HeartbeatTimeout", failure
+    assert "finished but still running" in failure["message"], failure
+    linger.unlink()
+    done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 180)
+    assert done["restarts"]["total"] == 1 and done["progress"]["step"] == 20
+    log = job_env.pod_log(1, 0)
+    assert resumed_from(log) == 20 and not steps_logged(log), log[-1500:]
+    assert job_env.max_gangs == 1

@@ -19,6 +19,7 @@ import random
 import signal
 import time
 from collections import Counter
+from typing import Any
 
 import pytest
 from e2e_env import JOB, Env
@@ -32,15 +33,15 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 SEED = 20261124
 FAULTS = 32
 STEPS = 900
-KINDS = {"kill": 5, "term": 2, "delete": 3, "hang": 1, "operator": 2}
+KINDS = {"kill": 5, "term": 2, "delete": 3, "hang": 0.6, "operator": 2.5}
 WORKER_FAULTS = {"kill", "term", "delete", "hang"}
 
 
-def _spec() -> dict[str, object]:
-    spec = tiny_spec(steps=STEPS, maxRestarts=FAULTS + 5,
+def _spec() -> dict[str, Any]:
+    spec: dict[str, Any] = tiny_spec(steps=STEPS, maxRestarts=FAULTS + 5,
                      backoff={"initialSeconds": 0.5, "maxSeconds": 1},
                      heartbeat={"startupTimeoutSeconds": 120, "timeoutSeconds": 5})
-    spec["checkpoint"].update({"interval": 10, "keep": 2})  # type: ignore[union-attr]
+    spec["checkpoint"].update({"interval": 10, "keep": 2})
     return spec
 
 

@@ -51,6 +51,17 @@ from hlat_trainer.precision import precision_policy
 from hlat_trainer.schedule import lr_at
 
 log = logging.getLogger(__name__)
+
+LINGER_ENV = "HLAT_FAULT_LINGER_WHILE_EXISTS"
+"""Fault injection for tests and drills: after finishing, do not exit while this path exists
+(at most an hour), as a process stuck in its teardown (a collective's destructor) would."""
+
+
+def _linger_for_drills() -> None:
+    path = os.environ.get(LINGER_ENV)
+    deadline = time.monotonic() + 3600
+    while path and os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.2)
 Sink = Callable[[dict[str, Any]], None]
 
 # Dense BF16 peak per device for MFU where the instance table has none (GPUs by name).
@@ -331,4 +342,5 @@ class Trainer:
                 self.heartbeat.stop(phase="finished" if finished else None)
         hist = self.state.monitor.histogram()
         log.info("finished at step %d; gradient spikes by length: %s", self.state.step, hist)
+        _linger_for_drills()
         return stats

@@ -61,7 +61,8 @@ class Runtime:
     api_lost: bool = False
     """A pass could not reach the API server (connection refused or dropped, timeout, 5xx)."""
     api_back_at: datetime | None = None
-    """When a pass reached it again after that: Observed.seeing_since."""
+    """Since when the operator sees: its start, or a pass reaching the API server again after
+    it was lost (Observed.seeing_since)."""
 
 
 _runtime: Runtime | None = None
@@ -223,7 +224,9 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     global _runtime
     configure_kopf(settings)
     ours = _settings or OperatorSettings.from_env()
-    rt = Runtime(ours, Kube(api_client()), OperatorMetrics())
+    # it cannot have heard what went silent before it started (a leader that lost its Lease in
+    # an outage of the API server and was restarted, a standby taking over): from now on
+    rt = Runtime(ours, Kube(api_client()), OperatorMetrics(), api_back_at=datetime.now(UTC))
     port = ours.metrics_port if _metrics_port is None else _metrics_port
     if port:
         rt.metrics.serve(port)

@@ -167,9 +167,10 @@ class Observed:
     resource_version: str | None = None
     creation_time: datetime | None = None
     seeing_since: datetime | None = None
-    """When the operator got the API server back after losing it (None: never lost). While it
-    was away no worker could renew and no kubelet report, so silence from before this moment
-    is no evidence: timeouts run again from here (faults.detect_fault)."""
+    """Since when the operator sees: its own start, or its getting the API server back after
+    losing it (None: unknown). While it was away (or not yet running) no renewal or kubelet
+    report could reach it, so silence from before this moment is no evidence: timeouts run
+    again from here (faults.detect_fault)."""
 
     def pods_of(self, attempt: int) -> list[ObservedPod]:
         return [p for p in self.pods if p.attempt == attempt]

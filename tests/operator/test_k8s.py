@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -334,3 +335,13 @@ def test_each_kind_is_created_and_replaced_through_its_own_api(
 def test_a_kind_the_operator_does_not_make_is_an_error() -> None:
     with pytest.raises(K8sError, match="create Secret: kind not supported"):
         kube().execute(JOB, decision(CreateObject({"kind": "Secret", "metadata": {"name": "s"}})))
+
+
+def test_a_pass_that_reaches_the_api_server_again_restarts_the_operator_s_clock() -> None:
+    """After passes failed to reach the API server, the next one that does notes the moment:
+    silence from before it is judged from there (faults.detect_fault, seeing_since)."""
+    k = FakeKube([])
+    rt = runtime(k)
+    rt.api_lost, began = True, datetime.now(UTC)
+    handlers.reconcile_once(rt, JOB.namespace, JOB.name)
+    assert not rt.api_lost and rt.api_back_at is not None and rt.api_back_at >= began

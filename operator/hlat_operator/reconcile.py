@@ -762,8 +762,11 @@ def _update_progress(p: _Pass, spec: PretrainJobSpec) -> None:
     beats = [_beat(p, n) for n in names]
     p.lead = beats[0] if beats else None
     lead = p.lead
-    if lead is not None and lead.phase not in accounting.RESUMING_PHASES and (
-            lead.step > p.state.high_step):
+    # only while the attempt's ledger is live: once its time is folded (the pass that ends
+    # it), a later beat of a surviving worker must not move the next gang's recompute
+    # boundary past what that ledger counted as productive
+    if lead is not None and p.old.phase in ACTIVE and (
+            lead.phase not in accounting.RESUMING_PHASES) and lead.step > p.state.high_step:
         p.state = p.state.model_copy(update={"high_step": lead.step})
     progress = accounting.progress_of(beats, spec.total_steps)
     if progress is not None:

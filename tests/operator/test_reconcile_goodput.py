@@ -9,13 +9,16 @@ or not the operator was stopped, restarted or crashed mid-pass along the way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from opfakes import World, raw_spec
 
-from hlat_api.heartbeat import Activity
+from hlat_api.heartbeat import Activity, lease_name
 from hlat_api.status import Goodput
 from hlat_operator import accounting
+from hlat_operator.observe import ObservedLease
+from hlat_operator.reconcile import CreateObject
 
 
 @dataclass
@@ -253,3 +256,32 @@ def test_a_worker_clock_a_minute_off_moves_at_most_a_few_heartbeats_between_caus
     exact = g.current.window_seconds - 5
     bound = 3 * w.settings.heartbeat_period_seconds
     assert abs(g.current.pending_seconds - exact) <= bound
+
+
+def test_a_beat_after_the_fold_does_not_move_the_next_gang_s_recompute_boundary() -> None:
+    """The surviving worker of a broken gang may report once more after its attempt's time was
+    folded: the next gang's HLAT_STEPS_DONE stays the step that ledger counted as trained
+    (steps past it were charged to detection, and the new gang trains them as new work)."""
+    w = World(raw_spec(**{"faultTolerance.backoff.initialSeconds": 0}))
+    w.until("Running")
+    w.beat(10)
+    w.step()
+    lead = lease_name(w.pod_of(0).name)
+    w.fail(1)
+    w.step()
+    assert w.status.phase == "Restarting"
+    # node rank 0, terminating but still alive, reports two more steps
+    beat = w.leases[lead].heartbeat
+    assert beat is not None
+    w.leases[lead] = ObservedLease(lead, w.now, beat.model_copy(update={"step": 12}))
+    created: list[dict[str, Any]] = []
+    for _ in range(120):
+        w.advance(1)
+        w.schedule()
+        created += [a.obj for a in w.step().actions
+                    if isinstance(a, CreateObject) and a.obj["kind"] == "Pod"]
+        if created:
+            break
+    assert created, "no new gang"
+    env = {e["name"]: e.get("value") for e in created[0]["spec"]["containers"][0]["env"]}
+    assert env["HLAT_STEPS_DONE"] == "10"

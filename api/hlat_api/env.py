@@ -38,6 +38,9 @@ class Env(StrEnum):
     EXIT_FILE = "HLAT_EXIT_FILE"
     """Where a trainer that fails for good writes its exit code (set by hlat-launch, which
     makes it the pod's: torchrun reports every failed worker as 1)."""
+    GANG_LEASE = "HLAT_GANG_LEASE"
+    """Name of the job's restart record (a Lease, `labels.gang_lease_name`): set only under
+    `restartStrategy: InPlace`, where the launcher polls it for a new attempt."""
     LOG_FORMAT = "HLAT_LOG_FORMAT"
     """`json` (one object per step on stdout) or `bar` (progress bar); default by isatty."""
 

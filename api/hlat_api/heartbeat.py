@@ -78,6 +78,9 @@ class Heartbeat(BaseModel):
     progress_time: datetime | None = None
     """When the training loop last reported (a step done, a phase begun)."""
     attempt: int | None = None
+    exit_code: int | None = None
+    """Set by the launcher when the trainer of this attempt exited and the pod stays (an
+    in-place restart): the exit code, read by the operator as it reads a failed container's."""
     activity: Activity | None = None
     """Seconds per activity since the attempt began, up to `progress_time` (one annotation,
     JSON)."""

@@ -33,6 +33,15 @@ APP_NAME: Final = "hlat"
 OPERATOR_NAME: Final = "hlat-operator"
 WORKER: Final = "worker"
 
+TRAINER_EXITED: Final = "hlat.dev/trainer-exited"
+"""Label a worker's launcher puts on its Lease when the trainer of that attempt exited and the
+pod stays for an in-place restart (value: the exit code). The operator watches only Leases
+carrying it (a server-side selector), so a crash is seen at once, not at the next resync."""
+ATTEMPT_STARTED: Final = "hlat.dev/attempt-started"
+"""Annotation on a worker pod kept for an in-place restart: when the operator moved it to its
+current attempt (the startup clock of that attempt runs from then, not from the container's
+start)."""
+
 STATE_ANNOTATION: Final = "hlat.dev/operator-state"
 """The operator's own bookkeeping on a PretrainJob (JSON): what the status does not hold,
 e.g. nodes to avoid and the no-progress streak. Written only by the operator."""
@@ -107,6 +116,19 @@ def service_account_name(job: str) -> str:
 def worker_pod_name(job: str, attempt: int, rank: int) -> str:
     """Per attempt, so the next gang never collides with a pod that is still terminating."""
     return f"{job}-a{attempt}-{rank}"
+
+
+def worker_lease_name(job: str, attempt: int, rank: int) -> str:
+    """The heartbeat Lease of node rank `rank` in `attempt`: per attempt and rank, not per pod,
+    since a pod kept by an in-place restart serves several attempts (and the Role names only
+    the current attempt's Leases, so a trainer of an older one cannot renew)."""
+    return worker_pod_name(job, attempt, rank)
+
+
+def gang_lease_name(job: str) -> str:
+    """The job's restart record: a Lease the operator writes and every worker's launcher reads
+    (get only) to learn the current attempt of an in-place restart."""
+    return f"{job}-gang"
 
 
 def worker_hostname(job: str, rank: int) -> str:

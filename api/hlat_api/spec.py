@@ -221,8 +221,17 @@ class HeartbeatSpec(_Model):
     """Multiplier on the observed step time for the automatic timeout."""
 
 
+RestartStrategy = Literal["InPlace", "RecreateGang"]
+
+
 class FaultToleranceSpec(_Model):
     """Automatic gang restart from the latest complete checkpoint."""
+
+    restart_strategy: RestartStrategy = "RecreateGang"
+    """InPlace: the pods stay and every launcher restarts its trainer for the new attempt; only
+    pods that are gone (lost node, deleted, evicted, container failed) are recreated. Falls
+    back to RecreateGang after two in-place attempts in a row that failed before training.
+    RecreateGang: every pod is deleted and a new gang created."""
 
     max_restarts: Annotated[int, Field(ge=0)] = 20
     """Restarts that count against the budget before the job is Failed."""

@@ -42,6 +42,9 @@ class Restarts(_Model):
     """Gang restarts so far."""
     counted: int = 0
     """Restarts that used budget (infrastructure faults may not count)."""
+    in_place: int | None = None
+    """Restarts done in place: the pods stayed, their launchers restarted the trainers
+    (`faultTolerance.restartStrategy: InPlace`); only pods that were gone were recreated."""
 
 
 class Failure(_Model):

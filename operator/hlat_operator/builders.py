@@ -33,7 +33,7 @@ from typing import Any
 
 from hlat_api import labels
 from hlat_api.env import Env
-from hlat_api.heartbeat import lease_name
+from hlat_api.gang import GangRecord
 from hlat_api.manifest import API_GROUP, API_VERSION, KIND
 from hlat_api.podtemplate import (
     CACHE_OWNER_CONTAINER,
@@ -185,7 +185,7 @@ def build_service_account(job: JobRef) -> ServiceAccount:
 
 def lease_names(job: JobRef, spec: PretrainJobSpec, attempt: int) -> list[str]:
     return [
-        lease_name(labels.worker_pod_name(job.name, attempt, rank)) for rank in range(spec.nodes)
+        labels.worker_lease_name(job.name, attempt, rank) for rank in range(spec.nodes)
     ]
 
 
@@ -202,7 +202,13 @@ def build_role(job: JobRef, spec: PretrainJobSpec, attempt: int) -> Role:
                 "resources": ["leases"],
                 "resourceNames": lease_names(job, spec, attempt),
                 "verbs": ["get", "update", "patch"],
-            }
+            },
+            {   # the restart record of an in-place restart: read only
+                "apiGroups": ["coordination.k8s.io"],
+                "resources": ["leases"],
+                "resourceNames": [labels.gang_lease_name(job.name)],
+                "verbs": ["get"],
+            },
         ],
     }
 
@@ -254,6 +260,18 @@ def build_leases(
         }
         out.append(lease)
     return out
+
+
+def build_gang_lease(job: JobRef, attempt: int, steps_done: int) -> Lease:
+    """The restart record (`hlat_api.gang`): the attempt every launcher must run now."""
+    meta = _meta(job, labels.gang_lease_name(job.name))
+    meta["annotations"] = GangRecord(attempt=attempt, steps_done=steps_done).to_annotations()
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta,
+            "spec": {"holderIdentity": labels.OPERATOR_NAME}}
+
+
+def in_place(spec: PretrainJobSpec) -> bool:
+    return spec.fault_tolerance.restart_strategy == "InPlace"
 
 
 # --- worker pods -----------------------------------------------------------------------------
@@ -411,12 +429,14 @@ def build_env(
         Env.NPROC_PER_NODE: str(spec.ranks_per_node),
         Env.MASTER_ADDR: labels.master_addr(job.name),
         Env.MASTER_PORT: str(settings.master_port),
-        Env.HEARTBEAT_LEASE: lease_name(pod),
+        Env.HEARTBEAT_LEASE: labels.worker_lease_name(job.name, attempt, rank),
         Env.HEARTBEAT_PERIOD: f"{settings.heartbeat_period_seconds:g}",
         Env.METRICS_PORT: str(settings.trainer_metrics_port),
         Env.LOG_FORMAT: settings.log_format,
         Env.STEPS_DONE: str(steps_done),
     }
+    if in_place(spec):
+        plain[Env.GANG_LEASE] = labels.gang_lease_name(job.name)
     env: list[EnvVar] = [
         _field_env(Env.POD_NAME, "metadata.name"),
         _field_env(Env.NODE_NAME, "spec.nodeName"),

@@ -33,7 +33,7 @@ from datetime import datetime
 
 from hlat_api import labels
 from hlat_api.env import ExitCode
-from hlat_api.heartbeat import EXPIRY_PERIODS, lease_name
+from hlat_api.heartbeat import EXPIRY_PERIODS
 from hlat_api.labels import Reason
 from hlat_api.spec import PretrainJobSpec
 from hlat_operator.config import OperatorSettings
@@ -96,6 +96,19 @@ def classify_failed(pod: ObservedPod) -> Fault:
         reason, what = Reason.POD_FAILED, f"failed with exit code {code}"
     detail = f": {pod.message.strip()[-300:]}" if pod.message.strip() else ""
     return Fault(reason, f"{where} {what}{detail}", pod.name, pod.node, code)
+
+
+def trainer_exited(pod: ObservedPod, observed: Observed) -> Fault | None:
+    """A pod kept for in-place restarts whose launcher reported its trainer's exit (on the
+    Lease of the pod's attempt): judged as a failed container with that code would be."""
+    lease = observed.lease_of(pod)
+    beat = lease.heartbeat if lease is not None else None
+    if beat is None or beat.exit_code is None or beat.exit_code == 0 or pod.terminating:
+        return None
+    if beat.attempt is not None and beat.attempt != pod.attempt:
+        return None
+    return classify_failed(replace(pod, phase="Failed", exit_code=beat.exit_code, reason=None,
+                                   message="the trainer exited; the pod stays"))
 
 
 def _terminating(pod: ObservedPod) -> Fault:
@@ -233,7 +246,7 @@ def _heartbeat_fault(
     for pod in pods:
         if pod.phase != "Running" or pod.terminating:
             continue
-        lease = observed.leases.get(lease_name(pod.name))
+        lease = observed.lease_of(pod)
         stale = staleness(spec, pod, lease, settings, gang_started)
         if stale is None:
             continue
@@ -282,15 +295,19 @@ def detect_fault(
     if failed:
         faults = [classify_failed(p) for p in failed]
         return next((f for f in faults if f.permanent), faults[0])
+    exited = [f for p in pods if (f := trainer_exited(p, observed)) is not None]
+    if exited:
+        return next((f for f in exited if f.permanent), exited[0])
     for pod in pods:
         if pod.terminating and not pod.finished:
             return _terminating(pod)
     if phase == "Running":
-        present = {p.name for p in pods}
+        present = {p.rank for p in pods}
         for rank in range(spec.nodes):
-            name = labels.worker_pod_name(observed.job.name, attempt, rank)
-            if name not in present:
-                return Fault(Reason.POD_DELETED, f"pod {name} disappeared", name)
+            if rank not in present:
+                name = labels.worker_pod_name(observed.job.name, attempt, rank)
+                return Fault(Reason.POD_DELETED, f"pod of node rank {rank} ({name}) "
+                             "disappeared", name)
     for pod in pods:
         if not pod.finished:
             fault = _node_fault(pod, observed, now, settings)
@@ -305,7 +322,7 @@ def heartbeat_ages(observed: Observed, attempt: int, now: datetime) -> dict[str,
     """Seconds since each worker of `attempt` last renewed its Lease (for the metric)."""
     out: dict[str, float] = {}
     for pod in observed.pods_of(attempt):
-        lease = observed.leases.get(lease_name(pod.name))
+        lease = observed.lease_of(pod)
         if lease is not None and lease.renew_time is not None:
             out[pod.name] = max(0.0, (now - lease.renew_time).total_seconds())
     return out

@@ -26,7 +26,7 @@ from kubernetes import client
 from kubernetes import config as kube_config
 
 from hlat_api.apitimeouts import bound_requests
-from hlat_api.labels import COMPONENT, JOB, WORKER, Reason
+from hlat_api.labels import COMPONENT, JOB, TRAINER_EXITED, WORKER, Reason
 from hlat_api.manifest import API_GROUP, API_VERSION
 from hlat_operator import observe
 from hlat_operator.builders import JobRef
@@ -217,6 +217,8 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
     # server-side: the API server sends only our workers' events (kopf's `labels=` on the
     # handler alone filters client-side, after every pod of the cluster crossed the wire)
     settings.watching.label_selectors["v1", "pods"] = POD_SELECTOR
+    settings.watching.label_selectors["coordination.k8s.io", "v1", "leases"] = (
+        f"{JOB},{TRAINER_EXITED}")
 
 
 @kopf.on.startup()
@@ -256,6 +258,16 @@ async def on_job(event: kopf.RawEvent, name: str | None, namespace: str | None, 
     if not name or not namespace:
         return
     _poke(namespace, name, start=event.get("type") != "DELETED")
+
+
+@kopf.on.event("coordination.k8s.io", "v1", "leases",
+               labels={JOB: kopf.PRESENT, TRAINER_EXITED: kopf.PRESENT})
+async def on_trainer_exit(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
+    """A launcher reported its trainer's exit (in-place restarts keep the pod, so no pod
+    event says so): decide now, not at the next resync."""
+    job = labels.get(JOB)
+    if job and namespace:
+        _poke(namespace, job)
 
 
 @kopf.on.event("", "v1", "pods", labels={JOB: kopf.PRESENT})

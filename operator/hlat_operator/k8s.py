@@ -10,6 +10,7 @@ decides again from what it then observes):
   no-op), or, with `replace`, the existing object is replaced (ConfigMap, Role of a new attempt);
   a refusal no retry can fix (`permanent`: 400/403/422) raises `Rejected`, which ends the job;
 - DeletePod: delete (grace None: the pod's own grace period; 0: force); NotFound is fine;
+- PatchPod: merge patch of a pod's labels and annotations (an in-place restart's kept pods);
 - DeleteObject("Lease"): delete; NotFound is fine;
 - PatchStatus: JSON merge patch of the status subresource carrying the resourceVersion read, so
   a stale pass loses with 409 (`Conflict`: the caller simply runs the next pass);
@@ -44,6 +45,7 @@ from hlat_operator.reconcile import (
     DeleteObject,
     DeletePod,
     EmitEvent,
+    PatchPod,
     PatchState,
     PatchStatus,
 )
@@ -278,6 +280,8 @@ class Kube:
             self._create(job, action)
         elif isinstance(action, DeletePod):
             self._delete_pod(job, action)
+        elif isinstance(action, PatchPod):
+            self._patch_pod(job, action)
         elif isinstance(action, DeleteObject):
             self._delete_lease(job, action.name)
         elif isinstance(action, PatchStatus):
@@ -331,7 +335,10 @@ class Kube:
         if kind not in _KINDS or not _KINDS[kind][2]:
             raise K8sError(f"replace {kind}: kind not supported by the operator")
         api, suffix, _ = _KINDS[kind]
-        getattr(getattr(self, api), f"replace_namespaced_{suffix}")(
+        # a Lease may not be updated without the resourceVersion it was read at: merge-patch
+        # the fields instead (the operator owns every field it writes there)
+        verb = "patch" if kind == "Lease" else "replace"
+        getattr(getattr(self, api), f"{verb}_namespaced_{suffix}")(
             name, ns, body, _preload_content=False)
 
     def _delete_pod(self, job: JobRef, action: DeletePod) -> None:
@@ -349,6 +356,14 @@ class Kube:
             wrapped = _wrap(what, err)
             if not isinstance(wrapped, NotFound):
                 raise wrapped from err
+
+    def _patch_pod(self, job: JobRef, action: PatchPod) -> None:
+        body = {"metadata": {"labels": action.labels, "annotations": action.annotations}}
+        try:
+            self.core.patch_namespaced_pod(action.name, job.namespace, body,
+                                           _preload_content=False)
+        except _API_ERRORS as err:
+            raise _wrap(f"patch pod {job.namespace}/{action.name}", err) from err
 
     def _delete_lease(self, job: JobRef, name: str) -> None:
         try:

@@ -66,7 +66,8 @@ class ObservedPod:
     deletion_timestamp: datetime | None = None
     ready: bool = False
     started_at: datetime | None = None
-    """When the trainer container started (else the pod's startTime)."""
+    """When the trainer container started (else the pod's startTime), or, for a pod an
+    in-place restart moved to its current attempt, when it was moved (`labels.ATTEMPT_STARTED`)."""
     created_at: datetime | None = None
     disruption: str | None = None
     """Reason of a DisruptionTarget condition (PreemptionByScheduler, EvictionByEvictionAPI, ...)."""
@@ -137,6 +138,13 @@ class OperatorState(BaseModel):
     high_step: int = 0
     """The highest step node rank 0 of any attempt reported: the next gang's recomputed work
     ends there."""
+    in_place_next: int | None = None
+    """The attempt an in-place restart is preparing (the pods that are gone go first)."""
+    in_place_attempt: int | None = None
+    """The latest attempt started in place (its kept pods are adopted, not torn down)."""
+    in_place_failures: int = 0
+    """In-place attempts in a row that ended before all their workers trained: at
+    `reconcile.IN_PLACE_FAILURES_BEFORE_RECREATE` the next restart recreates the gang."""
 
     @classmethod
     def from_annotations(cls, annotations: Mapping[str, str] | None) -> OperatorState:
@@ -171,6 +179,13 @@ class Observed:
     losing it (None: unknown). While it was away (or not yet running) no renewal or kubelet
     report could reach it, so silence from before this moment is no evidence: timeouts run
     again from here (faults.detect_fault)."""
+
+    def lease_of(self, pod: ObservedPod) -> ObservedLease | None:
+        """The heartbeat Lease of the pod's node rank in the pod's attempt (a pod kept by an
+        in-place restart carries the attempt it serves now, not the one it was created for)."""
+        if pod.attempt is None or pod.rank is None:
+            return None
+        return self.leases.get(labels.worker_lease_name(self.job.name, pod.attempt, pod.rank))
 
     def pods_of(self, attempt: int) -> list[ObservedPod]:
         return [p for p in self.pods if p.attempt == attempt]
@@ -218,8 +233,10 @@ def pod_from_raw(raw: Mapping[str, Any], container: str = "trainer") -> Observed
         node=(raw.get("spec") or {}).get("nodeName"),
         deletion_timestamp=parse_time(meta.get("deletionTimestamp")),
         ready=(conditions.get("Ready") or {}).get("status") == "True",
-        started_at=parse_time(running.get("startedAt") or term.get("startedAt"))
-        or parse_time(status.get("startTime")),
+        started_at=_latest(parse_time(running.get("startedAt") or term.get("startedAt"))
+                           or parse_time(status.get("startTime")),
+                           parse_time((meta.get("annotations") or {}).get(
+                               labels.ATTEMPT_STARTED))),
         created_at=parse_time(meta.get("creationTimestamp")),
         disruption=disruption.get("reason") if disruption.get("status") == "True" else None,
         unschedulable_since=parse_time(scheduled.get("lastTransitionTime")) if stuck else None,
@@ -227,6 +244,10 @@ def pod_from_raw(raw: Mapping[str, Any], container: str = "trainer") -> Observed
         avoided=None if avoided is None else tuple(n for n in avoided.split(",") if n),
         lingering=lingering,
     )
+
+
+def _latest(*times: datetime | None) -> datetime | None:
+    return max((t for t in times if t is not None), default=None)
 
 
 def node_from_raw(raw: Mapping[str, Any]) -> ObservedNode:

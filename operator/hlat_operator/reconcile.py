@@ -34,7 +34,7 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from hlat_api import labels
-from hlat_api.heartbeat import EXPIRY_PERIODS, Heartbeat, lease_name
+from hlat_api.heartbeat import EXPIRY_PERIODS, Heartbeat
 from hlat_api.labels import Reason
 from hlat_api.manifest import InvalidSpecError, parse_spec
 from hlat_api.spec import PretrainJobSpec
@@ -56,6 +56,9 @@ TERMINAL: tuple[Phase, ...] = ("Succeeded", "Failed")
 ACTIVE: tuple[Phase, ...] = ("Pending", "Running")
 """An attempt's gang exists (its goodput window runs)."""
 PHASE_CONDITIONS = ("Running", "Restarting", "Suspended", "Succeeded", "Failed")
+IN_PLACE_FAILURES_BEFORE_RECREATE = 2
+"""In-place attempts in a row that fail before all their workers train, after which the next
+restart recreates the gang (a pod may be broken in a way its launcher cannot see)."""
 
 # --- actions ---------------------------------------------------------------------------------
 
@@ -99,6 +102,16 @@ class DeletePod:
 
 
 @dataclass(frozen=True)
+class PatchPod:
+    """Merge-patch a worker pod's labels and annotations (an in-place restart moves a kept pod
+    to the new attempt)."""
+
+    name: str
+    labels: dict[str, str]
+    annotations: dict[str, str]
+
+
+@dataclass(frozen=True)
 class DeleteObject:
     kind: Literal["Lease"]
     name: str
@@ -109,7 +122,8 @@ class DeleteJob:
     """ttlSecondsAfterFinished elapsed: delete the PretrainJob (and, by ownership, the rest)."""
 
 
-Action = PatchState | PatchStatus | EmitEvent | CreateObject | DeletePod | DeleteObject | DeleteJob
+Action = (PatchState | PatchStatus | EmitEvent | CreateObject | DeletePod | PatchPod | DeleteObject
+          | DeleteJob)
 
 
 @dataclass(frozen=True)
@@ -428,7 +442,8 @@ def _restarting(p: _Pass, spec: PretrainJobSpec) -> None:
     if _newer_pods(p):
         p.after(p.settings.fast_requeue_seconds)
         return
-    if not _teardown(p, p.observed.pods):
+    in_place = p.state.in_place_next == p.status.attempt + 1
+    if not _teardown(p, _gone(p, spec) if in_place else p.observed.pods):
         p.after(p.settings.fast_requeue_seconds)
         return
     ft = spec.fault_tolerance
@@ -448,6 +463,13 @@ def _restarting(p: _Pass, spec: PretrainJobSpec) -> None:
                 f"{p.status.attempt + 1} starts after a {delay:g}s backoff",
             )
         p.after(left)
+        return
+    if in_place:
+        kept, created = _in_place_attempt(p, spec, p.status.attempt + 1)
+        p.phase("Pending", Reason.CREATED,
+                f"attempt {p.status.attempt} restarted in place after {delay:g}s backoff: "
+                f"{kept} pods kept, {created} created; resuming from the latest complete "
+                "checkpoint")
         return
     _new_attempt(p, spec, p.status.attempt + 1)
     p.phase(
@@ -522,16 +544,77 @@ def _new_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> None:
     p.actions.append(CreateObject(builders.build_role_binding(job, spec), replace=True))
     if builders.uses_volcano(spec, p.settings):
         p.actions.append(CreateObject(builders.build_pod_group(job, spec)))
-    current = set(builders.lease_names(job, spec, attempt))
+    _attempt_leases(p, spec, attempt)
+    pods = builders.build_worker_pods(job, spec, attempt, p.settings, _avoided_nodes(p, spec),
+                                      _steps_done(p))
+    p.actions += [CreateObject(pod) for pod in pods]
+
+
+def _attempt_leases(p: _Pass, spec: PretrainJobSpec, attempt: int) -> None:
+    """The attempt's heartbeat Leases (the older ones deleted) and, under InPlace, the
+    restart record, written last: the launchers act on it."""
+    job = p.observed.job
+    keep = set(builders.lease_names(job, spec, attempt)) | {labels.gang_lease_name(job.name)}
     p.actions += [
-        DeleteObject("Lease", name) for name in sorted(p.observed.leases) if name not in current
+        DeleteObject("Lease", name) for name in sorted(p.observed.leases) if name not in keep
     ]
     p.actions += [
         CreateObject(lease) for lease in builders.build_leases(job, spec, attempt, p.settings)
     ]
-    pods = builders.build_worker_pods(job, spec, attempt, p.settings, _avoided_nodes(p, spec),
-                                      _steps_done(p))
-    p.actions += [CreateObject(pod) for pod in pods]
+    if builders.in_place(spec):
+        p.actions.append(CreateObject(
+            builders.build_gang_lease(job, attempt, _steps_done(p)), replace=True))
+
+
+def _in_place_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> tuple[int, int]:
+    """Move the kept pods to `attempt` and create the missing ranks' pods; returns how many
+    were kept and created. Order: status, then the Role naming only the new attempt's Leases
+    (a trainer of the old one can no longer renew), the Leases, the pods, and the restart
+    record last (the launchers restart their trainers when they read it)."""
+    p.status.attempt = attempt
+    p.status.restarts.in_place = (p.status.restarts.in_place or 0) + 1
+    ckpt = p.status.latest_checkpoint.step if p.status.latest_checkpoint else None
+    p.state = p.state.model_copy(update={
+        "checkpoint_at_attempt_start": ckpt, "in_place_next": None, "in_place_attempt": attempt})
+    p.force_write = True
+    job = p.observed.job
+    p.actions.append(CreateObject(builders.build_config_map(job, spec), replace=True))
+    p.actions.append(CreateObject(builders.build_role(job, spec, attempt), replace=True))
+    p.actions.append(CreateObject(builders.build_role_binding(job, spec), replace=True))
+    keep = set(builders.lease_names(job, spec, attempt)) | {labels.gang_lease_name(job.name)}
+    p.actions += [DeleteObject("Lease", n) for n in sorted(p.observed.leases) if n not in keep]
+    p.actions += [CreateObject(lease)
+                  for lease in builders.build_leases(job, spec, attempt, p.settings)]
+    kept = _adopt(p, spec)
+    created = _create_ranks(p, spec, kept)
+    p.actions.append(CreateObject(builders.build_gang_lease(job, attempt, _steps_done(p)),
+                                  replace=True))
+    p.event(Reason.CREATED, f"attempt {attempt} restarted in place: pods of node ranks "
+            f"{sorted(kept) or 'none'} kept, {created} created")
+    return len(kept), created
+
+
+def _adopt(p: _Pass, spec: PretrainJobSpec) -> set[int]:
+    """Move the keepable pods of earlier attempts to the status's attempt (one per rank; a
+    rank already in the attempt keeps its pod); returns the ranks the attempt has."""
+    attempt = p.status.attempt
+    have = {pod.rank for pod in p.observed.pods_of(attempt) if _keepable(p, pod, attempt)}
+    for pod in sorted(p.observed.pods, key=lambda q: -(q.attempt or 0)):
+        if pod.attempt == attempt or not _keepable(p, pod, attempt) or pod.rank in have:
+            continue
+        assert pod.rank is not None
+        have.add(pod.rank)
+        p.actions.append(PatchPod(pod.name, {labels.ATTEMPT: str(attempt)},
+                                  {labels.ATTEMPT_STARTED: format_micro_time(p.now)}))
+    return {r for r in have if r is not None and r < spec.nodes}
+
+
+def _create_ranks(p: _Pass, spec: PretrainJobSpec, have: set[int]) -> int:
+    pods = builders.build_worker_pods(p.observed.job, spec, p.status.attempt, p.settings,
+                                      _avoided_nodes(p, spec), _steps_done(p))
+    missing = [pod for rank, pod in enumerate(pods) if rank not in have]
+    p.actions += [CreateObject(pod) for pod in missing]
+    return len(missing)
 
 
 def _steps_done(p: _Pass) -> int:
@@ -543,7 +626,7 @@ def _steps_done(p: _Pass) -> int:
 
 def _create_missing(p: _Pass, spec: PretrainJobSpec) -> None:
     """Pending with pods missing (first pass, or the operator stopped mid-creation)."""
-    present = {pod.name for pod in p.observed.pods_of(p.status.attempt)}
+    present = {pod.rank for pod in p.observed.pods_of(p.status.attempt)}
     if not present:
         _new_attempt(p, spec, p.status.attempt)
         if p.status.phase == "Pending" and not any(
@@ -557,7 +640,7 @@ def _create_missing(p: _Pass, spec: PretrainJobSpec) -> None:
         p.observed.job, spec, p.status.attempt, p.settings, _avoided_nodes(p, spec),
         _steps_done(p)
     )
-    p.actions += [CreateObject(pod) for pod in pods if pod["metadata"]["name"] not in present]
+    p.actions += [CreateObject(pod) for rank, pod in enumerate(pods) if rank not in present]
 
 
 # --- placement -------------------------------------------------------------------------------
@@ -607,6 +690,9 @@ def _active(p: _Pass, spec: PretrainJobSpec) -> None:
         p.after(p.settings.fast_requeue_seconds)
         return
     older = [pod for pod in p.observed.pods if pod.attempt is None or pod.attempt < attempt]
+    if older and p.state.in_place_attempt == attempt:  # a pass cut short after its status
+        _adopt(p, spec)
+        older = [pod for pod in older if not _keepable(p, pod, attempt)]
     if not _teardown(p, older):
         p.after(p.settings.fast_requeue_seconds)  # never two gangs: the old one goes first
         return
@@ -638,7 +724,7 @@ def _active(p: _Pass, spec: PretrainJobSpec) -> None:
 
 
 def _update_ready(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) -> None:
-    beats = [_beat(p, pod.name) for pod in pods]
+    beats = [_beat_of(p, pod) for pod in pods]
     training = all(
         b is not None and b.phase != "starting" and b.phase != "compiling" for b in beats
     )
@@ -654,8 +740,14 @@ def _update_ready(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) -> N
         p.state = p.state.model_copy(update={"ready_attempt": attempt})
 
 
-def _beat(p: _Pass, pod: str) -> Heartbeat | None:
-    lease = p.observed.leases.get(lease_name(pod))
+def _beat_of(p: _Pass, pod: ObservedPod) -> Heartbeat | None:
+    if pod.attempt is None or pod.rank is None:
+        return None
+    return _beat(p, labels.worker_lease_name(p.observed.job.name, pod.attempt, pod.rank))
+
+
+def _beat(p: _Pass, lease_name: str) -> Heartbeat | None:
+    lease = p.observed.leases.get(lease_name)
     beat = lease.heartbeat if lease is not None and lease.renew_time is not None else None
     if beat is not None and beat.attempt is not None and beat.attempt != p.status.attempt:
         return None
@@ -688,6 +780,12 @@ def _count_fault(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> int:
         streak = (
             0 if latest > (start if start is not None else -1) else p.state.no_progress_streak + 1
         )
+        if p.state.in_place_attempt == attempt:
+            failed = p.state.ready_attempt != attempt
+            p.state = p.state.model_copy(update={
+                "in_place_failures": p.state.in_place_failures + 1 if failed else 0})
+        else:
+            p.state = p.state.model_copy(update={"in_place_failures": 0})
     if ft.avoid_failed_nodes and fault.node and fault.reason in labels.NODE_REASONS:
         until = p.now + timedelta(seconds=ft.avoid_failed_nodes_seconds)
         entry = AvoidedNode(node=fault.node, failed_at=format_micro_time(p.now),
@@ -738,18 +836,44 @@ def _restart(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> None:
     s.lost_steps += lost
     p.lost_work = lost * (p.lead.step_seconds or 0.0) if p.lead is not None else 0.0
     p.restarted = True
-    p.phase(
-        "Restarting",
-        fault.reason,
-        f"{fault.message}; restarting the gang (restart {s.restarts.total})",
-        warning=True,
-    )
-    _teardown(p, p.observed.pods)
+    in_place = (builders.in_place(spec)
+                and p.state.in_place_failures < IN_PLACE_FAILURES_BEFORE_RECREATE)
+    p.state = p.state.model_copy(update={"in_place_next": s.attempt + 1 if in_place else None})
+    if in_place:
+        how = "restarting in place: the pods stay, their trainers restart"
+    elif builders.in_place(spec):
+        how = (f"restarting the gang: {p.state.in_place_failures} in-place attempts in a row "
+               "failed before training")
+    else:
+        how = "restarting the gang"
+    p.phase("Restarting", fault.reason, f"{fault.message}; {how} (restart {s.restarts.total})",
+            warning=True)
+    _teardown(p, _gone(p, spec) if in_place else p.observed.pods)
     p.after(p.settings.fast_requeue_seconds)
 
 
+def _gone(p: _Pass, spec: PretrainJobSpec) -> list[ObservedPod]:
+    """The pods an in-place restart cannot keep: of another job's attempt than the status's,
+    ended (the launcher exited), terminating, or on a node that is dead or unhealthy."""
+    attempt = p.status.attempt
+    return [pod for pod in p.observed.pods if not _keepable(p, pod, attempt)]
+
+
+def _keepable(p: _Pass, pod: ObservedPod, attempt: int) -> bool:
+    if pod.attempt is None or pod.attempt > attempt or pod.terminating or pod.rank is None:
+        return False
+    if pod.phase in ("Failed", "Succeeded", "Unknown"):
+        return False
+    if pod.node is not None:
+        node = p.observed.nodes.get(pod.node)
+        if node_dead(node, p.now, p.settings.node_not_ready_grace_seconds,
+                     p.observed.nodes_known) or (node is not None and not node.healthy):
+            return False
+    return True
+
+
 def _lost_steps(p: _Pass, checkpoint: int) -> int:
-    steps = [b.step for pod in p.observed.pods_of(p.status.attempt) if (b := _beat(p, pod.name))]
+    steps = [b.step for pod in p.observed.pods_of(p.status.attempt) if (b := _beat_of(p, pod))]
     return accounting.lost_steps(steps, checkpoint)
 
 
@@ -757,7 +881,7 @@ def _lost_steps(p: _Pass, checkpoint: int) -> int:
 
 
 def _update_progress(p: _Pass, spec: PretrainJobSpec) -> None:
-    names = [labels.worker_pod_name(p.observed.job.name, p.status.attempt, r)
+    names = [labels.worker_lease_name(p.observed.job.name, p.status.attempt, r)
              for r in range(spec.nodes)]
     beats = [_beat(p, n) for n in names]
     p.lead = beats[0] if beats else None

@@ -99,3 +99,46 @@ def node_delete(config: ClusterConfig, api: client.ApiClient, node: str) -> None
 
     ProcessTable(config.pids_dir, config.logs_dir).stop(f"kubelet-{node}", timeout=20)
     client.CoreV1Api(api).delete_node(node)
+
+
+TRAINER_PROCESS_NAME = "hlat-trainer"
+"""/proc/PID/comm of a worker process an in-place launcher runs (hlat_trainer.standby)."""
+
+
+def trainer_pids(config: ClusterConfig, namespace: str, pod: str) -> list[int]:
+    """The trainer processes an in-place launcher (the pod's main process) runs now: its
+    children named `hlat-trainer` (a warm standby waiting is named `hlat-standby`)."""
+    launcher = container_pid(config, namespace, pod)
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            head, rest = stat.read_text().rsplit(")", 1)
+            name, ppid = head.split("(", 1)[1], int(rest.split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher and name == TRAINER_PROCESS_NAME:
+            out.append(int(stat.parent.name))
+    return sorted(out)
+
+
+def kill_trainer(config: ClusterConfig, namespace: str, pod: str,
+                 sig: int = signal.SIGKILL) -> list[int]:
+    """Signal the pod's trainer processes, not its launcher: the pod stays (a crash of the
+    training process under `restartStrategy: InPlace`)."""
+    pids = trainer_pids(config, namespace, pod)
+    if not pids:
+        raise FaultError(f"pod {namespace}/{pod} runs no {TRAINER_PROCESS_NAME} process")
+    for pid in pids:
+        os.kill(pid, sig)
+    return pids
+
+
+def hang_trainer(config: ClusterConfig, namespace: str, pod: str) -> list[int]:
+    """Freeze the pod's trainer processes and their children (SIGSTOP), not the launcher: a
+    training process stuck in a collective, its node and launcher fine."""
+    pids = trainer_pids(config, namespace, pod)
+    if not pids:
+        raise FaultError(f"pod {namespace}/{pod} runs no {TRAINER_PROCESS_NAME} process")
+    for pid in pids:
+        _signal_tree(pid, signal.SIGSTOP)
+    return pids

@@ -176,3 +176,18 @@ def report_recovery(env: Env, what: str, fault_at: float, attempt: int = 1) -> f
     assert first is not None, f"attempt {attempt} trained no step"
     print(f"[fault matrix] {what}: next training step {first - fault_at:.1f}s after the fault")
     return first - fault_at
+
+
+def attempt_log(log: str, attempt: int) -> str:
+    """The part of an in-place pod's log (one pod, several attempts) from its launcher starting
+    `attempt` on ("" before that)."""
+    i = log.find(f"hlat-launch: attempt {attempt}: started")
+    return "" if i < 0 else log[i:]
+
+
+def report_recovery_log(env: Env, what: str, log: str, attempt: int, fault_at: float) -> float:
+    """`report_recovery` for a pod kept by an in-place restart."""
+    first = first_step_time(attempt_log(log, attempt))
+    assert first is not None, f"attempt {attempt} trained no step"
+    print(f"[fault matrix] {what}: next training step {first - fault_at:.1f}s after the fault")
+    return first - fault_at

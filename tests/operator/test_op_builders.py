@@ -76,10 +76,12 @@ def test_config_map_holds_the_spec_as_the_trainer_reads_it() -> None:
 
 def test_workers_may_touch_only_their_own_attempts_leases() -> None:
     spec = spec_for("cpu", nodes=3, **{"train.globalBatch": 12})
-    (rule,) = builders.build_role(JOB, spec, 2)["rules"]
+    rule, record = builders.build_role(JOB, spec, 2)["rules"]
     assert rule["resources"] == ["leases"] and rule["apiGroups"] == ["coordination.k8s.io"]
     assert rule["resourceNames"] == ["tiny-a2-0", "tiny-a2-1", "tiny-a2-2"]
     assert set(rule["verbs"]) == {"get", "update", "patch"}  # no create/list/delete
+    # the in-place restart record: read, never written, by workers
+    assert record["resourceNames"] == ["tiny-gang"] and record["verbs"] == ["get"]
     binding = builders.build_role_binding(JOB, spec)
     sa = builders.build_service_account(JOB)
     assert binding["subjects"][0]["name"] == sa["metadata"]["name"]

@@ -173,6 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(shlex.join(command), file=out, flush=True)
     if args.dry_run:
         return ExitCode.OK
+    base = {**env, **extra, "PATH": own_bin_first(env.get("PATH", ""))}
+    if env.get(Env.GANG_LEASE) and not compile_command_prefix(spec):
+        return run_in_place(env, spec, base, command, launched)
     exit_file = Path(tempfile.mkdtemp(prefix="hlat-launch-")) / "exit-code"
     try:
         return supervise(command, {**env, **extra, Env.LAUNCHED_MONOTONIC: f"{launched:.6f}",
@@ -184,6 +187,34 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def run_in_place(env: Mapping[str, str], spec: PretrainJobSpec, base: dict[str, str],
+                 command: Sequence[str], launched: float) -> int:
+    """`restartStrategy: InPlace`: the agent starts and restarts this node's workers itself
+    (`hlat_trainer.agent`); SIGTERM from the kubelet stops them and ends the pod."""
+    from hlat_trainer import agent
+
+    nnodes = _int_var(env, Env.NNODES, spec.nodes, 1)
+    nproc = _int_var(env, Env.NPROC_PER_NODE, spec.ranks_per_node, 1)
+    multi = nnodes > 1
+    layout = agent.NodeLayout(
+        nnodes, nproc, _int_var(env, Env.NODE_RANK, 0, 0) if multi else 0,
+        env.get(Env.MASTER_ADDR, "127.0.0.1") if multi else "127.0.0.1",
+        _int_var(env, Env.MASTER_PORT, 29500, 1) if multi else 0)
+    if nproc > 1:
+        base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several workers
+    trainer_argv = list(command[command.index("hlat_trainer") + 1:])
+    runner = agent.Agent(layout, trainer_argv, base, agent.LeaseControl.from_environment(env),
+                         spec.fault_tolerance.backoff.max_seconds + agent.WAIT_MARGIN_SECONDS)
+
+    def stop(sig: int, _frame: object) -> None:
+        raise SystemExit(128 + sig)
+
+    for sig in FORWARDED:
+        signal.signal(sig, stop)
+    attempt = _int_var(env, Env.ATTEMPT, 0, 0)
+    return runner.run(attempt, _int_var(env, Env.STEPS_DONE, 0, 0), launched)
 
 
 def supervise(command: Sequence[str], env: Mapping[str, str], exit_file: Path) -> int:

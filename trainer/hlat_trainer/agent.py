@@ -1,0 +1,289 @@
+"""The in-place restart agent: `hlat-launch` under `faultTolerance.restartStrategy: InPlace`.
+
+The pod outlives its trainers. The launcher starts the node's worker processes itself (the
+environment torchrun would give them: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+GROUP_RANK, MASTER_ADDR, MASTER_PORT; static rendezvous at node rank 0's stable hostname) and
+supervises them:
+- The job's restart record (`hlat_api.gang`, a Lease the operator writes, get-only for
+  workers) is polled every `POLL_SECONDS`. When its attempt moves past the running one, every
+  worker of the old attempt is stopped (SIGTERM to its process group, SIGKILL after
+  `STOP_GRACE_SECONDS`: a worker stuck in a collective or frozen does not hold the restart),
+  waited for until gone, and the new attempt's workers are started with its attempt, Lease
+  name and HLAT_STEPS_DONE. Never two trainers for one rank: the new ones start only after
+  the old ones are reaped.
+- A worker that exits non-zero: its local peers are stopped (as torchrun does), the exit code
+  is written to this node's Lease of that attempt (`Heartbeat.exit_code`, and the
+  `labels.TRAINER_EXITED` label the operator watches), and the launcher waits for the next
+  attempt, at most `backoff.maxSeconds` + `WAIT_MARGIN_SECONDS`; then it exits with the code and
+  the pod fails, which the operator handles by recreating it. `ExitCode.CONFIG_ERROR` exits at
+  once (permanent). All workers exiting 0 ends the pod successfully.
+- Warm standby: for every local rank a process is kept started ahead of time with torch and
+  the trainer imported (`hlat_trainer.standby`), waiting on its stdin for the attempt's
+  environment; a restart costs the rendezvous and the checkpoint load, not the imports. The
+  next standbys are started as soon as the current ones are handed an attempt. Each costs the
+  memory of an idle interpreter with torch loaded (about 300 MiB on CPU).
+
+The launcher's kubernetes client uses the pod's service-account token, as the heartbeat does;
+every request is bounded (`hlat_api.apitimeouts`). Errors reaching the API server are logged
+once per kind and retried at the next poll: training goes on meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from hlat_api import Env, ExitCode, Heartbeat, labels
+from hlat_api.gang import GangRecord
+
+log = logging.getLogger("hlat_launch")
+
+POLL_SECONDS = 0.5
+STOP_GRACE_SECONDS = 5.0
+WAIT_MARGIN_SECONDS = 120.0
+TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+
+
+class Control(Protocol):
+    """What the agent needs of the cluster."""
+
+    def record(self) -> GangRecord | None:
+        """The job's restart record now (None: unreadable for the moment)."""
+
+    def report_exit(self, attempt: int, code: int) -> None:
+        """Tell the operator the trainer of `attempt` on this node exited with `code`."""
+
+
+class LeaseControl:
+    """`Control` through the API server: the gang Lease (read) and this node's Leases."""
+
+    def __init__(self, api: Any, namespace: str, gang_lease: str, job: str, node_rank: int
+                 ) -> None:
+        self.api, self.namespace, self.gang_lease = api, namespace, gang_lease
+        self.job, self.node_rank = job, node_rank
+        self._errors: set[str] = set()
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str]) -> LeaseControl:
+        from kubernetes import client, config
+
+        from hlat_api.apitimeouts import bound_requests
+
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+        api = client.CoordinationV1Api(bound_requests(client.ApiClient()))
+        return cls(api, env.get(Env.NAMESPACE, "default"), env[Env.GANG_LEASE],
+                   env[Env.JOB_NAME], int(env.get(Env.NODE_RANK) or 0))
+
+    def _failed(self, what: str, err: Exception) -> None:
+        kind = what + type(err).__name__ + str(getattr(err, "status", ""))
+        if kind not in self._errors:
+            self._errors.add(kind)
+            log.warning("%s failed (%s); retrying", what, str(err).splitlines()[0][:200])
+
+    def record(self) -> GangRecord | None:
+        try:
+            lease = self.api.read_namespaced_lease(self.gang_lease, self.namespace)
+        except Exception as err:  # the API server's trouble must never stop training
+            self._failed(f"reading Lease {self.gang_lease}", err)
+            return None
+        return GangRecord.from_annotations(lease.metadata.annotations)
+
+    def report_exit(self, attempt: int, code: int) -> None:
+        name = labels.worker_lease_name(self.job, attempt, self.node_rank)
+        beat = Heartbeat(attempt=attempt, exit_code=code)
+        body = {"metadata": {"labels": {labels.TRAINER_EXITED: str(code)},
+                             "annotations": {k: v for k, v in beat.to_annotations().items()
+                                             if k.endswith(("exit_code", "attempt"))}}}
+        for _ in range(3):
+            try:
+                self.api.patch_namespaced_lease(name, self.namespace, body)
+                return
+            except Exception as err:
+                self._failed(f"reporting the exit on Lease {name}", err)
+                time.sleep(POLL_SECONDS)
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """This node's place in the job (validated by hlat-launch)."""
+
+    nnodes: int
+    nproc: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    def worker_env(self, local_rank: int, master_port: int) -> dict[str, str]:
+        """What torchrun would set for one worker process."""
+        world = self.nnodes * self.nproc
+        return {
+            "RANK": str(self.node_rank * self.nproc + local_rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(self.nproc),
+            "GROUP_RANK": str(self.node_rank),
+            "ROLE_RANK": str(self.node_rank * self.nproc + local_rank),
+            "ROLE_WORLD_SIZE": str(world),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(master_port),
+        }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Standby:
+    """A worker process started ahead of time: torch and the trainer imported, waiting on its
+    stdin for the environment and arguments of the attempt it will run."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hlat_trainer.standby"], env=dict(env),
+            stdin=subprocess.PIPE, start_new_session=True)
+
+    def go(self, env: Mapping[str, str], argv: Sequence[str]) -> subprocess.Popen[bytes]:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write((json.dumps({"env": dict(env), "argv": list(argv)}) + "\n")
+                                  .encode())
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died while waiting: its exit code says so, as a worker's would
+        return self.proc
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        stop_all([self.proc], 2.0)
+
+
+def stop_all(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
+    """SIGTERM to each process group, SIGKILL to those still there after `grace`; returns when
+    every process is reaped (a stopped, SIGSTOPped or stuck process included)."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the group too: its data-loader children
+        proc.wait()
+
+
+@dataclass
+class Agent:
+    layout: NodeLayout
+    argv: list[str]
+    """The trainer's arguments (`--config FILE ...`)."""
+    env: dict[str, str]
+    """The environment every worker gets (the pod's, plus the computed device variables)."""
+    control: Control
+    wait_bound: float
+    """Longest wait for the next attempt after this node's trainer failed."""
+    warm: bool = True
+    clock: Callable[[], float] = time.monotonic
+    standbys: list[Standby] = field(default_factory=list)
+    exit_file: Path | None = None
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def _attempt_env(self, attempt: int, steps_done: int, started: float) -> dict[str, str]:
+        job = self.env.get(Env.JOB_NAME, "")
+        exit_dir = Path(tempfile.mkdtemp(prefix="hlat-launch-"))
+        return {Env.ATTEMPT: str(attempt), Env.STEPS_DONE: str(steps_done),
+                Env.HEARTBEAT_LEASE: labels.worker_lease_name(job, attempt,
+                                                              self.layout.node_rank),
+                Env.LAUNCHED_MONOTONIC: f"{started:.6f}",
+                Env.EXIT_FILE: str(exit_dir / "exit-code")}
+
+    def _start(self, attempt: int, steps_done: int, started: float
+               ) -> list[subprocess.Popen[bytes]]:
+        port = (_free_port() if self.layout.nnodes == 1 else self.layout.master_port)
+        common = self._attempt_env(attempt, steps_done, started)
+        self.exit_file = Path(common[Env.EXIT_FILE])
+        procs = []
+        for local in range(self.layout.nproc):
+            env = {**common, **self.layout.worker_env(local, port)}
+            ready = self.warm and len(self.standbys) == self.layout.nproc
+            standby = self.standbys[local] if ready else Standby(self.env)
+            procs.append(standby.go(env, self.argv))
+        self.standbys = [Standby(self.env) for _ in range(self.layout.nproc)] if self.warm else []
+        self.procs = procs
+        print(f"hlat-launch: attempt {attempt}: started {len(procs)} worker(s) "
+              f"(pids {', '.join(str(p.pid) for p in procs)})", file=sys.stderr, flush=True)
+        return procs
+
+    def run(self, attempt: int, steps_done: int, started: float) -> int:
+        if self.warm:
+            self.standbys = [Standby(self.env) for _ in range(self.layout.nproc)]
+        try:
+            return self._loop(attempt, steps_done, started)
+        finally:  # SIGTERM from the kubelet (SystemExit) or done: leave no process behind
+            stop_all(self.procs, STOP_GRACE_SECONDS)
+            for standby in self.standbys:
+                standby.discard()
+
+    def _loop(self, attempt: int, steps_done: int, started: float) -> int:
+        procs = self._start(attempt, steps_done, started)
+        failed_at: float | None = None
+        code = 0
+        while True:
+            time.sleep(POLL_SECONDS)
+            record = self.control.record()
+            if record is not None and record.attempt > attempt:
+                began = self.clock()
+                print(f"hlat-launch: attempt {record.attempt} published: stopping attempt "
+                      f"{attempt}", file=sys.stderr, flush=True)
+                stop_all(procs, STOP_GRACE_SECONDS)
+                attempt, steps_done, failed_at = record.attempt, record.steps_done, None
+                procs = self._start(attempt, steps_done, began)
+                continue
+            if failed_at is not None:
+                if self.clock() - failed_at > self.wait_bound:
+                    print(f"hlat-launch: no new attempt within {self.wait_bound:.0f}s of the "
+                          f"trainer's exit ({code}): exiting", file=sys.stderr, flush=True)
+                    return code
+                continue
+            codes = [p.poll() for p in procs]
+            if all(c == 0 for c in codes):
+                return 0
+            bad = [c for c in codes if c not in (None, 0)]
+            if not bad:
+                continue
+            code = _exit_code(bad, self.exit_file)
+            stop_all(procs, STOP_GRACE_SECONDS)
+            if code == ExitCode.CONFIG_ERROR:
+                return code
+            print(f"hlat-launch: attempt {attempt}: a worker exited with {code}; waiting for "
+                  "the next attempt", file=sys.stderr, flush=True)
+            self.control.report_exit(attempt, code)
+            failed_at = self.clock()
+
+
+def _exit_code(codes: Sequence[int | None], exit_file: Path | None) -> int:
+    """The code the pod would show: CONFIG_ERROR when a worker said so in the attempt's exit
+    file, else the first failure's (128+n for a signal)."""
+    if exit_file is not None:
+        with contextlib.suppress(OSError, ValueError):
+            if int(exit_file.read_text().strip()) == ExitCode.CONFIG_ERROR:
+                return ExitCode.CONFIG_ERROR
+    first = next(c for c in codes if c is not None)
+    return first if first >= 0 else 128 - first

@@ -1,0 +1,47 @@
+"""A warm standby worker (`python -m hlat_trainer.standby`), started by the in-place agent
+(`hlat_trainer.agent`) ahead of the attempt it will run.
+
+It imports torch and the trainer, then blocks on one line of JSON on its stdin:
+`{"env": {...}, "argv": [...]}`, the attempt's environment (rank, rendezvous, Lease, attempt)
+and the trainer's arguments. It adds the environment and runs the trainer exactly as
+`python -m hlat_trainer` would. End of input without a line: it was not needed; it exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import sys
+
+WAITING_NAME = b"hlat-standby"
+RUNNING_NAME = b"hlat-trainer"
+"""The process name (/proc/PID/comm) while waiting and once handed an attempt: what tells a
+running trainer from a standby in `ps` (and the local rig's fault injection)."""
+
+
+def set_process_name(name: bytes) -> None:
+    """prctl(PR_SET_NAME); a no-op where there is no libc (not Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)
+
+
+def main() -> int:
+    set_process_name(WAITING_NAME)
+    import torch  # noqa: F401  (the point: paid for before the restart, not during it)
+
+    import hlat_trainer.train  # noqa: F401
+    from hlat_trainer.cli import main as train
+
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    order = json.loads(line)
+    set_process_name(RUNNING_NAME)
+    os.environ.update({str(k): str(v) for k, v in order["env"].items()})
+    return train([str(a) for a in order["argv"]])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

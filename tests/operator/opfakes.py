@@ -14,7 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from hlat_api import labels
-from hlat_api.heartbeat import Heartbeat, lease_name
+from hlat_api.heartbeat import Heartbeat
 from hlat_api.status import PretrainJobStatus
 from hlat_operator.builders import AVOIDED_ANNOTATION, JobRef
 from hlat_operator.config import OperatorSettings
@@ -33,6 +33,7 @@ from hlat_operator.reconcile import (
     DeleteObject,
     DeletePod,
     EmitEvent,
+    PatchPod,
     PatchState,
     PatchStatus,
     decide,
@@ -159,6 +160,12 @@ class World:
             self._create(action)
         elif isinstance(action, DeletePod):
             self._delete_pod(action)
+        elif isinstance(action, PatchPod):
+            pod = self.pods[action.name]
+            moved = action.annotations.get(labels.ATTEMPT_STARTED)
+            self.pods[action.name] = replace(
+                pod, attempt=int(action.labels.get(labels.ATTEMPT, pod.attempt or 0)),
+                started_at=self.now if moved else pod.started_at)
         elif isinstance(action, DeleteObject):
             self.leases.pop(action.name, None)
         elif isinstance(action, DeleteJob):
@@ -188,6 +195,8 @@ class World:
         elif kind == "Lease":
             if name not in self.leases:
                 self.leases[name] = ObservedLease(name)
+            if action.replace or (kind, name) not in self.objects:
+                self.objects[(kind, name)] = obj
         elif action.replace or (kind, name) not in self.objects:
             self.objects[(kind, name)] = obj
 
@@ -247,7 +256,16 @@ class World:
                     **fields,
                 }
             )
-            self.leases[lease_name(pod.name)] = ObservedLease(lease_name(pod.name), self.now, hb)
+            name = labels.worker_lease_name(JOB.name, pod.attempt or 0, pod.rank or 0)
+            self.leases[name] = ObservedLease(name, self.now, hb)
+
+    def trainer_exit(self, rank: int, exit_code: int = 137) -> None:
+        """An in-place launcher reports that the trainer of rank `rank` exited (the pod stays)."""
+        pod = self.pod_of(rank)
+        name = labels.worker_lease_name(JOB.name, pod.attempt or 0, rank)
+        old = self.leases.get(name)
+        hb = Heartbeat(attempt=pod.attempt, exit_code=exit_code)
+        self.leases[name] = ObservedLease(name, old.renew_time if old else None, hb)
 
     def pod_of(self, rank: int) -> ObservedPod:
         return next(

@@ -1,0 +1,134 @@
+"""In-place restarts (`faultTolerance.restartStrategy: InPlace`), decided with a fake clock:
+the pods stay and move to the new attempt, only those that are gone are recreated, the restart
+record is written after everything the new attempt needs, and two in-place attempts in a row
+that fail before training make the next restart recreate the gang."""
+
+from __future__ import annotations
+
+from opfakes import World, raw_spec
+
+from hlat_api import labels
+from hlat_api.gang import GangRecord
+from hlat_operator.reconcile import CreateObject, Decision, DeletePod, PatchPod
+
+
+def in_place_world() -> World:
+    w = World(raw_spec(**{"faultTolerance.restartStrategy": "InPlace"}))
+    w.until("Running")
+    w.beat(5)
+    w.step()
+    return w
+
+
+def created(d: Decision, kind: str) -> list[str]:
+    return [a.obj["metadata"]["name"] for a in d.actions
+            if isinstance(a, CreateObject) and a.obj["kind"] == kind]
+
+
+def record_of(w: World) -> GangRecord | None:
+    gang = w.objects.get(("Lease", labels.gang_lease_name("tiny")))
+    return None if gang is None else GangRecord.from_annotations(gang["metadata"]["annotations"])
+
+
+def restart(w: World) -> Decision:
+    """Passes until the next attempt is published; returns that pass's decision."""
+    attempt = w.status.attempt
+    for _ in range(60):
+        w.schedule()
+        d = w.step()
+        if w.status.attempt > attempt:
+            return d
+        w.advance(1)
+    raise AssertionError(f"attempt {attempt + 1} never started: {w.status.conditions}")
+
+
+def test_a_trainer_exit_restarts_every_trainer_in_the_pods_it_has() -> None:
+    w = in_place_world()
+    pods = sorted(w.pods)
+    assert record_of(w) == GangRecord(attempt=0, steps_done=0)
+    w.trainer_exit(1, 137)
+    d = w.step()
+    assert w.status.phase == "Restarting"
+    assert w.status.last_failure is not None and w.status.last_failure.reason == "Killed"
+    assert not [a for a in d.actions if isinstance(a, DeletePod)]  # nothing torn down
+    d = restart(w)
+    assert sorted(w.pods) == pods  # the same pods ...
+    assert {p.attempt for p in w.pods.values()} == {1}  # ... now of attempt 1
+    assert sorted(a.name for a in d.actions if isinstance(a, PatchPod)) == pods
+    assert created(d, "Pod") == []
+    assert record_of(w) == GangRecord(attempt=1, steps_done=5)
+    assert w.status.restarts.total == 1 and w.status.restarts.in_place == 1
+    assert w.status.phase == "Pending"
+    w.beat(6)
+    w.step()
+    assert w.status.phase == "Running"
+
+
+def test_the_restart_record_is_written_last() -> None:
+    """A launcher restarts its trainer when it reads the record: by then the Role must name
+    only the new attempt's Leases (fencing the old trainers), and every pod must be there."""
+    w = in_place_world()
+    w.trainer_exit(0, 1)
+    w.step()
+    d = restart(w)
+    order = [(type(a).__name__, getattr(a, "obj", {}).get("kind", ""),
+              getattr(a, "obj", {}).get("metadata", {}).get("name", ""))
+             for a in d.actions if isinstance(a, CreateObject | PatchPod)]
+    gang = ("CreateObject", "Lease", "tiny-gang")
+    assert order[-1] == gang
+    assert ("CreateObject", "Role", "tiny-worker") in order[:-1]
+    role = w.objects[("Role", "tiny-worker")]
+    assert role["rules"][0]["resourceNames"] == ["tiny-a1-0", "tiny-a1-1"]
+
+
+def test_only_the_pod_of_a_lost_node_is_recreated() -> None:
+    w = in_place_world()
+    lost = w.pod_of(1)
+    assert lost.node is not None
+    w.node_down(lost.node)
+    for _ in range(120):
+        w.step()
+        if w.status.phase == "Restarting":
+            break
+        w.advance(1)
+    assert w.status.last_failure is not None and w.status.last_failure.reason == "NodeLost"
+    d = restart(w)
+    assert created(d, "Pod") == ["tiny-a1-1"]
+    kept = w.pods["tiny-a0-0"]
+    assert kept.attempt == 1 and lost.name not in w.pods
+    w.schedule()
+    assert w.pods["tiny-a1-1"].node != lost.node  # the failed node is avoided
+
+
+def test_two_in_place_attempts_failing_before_training_recreate_the_gang() -> None:
+    w = in_place_world()
+    w.trainer_exit(1)
+    w.step()
+    restart(w)  # attempt 1, in place
+    w.trainer_exit(1)  # fails before any worker trained
+    w.step()
+    restart(w)  # attempt 2, in place again
+    assert w.status.restarts.in_place == 2
+    w.trainer_exit(0)
+    d = w.step()
+    message = next(c.message for c in w.status.conditions if c.type == "Restarting")
+    assert "2 in-place attempts in a row failed" in message
+    assert sorted(a.name for a in d.actions if isinstance(a, DeletePod)) == [
+        "tiny-a0-0", "tiny-a0-1"]  # the whole gang goes
+    restart(w)
+    assert sorted(w.pods) == ["tiny-a3-0", "tiny-a3-1"]
+    assert w.status.restarts.in_place == 2 and w.status.restarts.total == 3
+
+
+def test_an_in_place_attempt_that_trained_resets_the_fallback_count() -> None:
+    w = in_place_world()
+    for attempt in range(1, 4):
+        w.trainer_exit(1)
+        w.step()
+        restart(w)
+        w.schedule()
+        w.step()
+        w.beat(5 + attempt)  # every worker of the attempt trains
+        w.step()
+        assert w.status.attempt == attempt and w.status.restarts.in_place == attempt
+    assert sorted(w.pods) == ["tiny-a0-0", "tiny-a0-1"]

@@ -315,7 +315,8 @@ def test_a_job_deleted_mid_pass_ends_its_loop() -> None:
     ("ServiceAccount", "core", "create_namespaced_service_account", None),
     ("Role", "rbac", "create_namespaced_role", "replace_namespaced_role"),
     ("RoleBinding", "rbac", "create_namespaced_role_binding", "replace_namespaced_role_binding"),
-    ("Lease", "coordination", "create_namespaced_lease", "replace_namespaced_lease"),
+    # a Lease cannot be updated without its resourceVersion: merge-patched instead
+    ("Lease", "coordination", "create_namespaced_lease", "patch_namespaced_lease"),
 ])
 def test_each_kind_is_created_and_replaced_through_its_own_api(
         kind: str, api: str, create: str, replace: str | None) -> None:

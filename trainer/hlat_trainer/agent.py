@@ -174,12 +174,13 @@ class Standby:
 
 
 def stop_all(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
-    """SIGTERM to each process group, SIGKILL to those still there after `grace`; returns when
-    every process is reaped (a stopped, SIGSTOPped or stuck process included)."""
+    """SIGTERM (and SIGCONT, so a frozen process gets it) to each process group, SIGKILL to
+    those still there after `grace`; returns when every process is reaped."""
     for proc in procs:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGTERM)
+                os.killpg(proc.pid, signal.SIGCONT)  # a frozen one acts on it only then
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.05)

@@ -57,6 +57,18 @@ LINGER_ENV = "HLAT_FAULT_LINGER_WHILE_EXISTS"
 (at most an hour), as a process stuck in its teardown (a collective's destructor) would."""
 
 
+EXIT_ENV = "HLAT_FAULT_EXIT_WHILE_EXISTS"
+"""Fault injection for tests and drills: while this path exists, a starting trainer exits
+with 1 once its heartbeat began (a worker that breaks on every start)."""
+
+
+def _exit_for_drills() -> None:
+    path = os.environ.get(EXIT_ENV)
+    if path and os.path.exists(path):
+        log.error("%s exists: exiting (drill)", path)
+        raise SystemExit(1)
+
+
 def _linger_for_drills() -> None:
     path = os.environ.get(LINGER_ENV)
     deadline = time.monotonic() + 3600
@@ -165,6 +177,7 @@ class Trainer:
             self.sinks.append(self.heartbeat)
             self._beat(phase="starting")
             self.heartbeat.start()
+        _exit_for_drills()
 
     def _peak_flops(self) -> float:
         table = INSTANCE_TYPES[self.spec.instance_type].peak_tflops_per_rank

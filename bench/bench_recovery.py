@@ -8,6 +8,13 @@ it (the new gang starts the same way, plus detection, teardown, backoff and chec
 so the ratio says what fault handling adds. Also shown: detection (fault -> the operator
 records the failure) and the training steps lost.
 
+Both restart strategies run side by side in the same run, each fault kind on a fresh job:
+RecreateGang (every pod deleted, a new gang scheduled) and InPlace (the pods stay, their
+launchers restart the trainers from warm standbys; only a lost node's pod is recreated). Under
+InPlace the "kill" fault SIGKILLs the trainer process (the pod's launcher survives) and "hang"
+SIGSTOPs the trainer only (a stuck collective: launcher and node fine); under RecreateGang they
+hit the container's main process, as before.
+
     .venv/bin/python bench/bench_recovery.py        # needs root and the local cluster
 """
 
@@ -40,7 +47,7 @@ NS = "hlat-bench-recovery"
 HANG_TIMEOUT = 8
 
 
-def spec(steps: int, **heartbeat: Any) -> dict[str, Any]:
+def spec(steps: int, strategy: str = "RecreateGang", **heartbeat: Any) -> dict[str, Any]:
     return {
         "image": "hlat-trainer:dev", "nodes": 2, "instanceType": "cpu", "processesPerNode": 1,
         "model": {"preset": "tiny", "hiddenSize": 64, "layers": 2, "intermediateSize": 128,
@@ -51,15 +58,21 @@ def spec(steps: int, **heartbeat: Any) -> dict[str, Any]:
         "train": {"globalBatch": 4, "microBatch": 2, "steps": steps},
         "checkpoint": {"dir": "/fsx/checkpoints", "interval": 4, "keep": 2, "async": False},
         "storage": {"claimName": "fsx", "mountPath": "/fsx"},
-        "faultTolerance": {"maxRestarts": 3, "backoff": {"initialSeconds": 1, "maxSeconds": 2},
+        "faultTolerance": {"maxRestarts": 3, "restartStrategy": strategy,
+                           "backoff": {"initialSeconds": 1, "maxSeconds": 2},
                            "heartbeat": {"startupTimeoutSeconds": 120,
                                          "timeoutSeconds": "auto", **heartbeat}},
     }
 
 
+RUN_ID = f"{int(time.time()) % 100000:05d}"
+"""In every job name: a pod of an earlier run with the same name left its log on the rig, and
+would be read as this run's until the new pod started."""
+
+
 class Run:
     def __init__(self, cluster: Cluster, name: str, body: dict[str, Any]) -> None:
-        self.cluster, self.name = cluster, name
+        self.cluster, self.name = cluster, f"{name}-{RUN_ID}"
         api = cluster.admin_api()
         self.custom, self.core = client.CustomObjectsApi(api), client.CoreV1Api(api)
         self.custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, {
@@ -70,11 +83,21 @@ class Run:
     def status(self) -> dict[str, Any]:
         return (get_job(self.custom, NS, self.name) or {}).get("status") or {}
 
-    def first_step_at(self, attempt: int, timeout: float = 300) -> float:
-        """Wall time at which the attempt's rank 0 logged its first training step."""
-        pod = f"{self.name}-a{attempt}-0"
-        return wait(lambda: any(line.startswith("{") for line in self._log(pod).splitlines()),
-                    timeout, f"a step from {pod}")
+    def first_step_at(self, attempt: int, timeout: float = 300, pod: str | None = None
+                      ) -> float:
+        """Wall time at which the attempt's rank 0 logged its first training step (`pod`: the
+        pod an in-place restart kept, whose log holds every attempt since it was created)."""
+        kept = pod is not None
+        pod = pod or f"{self.name}-a{attempt}-0"
+        marker = f"hlat-launch: attempt {attempt}: started"
+
+        def stepped() -> bool:
+            log = self._log(pod)
+            if kept:  # an in-place launcher: only the lines after its start are this attempt's
+                log = log[log.index(marker):] if marker in log else ""
+            return any(line.startswith("{") for line in log.splitlines())
+
+        return wait(stepped, timeout, f"a step of attempt {attempt} from {pod}")
 
     def _log(self, pod: str) -> str:
         try:
@@ -101,9 +124,11 @@ def node_of(run: Run, pod: str) -> str:
     return str(body.spec.node_name)
 
 
-def measure(cluster: Cluster, kind: str) -> dict[str, Any]:
+def measure(cluster: Cluster, kind: str, strategy: str) -> dict[str, Any]:
     extra = {"timeoutSeconds": HANG_TIMEOUT} if kind == "hang" else {}
-    run = Run(cluster, f"rec-{kind}", spec(400, **extra))
+    in_place = strategy == "InPlace"
+    run = Run(cluster, f"rec-{kind}-{'inplace' if in_place else 'recreate'}",
+              spec(400, strategy, **extra))
     node = ""
     try:
         wait(lambda: (run.status().get("latestCheckpoint") or {}).get("step"), 300,
@@ -113,13 +138,13 @@ def measure(cluster: Cluster, kind: str) -> dict[str, Any]:
         node = node_of(run, victim)
         fault_at = time.monotonic()
         if kind == "kill":
-            faults.kill(cluster.config, NS, victim)
+            (faults.kill_trainer if in_place else faults.kill)(cluster.config, NS, victim)
         elif kind == "hang":
-            faults.hang(cluster.config, NS, victim)
+            (faults.hang_trainer if in_place else faults.hang)(cluster.config, NS, victim)
         else:
             faults.node_down(cluster.config, node)
         detected = wait(lambda: run.status().get("lastFailure"), 300, "the failure recorded")
-        resumed = run.first_step_at(1)
+        resumed = run.first_step_at(1, pod=f"{run.name}-a0-0" if in_place else None)
         ckpt = (run.status().get("latestCheckpoint") or {}).get("step", 0)
         return {"detect": detected - fault_at, "recover": resumed - fault_at,
                 "lost": max(step_before - ckpt, 0),
@@ -151,15 +176,19 @@ def main() -> None:
     operator = OperatorProcess(cluster, work / "operator.log", [NS]).start()
     try:
         baseline = cold_start(cluster)
-        rows = {kind: measure(cluster, kind) for kind in ("kill", "hang", "node-down")}
+        rows = {(kind, strategy): measure(cluster, kind, strategy)
+                for kind in ("kill", "hang", "node-down")
+                for strategy in ("RecreateGang", "InPlace")}
     finally:
         operator.stop()
     print(f"cold start (apply -> first step of a fresh 2-node job): {baseline:.1f} s")
-    print(f"{'fault':<12}{'reason':<18}{'detect s':>10}{'to next step s':>16}"
-          f"{'x cold start':>14}{'steps lost':>12}")
-    for kind, r in rows.items():
-        print(f"{kind:<12}{r['reason']!s:<18}{r['detect']:>10.1f}{r['recover']:>16.1f}"
-              f"{r['recover'] / baseline:>14.2f}{r['lost']:>12.0f}")
+    print(f"{'fault':<11}{'strategy':<14}{'reason':<18}{'detect s':>9}{'to next step s':>16}"
+          f"{'x cold start':>14}{'beyond detect, x cold':>23}{'steps lost':>12}")
+    for (kind, strategy), r in rows.items():
+        beyond = (r["recover"] - r["detect"]) / baseline
+        print(f"{kind:<11}{strategy:<14}{r['reason']!s:<18}{r['detect']:>9.1f}"
+              f"{r['recover']:>16.1f}{r['recover'] / baseline:>14.2f}{beyond:>23.2f}"
+              f"{r['lost']:>12.0f}")
     print(f"(hang timeout set to {HANG_TIMEOUT} s; operator resync 2 s; backoff 1 s)")
 
 

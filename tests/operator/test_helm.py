@@ -66,13 +66,15 @@ NEEDED = {
     ("hlat.dev", "pretrainjobs"): {"get", "list", "watch", "patch", "delete"},
     ("hlat.dev", "pretrainjobs/status"): {"patch"},
     ("hlat.dev", "pretrainjobs/finalizers"): {"update"},
-    ("", "pods"): {"list", "watch", "create", "delete"},
+    ("", "pods"): {"list", "watch", "create", "delete", "patch"},  # patch: in-place restarts
     ("", "services"): {"create"},
     ("", "serviceaccounts"): {"create"},
     ("", "configmaps"): {"create", "update"},
     ("rbac.authorization.k8s.io", "roles"): {"create", "update"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"create", "update"},
-    ("coordination.k8s.io", "leases"): {"list", "create", "delete", "update", "get", "patch"},
+    # watch: launchers' trainer-exit reports (in-place restarts), a server-side selector
+    ("coordination.k8s.io", "leases"): {"list", "watch", "create", "delete", "update", "get",
+                                        "patch"},
     ("", "events"): {"create"},
     ("scheduling.volcano.sh", "podgroups"): {"create"},
 }

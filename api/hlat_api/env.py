@@ -41,6 +41,9 @@ class Env(StrEnum):
     GANG_LEASE = "HLAT_GANG_LEASE"
     """Name of the job's restart record (a Lease, `labels.gang_lease_name`): set only under
     `restartStrategy: InPlace`, where the launcher polls it for a new attempt."""
+    SPARE = "HLAT_SPARE"
+    """Set (to 1) in a spare pod: its launcher starts no trainer until the restart record
+    gives its pod a node rank."""
     LOG_FORMAT = "HLAT_LOG_FORMAT"
     """`json` (one object per step on stdout) or `bar` (progress bar); default by isatty."""
 

@@ -9,10 +9,14 @@ on, and starts the next one with the record's values. `GangRecord.to_annotations
 
 from __future__ import annotations
 
+import json
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 ATTEMPT_KEY = "hlat.dev/attempt"
 STEPS_DONE_KEY = "hlat.dev/steps-done"
+RANKS_KEY = "hlat.dev/ranks"
+MASTER_KEY = "hlat.dev/master-addr"
 
 
 class GangRecord(BaseModel):
@@ -22,9 +26,19 @@ class GangRecord(BaseModel):
     """The attempt every trainer of the job must run now."""
     steps_done: int = Field(default=0, ge=0)
     """The highest step an earlier attempt's node rank 0 reported (HLAT_STEPS_DONE)."""
+    ranks: dict[str, int] = Field(default_factory=dict)
+    """Node rank per pod name, for pods whose rank is not the one they were created with (a
+    spare that took over a lost node's rank); a launcher not named here keeps its own."""
+    master_addr: str | None = None
+    """Node rank 0's address when it is not the one the pods were created with (a spare took
+    over rank 0); None: HLAT_MASTER_ADDR."""
 
     def to_annotations(self) -> dict[str, str]:
-        return {ATTEMPT_KEY: str(self.attempt), STEPS_DONE_KEY: str(self.steps_done)}
+        out = {ATTEMPT_KEY: str(self.attempt), STEPS_DONE_KEY: str(self.steps_done),
+               RANKS_KEY: json.dumps(self.ranks, sort_keys=True, separators=(",", ":"))}
+        if self.master_addr:
+            out[MASTER_KEY] = self.master_addr
+        return out
 
     @classmethod
     def from_annotations(cls, annotations: dict[str, str] | None) -> GangRecord | None:
@@ -33,6 +47,8 @@ class GangRecord(BaseModel):
             return None
         try:
             return cls(attempt=int(annotations[ATTEMPT_KEY]),
-                       steps_done=int(annotations.get(STEPS_DONE_KEY) or 0))
+                       steps_done=int(annotations.get(STEPS_DONE_KEY) or 0),
+                       ranks=json.loads(annotations.get(RANKS_KEY) or "{}"),
+                       master_addr=annotations.get(MASTER_KEY) or None)
         except (ValidationError, ValueError):
             return None

@@ -33,6 +33,9 @@ APP_NAME: Final = "hlat"
 OPERATOR_NAME: Final = "hlat-operator"
 WORKER: Final = "worker"
 
+SPARE: Final = "hlat.dev/spare"
+"""Label of a spare worker pod (faultTolerance.spareNodes): outside the gang, no attempt or
+node rank until the operator promotes it to a lost node's rank (label patch)."""
 TRAINER_EXITED: Final = "hlat.dev/trainer-exited"
 """Label a worker's launcher puts on its Lease when the trainer of that attempt exited and the
 pod stays for an in-place restart (value: the exit code). The operator watches only Leases
@@ -129,6 +132,15 @@ def gang_lease_name(job: str) -> str:
     """The job's restart record: a Lease the operator writes and every worker's launcher reads
     (get only) to learn the current attempt of an in-place restart."""
     return f"{job}-gang"
+
+
+def spare_pod_name(job: str, serial: int) -> str:
+    """Spare pods are numbered for the job's life (a promoted spare keeps its name)."""
+    return f"{job}-s{serial}"
+
+
+def spare_hostname(job: str, serial: int) -> str:
+    return f"{dns_label(job)}-s{serial}"
 
 
 def worker_hostname(job: str, rank: int) -> str:

@@ -232,6 +232,11 @@ class FaultToleranceSpec(_Model):
     pods that are gone (lost node, deleted, evicted, container failed) are recreated. Falls
     back to RecreateGang after two in-place attempts in a row that failed before training.
     RecreateGang: every pod is deleted and a new gang created."""
+    spare_nodes: Annotated[int, Field(ge=0, le=64)] = 0
+    """Extra worker pods kept scheduled and warm (InPlace only): a launcher with warm standby
+    trainers and the node's compile cache, outside the rendezvous. A lost node's rank moves to
+    a ready spare at once (no scheduling, no cold start) and a new spare is requested. Each
+    spare takes a whole node and counts against quota like a worker."""
 
     max_restarts: Annotated[int, Field(ge=0)] = 20
     """Restarts that count against the budget before the job is Failed."""
@@ -551,4 +556,13 @@ def _check_image(spec: PretrainJobSpec) -> None:
         )
 
 
-_CHECKS = (_check_image, _check_devices, _check_model, _check_parallelism, _check_batch, _check_lengths, _check_memory)
+def _check_spares(spec: PretrainJobSpec) -> None:
+    ft = spec.fault_tolerance
+    if ft.spare_nodes and ft.restart_strategy != "InPlace":
+        raise SpecError("faultTolerance.spareNodes", f"{ft.spare_nodes} spare nodes need "
+                        "faultTolerance.restartStrategy: InPlace (a gang that is recreated "
+                        "has no use for them)")
+
+
+_CHECKS = (_check_image, _check_devices, _check_model, _check_parallelism, _check_batch,
+           _check_lengths, _check_memory, _check_spares)

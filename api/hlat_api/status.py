@@ -47,6 +47,15 @@ class Restarts(_Model):
     (`faultTolerance.restartStrategy: InPlace`); only pods that were gone were recreated."""
 
 
+class Spares(_Model):
+    wanted: int = 0
+    """faultTolerance.spareNodes."""
+    ready: int = 0
+    """Spare pods running, their launchers waiting with warm standby trainers."""
+    promoted: int = 0
+    """Spares that took over a lost node's rank so far."""
+
+
 class Failure(_Model):
     reason: str
     """Why the last attempt ended, e.g. PodFailed, NodeLost, HeartbeatTimeout, Evicted."""
@@ -192,6 +201,8 @@ class PretrainJobStatus(_Model):
     goodput: Goodput = Field(default_factory=Goodput)
     lost_steps: int = 0
     """Steps computed again after restarts (progress lost since the last checkpoint)."""
+    spares: Spares | None = None
+    """Spare pods (faultTolerance.spareNodes), when the job asks for any."""
     avoided_nodes: list[AvoidedNode] = Field(default_factory=list)
     """Nodes kept out of the next attempts; the next gang may still use some of them when
     fewer usable nodes than `nodes` would remain (the least recently failed first)."""

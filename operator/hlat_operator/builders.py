@@ -262,10 +262,14 @@ def build_leases(
     return out
 
 
-def build_gang_lease(job: JobRef, attempt: int, steps_done: int) -> Lease:
-    """The restart record (`hlat_api.gang`): the attempt every launcher must run now."""
+def build_gang_lease(job: JobRef, attempt: int, steps_done: int,
+                     ranks: dict[str, int] | None = None, master_addr: str | None = None
+                     ) -> Lease:
+    """The restart record (`hlat_api.gang`): the attempt every launcher must run now, the node
+    rank of each pod, and node rank 0's address when a spare took it over."""
     meta = _meta(job, labels.gang_lease_name(job.name))
-    meta["annotations"] = GangRecord(attempt=attempt, steps_done=steps_done).to_annotations()
+    meta["annotations"] = GangRecord(attempt=attempt, steps_done=steps_done, ranks=ranks or {},
+                                     master_addr=master_addr).to_annotations()
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta,
             "spec": {"holderIdentity": labels.OPERATOR_NAME}}
 
@@ -331,6 +335,25 @@ def build_worker_pod(
     ours: Pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
     merged: Pod = merge_pod(dict(ours), spec.template)  # type: ignore[assignment]
     return merged
+
+
+def build_spare_pod(job: JobRef, spec: PretrainJobSpec, serial: int, attempt: int,
+                    settings: OperatorSettings, avoid_nodes: list[str] | None = None) -> Pod:
+    """A spare worker: the worker pod of rank 0 (so its launcher has a complete environment)
+    with its own name and hostname, labelled spare instead of with an attempt and node rank,
+    and HLAT_SPARE=1: its launcher waits with warm standby trainers until the restart record
+    gives it a rank."""
+    pod = build_worker_pod(job, spec, attempt, 0, settings, avoid_nodes)
+    name = labels.spare_pod_name(job.name, serial)
+    meta = pod["metadata"]
+    meta["name"] = name
+    meta["labels"] = {k: v for k, v in meta["labels"].items()
+                      if k not in (labels.ATTEMPT, labels.NODE_RANK)} | {labels.SPARE: "true"}
+    pod["spec"]["hostname"] = labels.spare_hostname(job.name, serial)
+    for container in pod["spec"]["containers"]:
+        if container["name"] == TRAINER_CONTAINER:
+            container["env"].append({"name": Env.SPARE, "value": "1"})
+    return pod
 
 
 def _container(

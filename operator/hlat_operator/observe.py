@@ -79,6 +79,9 @@ class ObservedPod:
     avoided: tuple[str, ...] | None = None
     """The nodes its affinity avoids (the operator's annotation); None: not annotated."""
     lingering: bool = False
+    spare: bool = False
+    """A spare pod (faultTolerance.spareNodes): no attempt or rank until promoted."""
+    hostname: str | None = None
     """The trainer container ended but the pod still runs (a sidecar that does not stop with
     it): finished for the job, yet holding its node until deleted."""
 
@@ -142,6 +145,8 @@ class OperatorState(BaseModel):
     """The attempt an in-place restart is preparing (the pods that are gone go first)."""
     in_place_attempt: int | None = None
     """The latest attempt started in place (its kept pods are adopted, not torn down)."""
+    spare_serial: int = 0
+    """The next spare pod's number (spare pod names are never reused)."""
     in_place_failures: int = 0
     """In-place attempts in a row that ended before all their workers trained: at
     `reconcile.IN_PLACE_FAILURES_BEFORE_RECREATE` the next restart recreates the gang."""
@@ -186,6 +191,9 @@ class Observed:
         if pod.attempt is None or pod.rank is None:
             return None
         return self.leases.get(labels.worker_lease_name(self.job.name, pod.attempt, pod.rank))
+
+    def spare_pods(self) -> list[ObservedPod]:
+        return [p for p in self.pods if p.spare]
 
     def pods_of(self, attempt: int) -> list[ObservedPod]:
         return [p for p in self.pods if p.attempt == attempt]
@@ -243,6 +251,8 @@ def pod_from_raw(raw: Mapping[str, Any], container: str = "trainer") -> Observed
         schedule_message=str(scheduled.get("message") or "") + note if stuck else "",
         avoided=None if avoided is None else tuple(n for n in avoided.split(",") if n),
         lingering=lingering,
+        spare=labels.SPARE in pod_labels,
+        hostname=(raw.get("spec") or {}).get("hostname"),
     )
 
 

@@ -38,7 +38,7 @@ from hlat_api.heartbeat import EXPIRY_PERIODS, Heartbeat
 from hlat_api.labels import Reason
 from hlat_api.manifest import InvalidSpecError, parse_spec
 from hlat_api.spec import PretrainJobSpec
-from hlat_api.status import AvoidedNode, Condition, Failure, Phase, PretrainJobStatus
+from hlat_api.status import AvoidedNode, Condition, Failure, Phase, PretrainJobStatus, Spares
 from hlat_operator import accounting, builders
 from hlat_operator.config import OperatorSettings
 from hlat_operator.faults import Fault, detect_fault, heartbeat_ages, node_dead
@@ -107,7 +107,8 @@ class PatchPod:
     to the new attempt)."""
 
     name: str
-    labels: dict[str, str]
+    labels: dict[str, str | None]
+    """None removes the label (a promoted spare's `hlat.dev/spare`)."""
     annotations: dict[str, str]
 
 
@@ -443,7 +444,8 @@ def _restarting(p: _Pass, spec: PretrainJobSpec) -> None:
         p.after(p.settings.fast_requeue_seconds)
         return
     in_place = p.state.in_place_next == p.status.attempt + 1
-    if not _teardown(p, _gone(p, spec) if in_place else p.observed.pods):
+    gone = _gone(p, spec) if in_place else p.observed.pods
+    if not _teardown(p, gone) and not (in_place and _spares_cover(p, spec, gone)):
         p.after(p.settings.fast_requeue_seconds)
         return
     ft = spec.fault_tolerance
@@ -586,12 +588,56 @@ def _in_place_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> tuple[in
     p.actions += [CreateObject(lease)
                   for lease in builders.build_leases(job, spec, attempt, p.settings)]
     kept = _adopt(p, spec)
-    created = _create_ranks(p, spec, kept)
-    p.actions.append(CreateObject(builders.build_gang_lease(job, attempt, _steps_done(p)),
-                                  replace=True))
+    promoted = _promote_spares(p, spec, kept)
+    created = _create_ranks(p, spec, kept | set(promoted.values()))
+    p.actions.append(CreateObject(builders.build_gang_lease(
+        job, attempt, _steps_done(p), _ranks(p, promoted), _master(p, spec, promoted)),
+        replace=True))
+    spared = (f", spares {', '.join(f'{n} -> rank {r}' for n, r in sorted(promoted.items()))}"
+              if promoted else "")
     p.event(Reason.CREATED, f"attempt {attempt} restarted in place: pods of node ranks "
-            f"{sorted(kept) or 'none'} kept, {created} created")
-    return len(kept), created
+            f"{sorted(kept) or 'none'} kept{spared}, {created} created")
+    return len(kept) + len(promoted), created
+
+
+def _promote_spares(p: _Pass, spec: PretrainJobSpec, have: set[int]) -> dict[str, int]:
+    """Give the ranks no kept pod holds to ready spares (label patch); returns pod -> rank."""
+    missing = [r for r in range(spec.nodes) if r not in have]
+    ready = sorted((pod for pod in p.observed.spare_pods() if _ready_spare(p, pod)),
+                   key=lambda pod: pod.name)
+    out: dict[str, int] = {}
+    for rank, pod in zip(missing, ready, strict=False):
+        out[pod.name] = rank
+        p.actions.append(PatchPod(pod.name, {labels.ATTEMPT: str(p.status.attempt),
+                                             labels.NODE_RANK: str(rank), labels.SPARE: None},
+                                  {labels.ATTEMPT_STARTED: format_micro_time(p.now)}))
+    if out:
+        spares = p.status.spares or Spares(wanted=spec.fault_tolerance.spare_nodes)
+        p.status.spares = spares.model_copy(update={"promoted": spares.promoted + len(out)})
+    return out
+
+
+def _ranks(p: _Pass, promoted: dict[str, int]) -> dict[str, int]:
+    """Node rank per pod of the attempt (a launcher whose pod is named here takes that rank)."""
+    ranks = {pod.name: pod.rank for pod in p.observed.pods
+             if not pod.spare and pod.rank is not None and _keepable(p, pod, p.status.attempt)}
+    return {**ranks, **promoted}
+
+
+def _master(p: _Pass, spec: PretrainJobSpec, promoted: dict[str, int]) -> str | None:
+    """Node rank 0's address when a spare took rank 0, or a kept pod holding rank 0 has a
+    hostname other than rank 0's (it was a spare)."""
+    job = p.observed.job
+    service = labels.service_name(job.name)
+    for name, rank in promoted.items():
+        if rank == 0:
+            pod = next(q for q in p.observed.pods if q.name == name)
+            return f"{pod.hostname}.{service}" if pod.hostname else None
+    for pod in p.observed.pods:
+        if (pod.rank == 0 and not pod.spare and _keepable(p, pod, p.status.attempt)
+                and pod.hostname and pod.hostname != labels.worker_hostname(job.name, 0)):
+            return f"{pod.hostname}.{service}"
+    return None
 
 
 def _adopt(p: _Pass, spec: PretrainJobSpec) -> set[int]:
@@ -689,17 +735,23 @@ def _active(p: _Pass, spec: PretrainJobSpec) -> None:
     if _newer_pods(p):
         p.after(p.settings.fast_requeue_seconds)
         return
-    older = [pod for pod in p.observed.pods if pod.attempt is None or pod.attempt < attempt]
+    older = [pod for pod in p.observed.pods
+             if not pod.spare and (pod.attempt is None or pod.attempt < attempt)]
     if older and p.state.in_place_attempt == attempt:  # a pass cut short after its status
         _adopt(p, spec)
         older = [pod for pod in older if not _keepable(p, pod, attempt)]
     if not _teardown(p, older):
         p.after(p.settings.fast_requeue_seconds)  # never two gangs: the old one goes first
-        return
+        # an in-place attempt does not wait for pods its restart left on dead nodes (fenced:
+        # the Role names none of their Leases; force-deleted after the bound meanwhile)
+        if p.state.in_place_attempt != attempt or not all(_on_dead_node(p, pod)
+                                                           for pod in older):
+            return
     fault = detect_fault(spec, attempt, p.status.phase, p.observed, p.now, p.settings)
     if fault is not None:
         _on_fault(p, spec, fault)
         return
+    _ensure_spares(p, spec)
     pods = p.observed.pods_of(attempt)
     if p.status.phase == "Pending":
         _check_placement(p, spec, pods)
@@ -856,11 +908,68 @@ def _gone(p: _Pass, spec: PretrainJobSpec) -> list[ObservedPod]:
     """The pods an in-place restart cannot keep: of another job's attempt than the status's,
     ended (the launcher exited), terminating, or on a node that is dead or unhealthy."""
     attempt = p.status.attempt
-    return [pod for pod in p.observed.pods if not _keepable(p, pod, attempt)]
+    return [pod for pod in p.observed.pods
+            if not _keepable(p, pod, attempt) and not _ready_spare(p, pod)]
+
+
+def _spares_cover(p: _Pass, spec: PretrainJobSpec, gone: list[ObservedPod]) -> bool:
+    """The pods not gone yet are all on dead nodes (their kubelets cannot confirm; they are
+    fenced: the next Role names none of their Leases) and ready spares can take every rank no
+    kept pod holds: the in-place restart need not wait for the force-delete."""
+    if any(pod.spare or not _on_dead_node(p, pod) for pod in gone):
+        return False
+    held = {pod.rank for pod in p.observed.pods if _keepable(p, pod, p.status.attempt)}
+    missing = [r for r in range(spec.nodes) if r not in held]
+    ready = [pod for pod in p.observed.spare_pods() if _ready_spare(p, pod)]
+    return len(ready) >= len(missing) > 0
+
+
+def _on_dead_node(p: _Pass, pod: ObservedPod) -> bool:
+    return pod.node is not None and node_dead(p.observed.nodes.get(pod.node), p.now, 0.0,
+                                              p.observed.nodes_known)
+
+
+def _ready_spare(p: _Pass, pod: ObservedPod) -> bool:
+    """A spare that could take a rank now: running on a live, healthy node."""
+    if not pod.spare or pod.terminating or pod.phase != "Running" or pod.node is None:
+        return False
+    node = p.observed.nodes.get(pod.node)
+    return not node_dead(node, p.now, p.settings.node_not_ready_grace_seconds,
+                         p.observed.nodes_known) and (node is None or node.healthy)
+
+
+def _ensure_spares(p: _Pass, spec: PretrainJobSpec) -> None:
+    """Keep `spareNodes` spare pods: the broken ones deleted, the missing ones created (never
+    on the job's avoided nodes); the count shown in status.spares."""
+    wanted = spec.fault_tolerance.spare_nodes if builders.in_place(spec) else 0
+    spares = [pod for pod in p.observed.spare_pods() if not pod.terminating]
+    if not wanted and not spares:
+        return
+    broken = [pod for pod in spares if pod.finished or (pod.node is not None
+                                                       and not _ready_spare(p, pod))]
+    for pod in broken:
+        p.actions.append(DeletePod(pod.name))
+    healthy = [pod for pod in spares if pod not in broken]
+    for pod in healthy[wanted:]:  # spareNodes lowered
+        p.actions.append(DeletePod(pod.name))
+    live = min(len(healthy), wanted)
+    serial = p.state.spare_serial
+    for _ in range(max(0, wanted - live)):
+        p.actions.append(CreateObject(builders.build_spare_pod(
+            p.observed.job, spec, serial, p.status.attempt, p.settings,
+            _avoided_nodes(p, spec))))
+        serial += 1
+    if serial != p.state.spare_serial:
+        p.state = p.state.model_copy(update={"spare_serial": serial})
+    promoted = p.status.spares.promoted if p.status.spares else 0
+    p.status.spares = Spares(wanted=wanted, promoted=promoted,
+                             ready=sum(_ready_spare(p, pod) for pod in spares))
 
 
 def _keepable(p: _Pass, pod: ObservedPod, attempt: int) -> bool:
-    if pod.attempt is None or pod.attempt > attempt or pod.terminating or pod.rank is None:
+    if pod.spare or pod.attempt is None or pod.attempt > attempt or pod.terminating:
+        return False
+    if pod.rank is None:
         return False
     if pod.phase in ("Failed", "Succeeded", "Unknown"):
         return False

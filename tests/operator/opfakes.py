@@ -163,8 +163,11 @@ class World:
         elif isinstance(action, PatchPod):
             pod = self.pods[action.name]
             moved = action.annotations.get(labels.ATTEMPT_STARTED)
+            rank = action.labels.get(labels.NODE_RANK)
             self.pods[action.name] = replace(
-                pod, attempt=int(action.labels.get(labels.ATTEMPT, pod.attempt or 0)),
+                pod, attempt=int(action.labels.get(labels.ATTEMPT) or pod.attempt or 0),
+                rank=int(rank) if rank is not None else pod.rank,
+                spare=pod.spare and action.labels.get(labels.SPARE, "") is not None,
                 started_at=self.now if moved else pod.started_at)
         elif isinstance(action, DeleteObject):
             self.leases.pop(action.name, None)
@@ -189,8 +192,11 @@ class World:
             self.avoid[name] = avoid
             noted = obj["metadata"].get("annotations", {}).get(AVOIDED_ANNOTATION)
             self.pods[name] = ObservedPod(
-                name, int(lab[labels.ATTEMPT]), int(lab[labels.NODE_RANK]), created_at=self.now,
+                name, int(lab[labels.ATTEMPT]) if labels.ATTEMPT in lab else None,
+                int(lab[labels.NODE_RANK]) if labels.NODE_RANK in lab else None,
+                created_at=self.now,
                 avoided=None if noted is None else tuple(n for n in noted.split(",") if n),
+                spare=labels.SPARE in lab, hostname=obj["spec"].get("hostname"),
             )
         elif kind == "Lease":
             if name not in self.leases:

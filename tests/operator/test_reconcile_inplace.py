@@ -9,6 +9,7 @@ from opfakes import World, raw_spec
 
 from hlat_api import labels
 from hlat_api.gang import GangRecord
+from hlat_operator.observe import parse_time
 from hlat_operator.reconcile import CreateObject, Decision, DeletePod, PatchPod
 
 
@@ -56,7 +57,8 @@ def test_a_trainer_exit_restarts_every_trainer_in_the_pods_it_has() -> None:
     assert {p.attempt for p in w.pods.values()} == {1}  # ... now of attempt 1
     assert sorted(a.name for a in d.actions if isinstance(a, PatchPod)) == pods
     assert created(d, "Pod") == []
-    assert record_of(w) == GangRecord(attempt=1, steps_done=5)
+    assert record_of(w) == GangRecord(attempt=1, steps_done=5,
+                                      ranks={"tiny-a0-0": 0, "tiny-a0-1": 1})
     assert w.status.restarts.total == 1 and w.status.restarts.in_place == 1
     assert w.status.phase == "Pending"
     w.beat(6)
@@ -132,3 +134,72 @@ def test_an_in_place_attempt_that_trained_resets_the_fallback_count() -> None:
         w.step()
         assert w.status.attempt == attempt and w.status.restarts.in_place == attempt
     assert sorted(w.pods) == ["tiny-a0-0", "tiny-a0-1"]
+
+
+def spare_world() -> World:
+    w = World(raw_spec(**{"faultTolerance.restartStrategy": "InPlace",
+                          "faultTolerance.spareNodes": 1}))
+    w.until("Running")
+    for _ in range(3):
+        w.schedule()
+        w.beat(5)
+        w.step()
+    return w
+
+
+def test_a_spare_is_kept_running_outside_the_gang_and_shown_in_status() -> None:
+    w = spare_world()
+    spare = w.pods["tiny-s0"]
+    assert spare.spare and spare.attempt is None and spare.phase == "Running"
+    assert spare.hostname == "tiny-s0"
+    assert w.status.spares is not None
+    assert (w.status.spares.wanted, w.status.spares.ready, w.status.spares.promoted) == (1, 1, 0)
+    w.step()
+    assert sorted(w.pods) == ["tiny-a0-0", "tiny-a0-1", "tiny-s0"]  # no second spare
+
+
+def test_a_lost_node_s_rank_moves_to_the_ready_spare_without_waiting_for_its_pod() -> None:
+    w = spare_world()
+    lost = w.pod_of(1)
+    assert lost.node is not None
+    w.node_down(lost.node)
+    for _ in range(60):
+        w.step()
+        if w.status.phase == "Restarting":
+            break
+        w.advance(1)
+    d = restart(w)  # the backoff only: not the force-delete bound of the dead node's pod
+    assert w.status.last_failure is not None
+    failed_at = parse_time(w.status.last_failure.time)
+    assert failed_at is not None
+    assert (w.now - failed_at).total_seconds() < w.settings.force_delete_after_seconds
+    promoted = [a for a in d.actions if isinstance(a, PatchPod) and a.name == "tiny-s0"]
+    assert promoted and promoted[0].labels == {labels.ATTEMPT: "1", labels.NODE_RANK: "1",
+                                               labels.SPARE: None}
+    assert created(d, "Pod") == []  # no cold pod for rank 1
+    record = record_of(w)
+    assert record is not None and record.ranks == {"tiny-a0-0": 0, "tiny-s0": 1}
+    assert record.master_addr is None  # rank 0 kept its pod
+    assert w.pods["tiny-s0"].rank == 1 and not w.pods["tiny-s0"].spare
+    w.beat(6)
+    w.step()
+    w.schedule()
+    w.step()
+    assert "tiny-s1" in w.pods and w.pods["tiny-s1"].spare  # a new spare is requested
+    assert w.status.spares is not None and w.status.spares.promoted == 1
+
+
+def test_a_spare_that_takes_rank_0_becomes_the_rendezvous_master() -> None:
+    w = spare_world()
+    lost = w.pod_of(0)
+    assert lost.node is not None
+    w.node_down(lost.node)
+    for _ in range(60):
+        w.step()
+        if w.status.phase == "Restarting":
+            break
+        w.advance(1)
+    restart(w)
+    record = record_of(w)
+    assert record is not None and record.ranks == {"tiny-s0": 0, "tiny-a0-1": 1}
+    assert record.master_addr == "tiny-s0.tiny"

@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -201,6 +201,10 @@ class Agent:
     wait_bound: float
     """Longest wait for the next attempt after this node's trainer failed."""
     warm: bool = True
+    pod: str = ""
+    """This pod's name: the restart record may give it another node rank (a promoted spare)."""
+    spare: bool = False
+    """A spare pod: no trainer until the restart record names this pod with a node rank."""
     clock: Callable[[], float] = time.monotonic
     standbys: list[Standby] = field(default_factory=list)
     exit_file: Path | None = None
@@ -242,20 +246,36 @@ class Agent:
             for standby in self.standbys:
                 standby.discard()
 
+    def _rank(self, record: GangRecord) -> int | None:
+        """This node's rank in the record's attempt; None: still a spare."""
+        if self.pod in record.ranks:
+            return record.ranks[self.pod]
+        return None if self.spare else self.layout.node_rank
+
     def _loop(self, attempt: int, steps_done: int, started: float) -> int:
-        procs = self._start(attempt, steps_done, started)
+        procs = [] if self.spare else self._start(attempt, steps_done, started)
+        if self.spare:
+            print(f"hlat-launch: spare pod {self.pod}: waiting with "
+                  f"{len(self.standbys)} warm standby worker(s)", file=sys.stderr, flush=True)
+        master = self.layout.master_addr
         failed_at: float | None = None
         code = 0
         while True:
             time.sleep(POLL_SECONDS)
             record = self.control.record()
-            if record is not None and record.attempt > attempt:
+            rank = self._rank(record) if record is not None else None
+            if record is not None and record.attempt > attempt and rank is not None:
                 began = self.clock()
-                print(f"hlat-launch: attempt {record.attempt} published: stopping attempt "
-                      f"{attempt}", file=sys.stderr, flush=True)
+                print(f"hlat-launch: attempt {record.attempt} published (node rank {rank}): "
+                      f"stopping attempt {attempt}", file=sys.stderr, flush=True)
                 stop_all(procs, STOP_GRACE_SECONDS)
+                self.spare = False
+                self.layout = replace(self.layout, node_rank=rank,
+                                      master_addr=record.master_addr or master)
                 attempt, steps_done, failed_at = record.attempt, record.steps_done, None
                 procs = self._start(attempt, steps_done, began)
+                continue
+            if not procs:  # a spare: nothing of ours runs yet
                 continue
             if failed_at is not None:
                 if self.clock() - failed_at > self.wait_bound:

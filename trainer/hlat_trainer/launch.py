@@ -205,15 +205,17 @@ def run_in_place(env: Mapping[str, str], spec: PretrainJobSpec, base: dict[str, 
     if nproc > 1:
         base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several workers
     trainer_argv = list(command[command.index("hlat_trainer") + 1:])
+    spare = env.get(Env.SPARE) == "1"
     runner = agent.Agent(layout, trainer_argv, base, agent.LeaseControl.from_environment(env),
-                         spec.fault_tolerance.backoff.max_seconds + agent.WAIT_MARGIN_SECONDS)
+                         spec.fault_tolerance.backoff.max_seconds + agent.WAIT_MARGIN_SECONDS,
+                         pod=env.get(Env.POD_NAME, ""), spare=spare)
 
     def stop(sig: int, _frame: object) -> None:
         raise SystemExit(128 + sig)
 
     for sig in FORWARDED:
         signal.signal(sig, stop)
-    attempt = _int_var(env, Env.ATTEMPT, 0, 0)
+    attempt = -1 if spare else _int_var(env, Env.ATTEMPT, 0, 0)
     return runner.run(attempt, _int_var(env, Env.STEPS_DONE, 0, 0), launched)
 
 

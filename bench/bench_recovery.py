@@ -13,7 +13,8 @@ RecreateGang (every pod deleted, a new gang scheduled) and InPlace (the pods sta
 launchers restart the trainers from warm standbys; only a lost node's pod is recreated). Under
 InPlace the "kill" fault SIGKILLs the trainer process (the pod's launcher survives) and "hang"
 SIGSTOPs the trainer only (a stuck collective: launcher and node fine); under RecreateGang they
-hit the container's main process, as before.
+hit the container's main process, as before. "InPlace+spare" adds `spareNodes: 1` (the rig's
+third node): the lost node's rank moves to the warm spare.
 
     .venv/bin/python bench/bench_recovery.py        # needs root and the local cluster
 """
@@ -125,14 +126,21 @@ def node_of(run: Run, pod: str) -> str:
 
 
 def measure(cluster: Cluster, kind: str, strategy: str) -> dict[str, Any]:
-    extra = {"timeoutSeconds": HANG_TIMEOUT} if kind == "hang" else {}
-    in_place = strategy == "InPlace"
-    run = Run(cluster, f"rec-{kind}-{'inplace' if in_place else 'recreate'}",
-              spec(400, strategy, **extra))
+    # node-down: a hang timeout long enough that the node is found lost first (its kubelet
+    # and its pods' heartbeats go silent together)
+    extra = {"timeoutSeconds": HANG_TIMEOUT if kind == "hang" else 60}
+    in_place = strategy.startswith("InPlace")
+    spares = strategy.endswith("+spare")
+    body = spec(400, "InPlace" if in_place else strategy, **extra)
+    if spares:
+        body["faultTolerance"]["spareNodes"] = 1
+    run = Run(cluster, f"rec-{kind}-{strategy.lower().replace('+', '-')}", body)
     node = ""
     try:
         wait(lambda: (run.status().get("latestCheckpoint") or {}).get("step"), 300,
              "a complete checkpoint")
+        if spares:
+            wait(lambda: (run.status().get("spares") or {}).get("ready"), 120, "a ready spare")
         victim = f"{run.name}-a0-1"
         step_before = (run.status().get("progress") or {}).get("step", 0)
         node = node_of(run, victim)
@@ -176,17 +184,17 @@ def main() -> None:
     operator = OperatorProcess(cluster, work / "operator.log", [NS]).start()
     try:
         baseline = cold_start(cluster)
-        rows = {(kind, strategy): measure(cluster, kind, strategy)
-                for kind in ("kill", "hang", "node-down")
-                for strategy in ("RecreateGang", "InPlace")}
+        cases = [(kind, strategy) for kind in ("kill", "hang", "node-down")
+                 for strategy in ("RecreateGang", "InPlace")] + [("node-down", "InPlace+spare")]
+        rows = {case: measure(cluster, *case) for case in cases}
     finally:
         operator.stop()
     print(f"cold start (apply -> first step of a fresh 2-node job): {baseline:.1f} s")
-    print(f"{'fault':<11}{'strategy':<14}{'reason':<18}{'detect s':>9}{'to next step s':>16}"
+    print(f"{'fault':<11}{'strategy':<15}{'reason':<18}{'detect s':>9}{'to next step s':>16}"
           f"{'x cold start':>14}{'beyond detect, x cold':>23}{'steps lost':>12}")
     for (kind, strategy), r in rows.items():
         beyond = (r["recover"] - r["detect"]) / baseline
-        print(f"{kind:<11}{strategy:<14}{r['reason']!s:<18}{r['detect']:>9.1f}"
+        print(f"{kind:<11}{strategy:<15}{r['reason']!s:<18}{r['detect']:>9.1f}"
               f"{r['recover']:>16.1f}{r['recover'] / baseline:>14.2f}{beyond:>23.2f}"
               f"{r['lost']:>12.0f}")
     print(f"(hang timeout set to {HANG_TIMEOUT} s; operator resync 2 s; backoff 1 s)")

@@ -73,6 +73,10 @@ FLEET: tuple[Panel, ...] = (
     Panel("Waiting for a node", "s",
           ((f"hlat_job_unschedulable_seconds{NS}", "{{pretrainjob}}"),),
           "How long the longest-waiting worker pod of each job has been unschedulable."),
+    Panel("Spare pods ready", "short",
+          ((f"hlat_job_spare_pods_ready{NS}", "{{pretrainjob}}"),),
+          "Spare pods per job running with warm standby trainers (faultTolerance.spareNodes): "
+          "a lost node's rank moves to one without scheduling a pod."),
 )  # fmt: skip
 
 JOB_PANELS: tuple[Panel, ...] = (

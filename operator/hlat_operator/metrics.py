@@ -85,6 +85,13 @@ class OperatorMetrics:
             JOB_LABELS,
             registry=r,
         )
+        self.spares_ready = Gauge(
+            "hlat_job_spare_pods_ready",
+            "Spare pods running with warm standby trainers (faultTolerance.spareNodes; 0 when "
+            "the job asks for none).",
+            JOB_LABELS,
+            registry=r,
+        )
         self.worker_heartbeat_age = Gauge(
             "hlat_job_worker_heartbeat_age_seconds",
             "Seconds since each worker of the current gang renewed its Lease.",
@@ -153,6 +160,7 @@ class OperatorMetrics:
         self.step.labels(*labels).set(s.progress.step)
         self.attempt.labels(*labels).set(s.attempt)
         self.unschedulable.labels(*labels).set(decision.unschedulable_seconds)
+        self.spares_ready.labels(*labels).set(s.spares.ready if s.spares else 0)
         if decision.restarted and decision.fault is not None:
             self.restarts.labels(*labels, str(decision.fault.reason)).inc()
         if decision.recovered_seconds is not None:
@@ -221,6 +229,7 @@ class OperatorMetrics:
             self.step,
             self.attempt,
             self.unschedulable,
+            self.spares_ready,
             self.checkpoint_age,
             self.goodput_ratio,
             self.productive,

@@ -751,7 +751,6 @@ def _active(p: _Pass, spec: PretrainJobSpec) -> None:
     if fault is not None:
         _on_fault(p, spec, fault)
         return
-    _ensure_spares(p, spec)
     pods = p.observed.pods_of(attempt)
     if p.status.phase == "Pending":
         _check_placement(p, spec, pods)
@@ -759,6 +758,7 @@ def _active(p: _Pass, spec: PretrainJobSpec) -> None:
         _create_missing(p, spec)
         p.after(p.settings.resync_seconds)
         return
+    _ensure_spares(p, spec)  # once the gang's objects (service account, Role) exist
     if len(pods) >= spec.nodes and all(pod.phase == "Succeeded" for pod in pods):
         p.phase(
             "Succeeded",
@@ -924,6 +924,11 @@ def _spares_cover(p: _Pass, spec: PretrainJobSpec, gone: list[ObservedPod]) -> b
     return len(ready) >= len(missing) > 0
 
 
+def _on_unhealthy_node(p: _Pass, pod: ObservedPod) -> bool:
+    node = p.observed.nodes.get(pod.node) if pod.node else None
+    return node is not None and not node.healthy
+
+
 def _on_dead_node(p: _Pass, pod: ObservedPod) -> bool:
     return pod.node is not None and node_dead(p.observed.nodes.get(pod.node), p.now, 0.0,
                                               p.observed.nodes_known)
@@ -945,8 +950,8 @@ def _ensure_spares(p: _Pass, spec: PretrainJobSpec) -> None:
     spares = [pod for pod in p.observed.spare_pods() if not pod.terminating]
     if not wanted and not spares:
         return
-    broken = [pod for pod in spares if pod.finished or (pod.node is not None
-                                                       and not _ready_spare(p, pod))]
+    broken = [pod for pod in spares if pod.finished or pod.phase in ("Failed", "Unknown")
+              or _on_dead_node(p, pod) or _on_unhealthy_node(p, pod)]
     for pod in broken:
         p.actions.append(DeletePod(pod.name))
     healthy = [pod for pod in spares if pod not in broken]

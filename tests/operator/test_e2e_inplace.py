@@ -42,8 +42,8 @@ class TrainerCensus:
             for pod in self.env.pods():
                 if pod.metadata.deletion_timestamp is not None:
                     continue
-                if pod.status.phase in ("Pending", "Running"):
-                    rank = pod.metadata.labels.get("hlat.dev/node-rank", "")
+                rank = pod.metadata.labels.get("hlat.dev/node-rank")
+                if pod.status.phase in ("Pending", "Running") and rank is not None:
                     ranks[rank] = ranks.get(rank, 0) + 1
                     self.most_pods = max(self.most_pods, ranks[rank])
                 try:
@@ -142,7 +142,8 @@ def test_a_lost_node_s_pod_alone_is_recreated(job_env: Env) -> None:
         faults.node_down(job_env.cluster.config, node)
 
     try:
-        r = next(run_fault(job_env, node_down, "NodeLost"))
+        r = next(run_fault(job_env, node_down, "NodeLost", heartbeat={
+            "startupTimeoutSeconds": 120, "timeoutSeconds": 60}))  # the node is lost first
     finally:
         if node:
             faults.node_up(job_env.cluster.config, node)
@@ -175,3 +176,43 @@ def test_in_place_attempts_that_keep_failing_fall_back_to_a_new_gang(job_env: En
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 240)
     assert done["attempt"] == 3 and done["restarts"]["total"] == 3
     assert {p.metadata.name for p in job_env.pods()} == {f"{JOB}-a3-0", f"{JOB}-a3-1"}
+
+
+def test_a_lost_node_s_rank_moves_to_a_warm_spare(job_env: Env) -> None:
+    """spareNodes 1 on the rig's 3 nodes: the spare's launcher waits with warm standbys; rank
+    1's node goes down; the spare takes rank 1 at once (no pod scheduled, no force-delete
+    waited for); rank 0's pod is kept."""
+    victim = f"{JOB}-a0-1"
+    node = ""
+
+    def node_down() -> None:
+        nonlocal node
+        job_env.wait("the spare ready", lambda s: (s.get("spares") or {}).get("ready") == 1, 60)
+        node = job_env.core.read_namespaced_pod(victim, job_env.ns).spec.node_name
+        faults.node_down(job_env.cluster.config, node)
+
+    try:
+        r = next(run_fault(job_env, node_down, "NodeLost", spareNodes=1, heartbeat={
+            "startupTimeoutSeconds": 120, "timeoutSeconds": 60}))  # the node is lost first
+    finally:
+        if node:
+            faults.node_up(job_env.cluster.config, node)
+    done, before = r["done"], r["before"]
+    assert isinstance(done, dict) and isinstance(before, dict)
+    assert done["restarts"] == {"total": 1, "counted": 0, "inPlace": 1}, done["restarts"]
+    assert done["spares"]["promoted"] == 1, done["spares"]
+    pods = {p.metadata.name: p for p in job_env.pods()}
+    spare = pods[f"{JOB}-s0"]
+    assert spare.metadata.uid == before[f"{JOB}-s0"]  # the same pod, now rank 1
+    assert spare.metadata.labels["hlat.dev/node-rank"] == "1"
+    assert "hlat.dev/spare" not in spare.metadata.labels
+    assert pods[f"{JOB}-a0-0"].metadata.uid == before[f"{JOB}-a0-0"]
+    assert f"{JOB}-s1" in pods  # a new spare requested
+    census = r["census"]
+    assert isinstance(census, TrainerCensus)
+    assert census.most == 1 and census.most_pods == 1
+    log = job_env.cluster.pod_log(job_env.ns, f"{JOB}-a0-0")
+    seen = losses(log) | losses(job_env.cluster.pod_log(job_env.ns, f"{JOB}-s0"))
+    assert max(seen) == 40
+    report_recovery_log(job_env, "node lost, its rank taken by a warm spare", log, 1,
+                        float(r["fault_at"]))  # type: ignore[arg-type]

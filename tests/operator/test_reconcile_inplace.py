@@ -5,6 +5,8 @@ that fail before training make the next restart recreate the gang."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from opfakes import World, raw_spec
 
 from hlat_api import labels
@@ -203,3 +205,16 @@ def test_a_spare_that_takes_rank_0_becomes_the_rendezvous_master() -> None:
     record = record_of(w)
     assert record is not None and record.ranks == {"tiny-s0": 0, "tiny-a0-1": 1}
     assert record.master_addr == "tiny-s0.tiny"
+
+
+def test_a_spare_still_starting_is_not_replaced() -> None:
+    w = World(raw_spec(**{"faultTolerance.restartStrategy": "InPlace",
+                          "faultTolerance.spareNodes": 1}))
+    w.until("Running")
+    w.step()
+    assert "tiny-s0" in w.pods
+    w.pods["tiny-s0"] = replace(w.pods["tiny-s0"], node="node-c", phase="Pending")  # pulling
+    for _ in range(5):
+        w.step()
+        w.advance(1)
+    assert sorted(n for n in w.pods if "-s" in n) == ["tiny-s0"]

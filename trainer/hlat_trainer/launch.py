@@ -170,6 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"# kept from the environment: {', '.join(kept)}", file=out)
     for key, value in sorted(extra.items()):
         print(f"{key}={shlex.quote(value)}", file=out)
+    if env.get(Env.GANG_LEASE):
+        print("# restartStrategy InPlace: hlat-launch starts and restarts the workers itself; "
+              "the torchrun line below is their equivalent", file=out)
     print(shlex.join(command), file=out, flush=True)
     if args.dry_run:
         return ExitCode.OK

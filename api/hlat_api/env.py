@@ -54,3 +54,6 @@ class ExitCode(IntEnum):
     OK = 0
     CONFIG_ERROR = 2
     """Bad spec, data, tokenizer or checkpoint: permanent, a restart cannot fix it."""
+    FENCED = 3
+    """The trainer's attempt is over (its Lease writes are refused: the operator moved on): it
+    stopped itself, and committed no checkpoint after it learned so."""

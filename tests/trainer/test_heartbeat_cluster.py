@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from hlat_api import Heartbeat
+from hlat_api import ExitCode, Heartbeat
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.testing import python_pod, terminated, wait_for, wait_pod_phase
 
@@ -102,3 +102,39 @@ def test_a_pod_token_cannot_touch_another_pods_lease(cluster: Cluster, namespace
     other, _ = read_beat(cluster, namespace, "w-1")
     assert own is not None and own.step == 7
     assert other is None
+
+
+def test_a_trainer_whose_lease_is_taken_away_stops_itself(
+    cluster: Cluster, namespace: str, write_config: Callable[..., Path]
+) -> None:
+    """Fencing on the real API server: the Role is replaced as the operator replaces it for a
+    new attempt (naming only that attempt's Leases); the old trainer's next renewal is refused
+    (403) and it stops itself with ExitCode.FENCED instead of training on."""
+    grant_own_lease(cluster, namespace, "w-0")
+    config = write_config(train__steps=5000, checkpoint__interval=10)
+    env = [{"name": k, "value": v} for k, v in {
+        "HLAT_HEARTBEAT_LEASE": "w-0", "HLAT_NAMESPACE": namespace, "HLAT_POD_NAME": "w-0",
+        "HLAT_HEARTBEAT_PERIOD_SECONDS": "0.5", "HLAT_ATTEMPT": "0", "OMP_NUM_THREADS": "1"}.items()]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "w-0"}, "spec": {
+        "restartPolicy": "Never", "serviceAccountName": "trainer",
+        "containers": [{"name": "trainer", "image": "host", "env": env,
+                        "command": [sys.executable, "-m", "hlat_trainer", "--config", str(config)]}]}}
+    core = client.CoreV1Api(cluster.admin_api())
+    core.create_namespaced_pod(namespace, pod)
+
+    def training() -> Heartbeat | None:
+        beat, _ = read_beat(cluster, namespace, "w-0")
+        return beat if beat and beat.phase == "training" and beat.step >= 3 else None
+
+    wait_for(training, 240, "a training heartbeat past step 3", interval=0.2)
+    client.RbacAuthorizationV1Api(cluster.admin_api()).patch_namespaced_role(
+        "own-lease", namespace, {"rules": [{
+            "apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+            "resourceNames": ["w-1"], "verbs": ["get", "update", "patch"]}]})
+    fenced_at, _ = read_beat(cluster, namespace, "w-0")
+    done = wait_pod_phase(core, namespace, "w-0", {"Succeeded", "Failed"}, timeout=120)
+    log = cluster.pod_log(namespace, "w-0")
+    assert terminated(done).exit_code == ExitCode.FENCED, log[-3000:]
+    assert "its attempt is over" in log
+    last, _ = read_beat(cluster, namespace, "w-0")
+    assert fenced_at is not None and last is not None and last.step < 5000

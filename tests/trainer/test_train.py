@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -189,3 +190,24 @@ def test_a_failed_asynchronous_write_never_gets_done_nor_purges_the_good_checkpo
     assert not (step_dir(root, "job", 4) / "done").exists()
     assert (step_dir(root, "job", 2) / "done").exists(), "the good checkpoint was purged"
     assert trainer.engine.committed == 2
+
+
+def test_a_fenced_trainer_marks_no_checkpoint_complete(make_job: Callable[..., Job]) -> None:
+    """Once this trainer's attempt is over (its Lease refuses renewals: `fenced_now` is the
+    heartbeat's), a save still writes its shards but never gets `done`, sync or async."""
+    for async_ in (False, True):
+        job = make_job(train__steps=4, checkpoint__interval=2, checkpoint__async=async_)
+        trainer = Trainer(job)
+        fenced = [False]
+        trainer.engine.fence(lambda box=fenced: box[0])  # type: ignore[misc]
+        trainer.save(2)
+        trainer.engine.wait()
+        root = Path(job.spec.checkpoint.dir)
+        assert (step_dir(root, "job", 2) / "done").exists()
+        fenced[0] = True
+        trainer.save(4)
+        trainer.engine.wait()
+        assert step_dir(root, "job", 4).exists()
+        assert not (step_dir(root, "job", 4) / "done").exists(), async_
+        assert trainer.engine.committed == 2
+        shutil.rmtree(root)

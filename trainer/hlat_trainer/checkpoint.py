@@ -130,6 +130,9 @@ class Checkpointer:
         self.longest_write = 0.0
         """Longest asynchronous save so far, from its start to its commit (seconds)."""
         self._lock = threading.Lock()
+        self.fenced: Callable[[], bool] | None = None
+        """Asked before marking a checkpoint complete: True when this trainer's attempt is over
+        (the heartbeat's `fenced_now`); a fenced trainer's checkpoints never get `done`."""
         # background saves talk over their own group, apart from training's collectives
         self.group: dist.ProcessGroup | None = None
         if async_:
@@ -181,6 +184,10 @@ class Checkpointer:
     def _commit(self, step: int) -> None:
         """Every rank's shards are durable: rank 0 marks the checkpoint complete and purges."""
         with self._lock:
+            if self.is_coordinator and self.fenced is not None and self.fenced():
+                log.warning("checkpoint step_%d left incomplete: this trainer's attempt is "
+                            "over (its Lease writes are refused)", step)
+                return
             self.committed = step
             if not self.is_coordinator:
                 return

@@ -45,7 +45,7 @@ import json
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,6 +141,12 @@ class Engine(ABC):
             spec, job, backend, world, device)
         self.root = Path(spec.checkpoint.dir)
         self.layout = Layout.of(world, spec.parallelism.zero1)
+
+    def fence(self, fenced: Callable[[], bool]) -> None:
+        """Ask `fenced` before marking a checkpoint complete: a trainer whose attempt is over
+        commits none. The managed (NxD) engine's `done` is written by the backend's own save,
+        which has no such hook: there the trainer only stops itself at its next report."""
+        return None
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -260,6 +266,9 @@ class TorchEngine(Engine):
     @property
     def committed(self) -> int | None:
         return self.checkpointer.committed
+
+    def fence(self, fenced: Callable[[], bool]) -> None:
+        self.checkpointer.fenced = fenced
 
     def wait(self) -> None:
         self.checkpointer.wait()

@@ -12,6 +12,10 @@ it to detect hangs (a stale `renewTime`) and to report progress. Design choices:
   next period.
 - Off when not in a pod: no `HLAT_HEARTBEAT_LEASE`, no service-account token, or not local
   rank 0.
+- Fencing: a renewal refused with 403 (the job's Role names only the current attempt's Leases)
+  or 404 (the operator deleted the Lease of an ended attempt) means this trainer's attempt is
+  over. `fenced` stays True; the checkpointer then commits nothing (`fenced_now` asks again
+  before each commit) and the next step's report stops the trainer (`ExitCode.FENCED`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import os
 import threading
 from typing import Any
 
-from hlat_api import Env, Heartbeat
+from hlat_api import Env, ExitCode, Heartbeat
 from hlat_api.heartbeat import DEFAULT_PERIOD_SECONDS, EXPIRY_PERIODS
 
 log = logging.getLogger(__name__)
@@ -38,6 +42,8 @@ class LeaseHeartbeat:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._errors: set[str] = set()
+        self.fenced = False
+        """A renewal was refused for good: this trainer's attempt is over."""
         self._thread = threading.Thread(target=self._loop, name="hlat-heartbeat", daemon=True)
 
     @classmethod
@@ -70,7 +76,11 @@ class LeaseHeartbeat:
             self.beat = self.beat.model_copy(update={**fields, "progress_time": now})
 
     def __call__(self, stats: dict[str, Any]) -> None:
-        """A training-loop sink: one dict per step."""
+        """A training-loop sink: one dict per step. A fenced trainer stops here."""
+        if self.fenced:
+            log.error("Lease %s/%s refuses this trainer's renewals: its attempt is over; "
+                      "stopping", self.namespace, self.lease)
+            raise SystemExit(ExitCode.FENCED)
         self.update(phase="training", step=stats["step"], tokens=stats["tokens"],
                     loss=stats["loss"], tokens_per_second=stats["tokens_per_second"],
                     step_seconds=stats["step_seconds"])
@@ -88,6 +98,8 @@ class LeaseHeartbeat:
         try:
             self.api.patch_namespaced_lease(self.lease, self.namespace, body)
         except Exception as err:  # the API server's trouble must never stop training
+            if getattr(err, "status", None) in (403, 404):
+                self.fenced = True
             kind = type(err).__name__ + str(getattr(err, "status", ""))
             if kind not in self._errors:
                 self._errors.add(kind)
@@ -96,6 +108,12 @@ class LeaseHeartbeat:
                             self.period)
             return False
         return True
+
+    def fenced_now(self) -> bool:
+        """Renew now and say whether this trainer's attempt is over (before a commit)."""
+        if not self.fenced:
+            self.renew()
+        return self.fenced
 
     def _loop(self) -> None:
         while not self._stop.is_set():

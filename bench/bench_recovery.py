@@ -78,7 +78,7 @@ class Run:
         self.custom, self.core = client.CustomObjectsApi(api), client.CoreV1Api(api)
         self.custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, {
             "apiVersion": f"{GROUP}/{VERSION}", "kind": "PretrainJob",
-            "metadata": {"name": name}, "spec": body})
+            "metadata": {"name": self.name}, "spec": body})
         self.created = time.monotonic()
 
     def status(self) -> dict[str, Any]:

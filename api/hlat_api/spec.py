@@ -227,7 +227,7 @@ RestartStrategy = Literal["InPlace", "RecreateGang"]
 class FaultToleranceSpec(_Model):
     """Automatic gang restart from the latest complete checkpoint."""
 
-    restart_strategy: RestartStrategy = "RecreateGang"
+    restart_strategy: RestartStrategy = "InPlace"
     """InPlace: the pods stay and every launcher restarts its trainer for the new attempt; only
     pods that are gone (lost node, deleted, evicted, container failed) are recreated. Falls
     back to RecreateGang after two in-place attempts in a row that failed before training.

@@ -343,6 +343,14 @@ def draw_dashboards(prom: prometheus.Prometheus, ns: str, name: str, started: fl
     return pictures.draw(prom, ns, name, started, time.time(), out)
 
 
+def rank_zero_pod(cluster: Cluster, ns: str, name: str, attempt: int) -> str:
+    """Node rank 0's pod in `attempt` (kept by an in-place restart, it keeps its first name)."""
+    pods = client.CoreV1Api(cluster.admin_api()).list_namespaced_pod(
+        ns, label_selector=f"hlat.dev/job={name},hlat.dev/attempt={attempt},"
+                           "hlat.dev/node-rank=0").items
+    return str(pods[0].metadata.name) if pods else f"{name}-a{attempt}-0"
+
+
 def watch(cluster: Cluster, custom: client.CustomObjectsApi, ns: str, name: str,
           say: Any, timeout: float, operator: OperatorProcess) -> bool:
     killed: str | None = None
@@ -364,8 +372,11 @@ def watch(cluster: Cluster, custom: client.CustomObjectsApi, ns: str, name: str,
             return False
         if killed is None and phase == "Running" and s.get("latestCheckpoint"):
             killed = f"{name}-a{s.get('attempt', 0)}-1"
+            in_place = ((job.get("spec") or {}).get("faultTolerance") or {}).get(
+                "restartStrategy", "InPlace") == "InPlace"
             with contextlib.suppress(Exception):
-                faults.kill(cluster.config, ns, killed)
+                # in place the pod outlives its trainer: the trainer process is what crashes
+                (faults.kill_trainer if in_place else faults.kill)(cluster.config, ns, killed)
                 say(f"FAULT: SIGKILL to the trainer of pod {killed} (node rank 1)")
         time.sleep(1)
     else:
@@ -377,9 +388,11 @@ def watch(cluster: Cluster, custom: client.CustomObjectsApi, ns: str, name: str,
         say(f"last failure: {failure.get('reason')} on {failure.get('pod')} "
             f"(exit {failure.get('exitCode')})")
     if s.get("attempt", 0) > 0:
-        pod = f"{name}-a{s['attempt']}-0"
+        pod = rank_zero_pod(cluster, ns, name, s["attempt"])
         with contextlib.suppress(Exception):
-            step = resumed_step(cluster.pod_log(ns, pod))
+            log = cluster.pod_log(ns, pod)
+            marker = f"hlat-launch: attempt {s['attempt']}: started"  # a pod kept in place
+            step = resumed_step(log[log.index(marker):] if marker in log else log)
             say(f"attempt {s['attempt']} resumed from the checkpoint of step "
                 f"{None if step is None else step - 1}: its first step was {step} "
                 f"(log of {pod})")

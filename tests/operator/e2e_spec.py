@@ -7,6 +7,8 @@ from typing import Any
 
 def tiny_spec(steps: int = 8, **fault_tolerance: Any) -> dict[str, Any]:
     ft: dict[str, Any] = {
+        # these tests show the gang recreated (test_e2e_inplace: the default, InPlace)
+        "restartStrategy": "RecreateGang",
         "maxRestarts": 5,
         "backoff": {"initialSeconds": 1, "maxSeconds": 4},
         "heartbeat": {"startupTimeoutSeconds": 120, "timeoutSeconds": "auto"},

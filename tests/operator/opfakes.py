@@ -81,6 +81,7 @@ def raw_spec(**overrides: Any) -> dict[str, Any]:
         "checkpoint": {"dir": "/fsx/checkpoints", "interval": 20},
         "storage": {"claimName": "hlat-shared", "mountPath": "/fsx"},
         "faultTolerance": {
+            "restartStrategy": "RecreateGang",  # test_reconcile_inplace: InPlace, the default
             "maxRestarts": 5,
             "backoff": {"initialSeconds": 4, "maxSeconds": 30},
             "heartbeat": {"startupTimeoutSeconds": 60},

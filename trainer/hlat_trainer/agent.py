@@ -9,8 +9,8 @@ supervises them:
   worker of the old attempt is stopped (SIGTERM to its process group, SIGKILL after
   `STOP_GRACE_SECONDS`: a worker stuck in a collective or frozen does not hold the restart),
   waited for until gone, and the new attempt's workers are started with its attempt, Lease
-  name and HLAT_STEPS_DONE. Never two trainers for one rank: the new ones start only after
-  the old ones are reaped.
+  name and HLAT_STEPS_DONE, on a fresh rendezvous (`RENDEZVOUS_PORTS`). Never two trainers
+  for one rank: the new ones start only after the old ones are reaped.
 - A worker that exits non-zero: its local peers are stopped (as torchrun does), the exit code
   is written to this node's Lease of that attempt (`Heartbeat.exit_code`, and the
   `labels.TRAINER_EXITED` label the operator watches), and the launcher waits for the next
@@ -51,6 +51,10 @@ from hlat_api.gang import GangRecord
 log = logging.getLogger("hlat_launch")
 
 POLL_SECONDS = 0.5
+RENDEZVOUS_PORTS = 16
+"""Attempt N rendezvous at HLAT_MASTER_PORT + N % 16: a fresh store per attempt, so a
+straggler of the previous attempt (a process still dying, reconnecting to the port it knew)
+can never meet the new one's (a port reused at once let attempts stall at rendezvous)."""
 STOP_GRACE_SECONDS = 5.0
 WAIT_MARGIN_SECONDS = 120.0
 TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount/token"
@@ -221,7 +225,8 @@ class Agent:
 
     def _start(self, attempt: int, steps_done: int, started: float
                ) -> list[subprocess.Popen[bytes]]:
-        port = (_free_port() if self.layout.nnodes == 1 else self.layout.master_port)
+        port = (_free_port() if self.layout.nnodes == 1
+                else self.layout.master_port + attempt % RENDEZVOUS_PORTS)
         common = self._attempt_env(attempt, steps_done, started)
         self.exit_file = Path(common[Env.EXIT_FILE])
         procs = []

@@ -11,7 +11,7 @@ from opfakes import World, raw_spec
 
 from hlat_api import labels
 from hlat_api.gang import GangRecord
-from hlat_operator.observe import parse_time
+from hlat_operator.observe import ObservedPod, parse_time
 from hlat_operator.reconcile import CreateObject, Decision, DeletePod, PatchPod
 
 
@@ -31,6 +31,19 @@ def created(d: Decision, kind: str) -> list[str]:
 def record_of(w: World) -> GangRecord | None:
     gang = w.objects.get(("Lease", labels.gang_lease_name("tiny")))
     return None if gang is None else GangRecord.from_annotations(gang["metadata"]["annotations"])
+
+
+def lose_node_of(w: World, rank: int) -> ObservedPod:
+    """Take down the node of `rank`'s pod and run passes until the operator restarts."""
+    lost = w.pod_of(rank)
+    assert lost.node is not None
+    w.node_down(lost.node)
+    for _ in range(120):
+        w.step()
+        if w.status.phase == "Restarting":
+            return lost
+        w.advance(1)
+    raise AssertionError(f"the loss of {lost.node} was never acted on")
 
 
 def restart(w: World) -> Decision:
@@ -87,14 +100,7 @@ def test_the_restart_record_is_written_last() -> None:
 
 def test_only_the_pod_of_a_lost_node_is_recreated() -> None:
     w = in_place_world()
-    lost = w.pod_of(1)
-    assert lost.node is not None
-    w.node_down(lost.node)
-    for _ in range(120):
-        w.step()
-        if w.status.phase == "Restarting":
-            break
-        w.advance(1)
+    lost = lose_node_of(w, 1)
     assert w.status.last_failure is not None and w.status.last_failure.reason == "NodeLost"
     d = restart(w)
     assert created(d, "Pod") == ["tiny-a1-1"]
@@ -162,14 +168,7 @@ def test_a_spare_is_kept_running_outside_the_gang_and_shown_in_status() -> None:
 
 def test_a_lost_node_s_rank_moves_to_the_ready_spare_without_waiting_for_its_pod() -> None:
     w = spare_world()
-    lost = w.pod_of(1)
-    assert lost.node is not None
-    w.node_down(lost.node)
-    for _ in range(60):
-        w.step()
-        if w.status.phase == "Restarting":
-            break
-        w.advance(1)
+    lose_node_of(w, 1)
     d = restart(w)  # the backoff only: not the force-delete bound of the dead node's pod
     assert w.status.last_failure is not None
     failed_at = parse_time(w.status.last_failure.time)
@@ -193,14 +192,7 @@ def test_a_lost_node_s_rank_moves_to_the_ready_spare_without_waiting_for_its_pod
 
 def test_a_spare_that_takes_rank_0_becomes_the_rendezvous_master() -> None:
     w = spare_world()
-    lost = w.pod_of(0)
-    assert lost.node is not None
-    w.node_down(lost.node)
-    for _ in range(60):
-        w.step()
-        if w.status.phase == "Restarting":
-            break
-        w.advance(1)
+    lose_node_of(w, 0)
     restart(w)
     record = record_of(w)
     assert record is not None and record.ranks == {"tiny-s0": 0, "tiny-a0-1": 1}

@@ -36,6 +36,19 @@ def grant_own_lease(cluster: Cluster, namespace: str, lease: str) -> None:
         coord.create_namespaced_lease(namespace, {"metadata": {"name": name}, "spec": {}})
 
 
+def start_trainer(cluster: Cluster, namespace: str, config: Path) -> None:
+    """A trainer pod `w-0` as the operator would run it: its Lease w-0, attempt 0, beats
+    every 0.5 s, the service account of `grant_own_lease`."""
+    env = [{"name": k, "value": v} for k, v in {
+        "HLAT_HEARTBEAT_LEASE": "w-0", "HLAT_NAMESPACE": namespace, "HLAT_POD_NAME": "w-0",
+        "HLAT_HEARTBEAT_PERIOD_SECONDS": "0.5", "HLAT_ATTEMPT": "0", "OMP_NUM_THREADS": "1"}.items()]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "w-0"}, "spec": {
+        "restartPolicy": "Never", "serviceAccountName": "trainer",
+        "containers": [{"name": "trainer", "image": "host", "env": env,
+                        "command": [sys.executable, "-m", "hlat_trainer", "--config", str(config)]}]}}
+    client.CoreV1Api(cluster.admin_api()).create_namespaced_pod(namespace, pod)
+
+
 def read_beat(cluster: Cluster, namespace: str, name: str) -> tuple[Heartbeat | None, Any]:
     lease: Any = client.CoordinationV1Api(cluster.admin_api()).read_namespaced_lease(name, namespace)
     return Heartbeat.from_annotations(lease.metadata.annotations), lease.spec.renew_time
@@ -46,14 +59,7 @@ def test_trainer_renews_its_lease_with_progress(
 ) -> None:
     grant_own_lease(cluster, namespace, "w-0")
     config = write_config(train__steps=30, checkpoint__interval=10)
-    env = [{"name": k, "value": v} for k, v in {
-        "HLAT_HEARTBEAT_LEASE": "w-0", "HLAT_NAMESPACE": namespace, "HLAT_POD_NAME": "w-0",
-        "HLAT_HEARTBEAT_PERIOD_SECONDS": "0.5", "HLAT_ATTEMPT": "0", "OMP_NUM_THREADS": "1"}.items()]
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "w-0"}, "spec": {
-        "restartPolicy": "Never", "serviceAccountName": "trainer",
-        "containers": [{"name": "trainer", "image": "host", "env": env,
-                        "command": [sys.executable, "-m", "hlat_trainer", "--config", str(config)]}]}}
-    client.CoreV1Api(cluster.admin_api()).create_namespaced_pod(namespace, pod)
+    start_trainer(cluster, namespace, config)
 
     renewals = set()
 
@@ -112,15 +118,8 @@ def test_a_trainer_whose_lease_is_taken_away_stops_itself(
     (403) and it stops itself with ExitCode.FENCED instead of training on."""
     grant_own_lease(cluster, namespace, "w-0")
     config = write_config(train__steps=5000, checkpoint__interval=10)
-    env = [{"name": k, "value": v} for k, v in {
-        "HLAT_HEARTBEAT_LEASE": "w-0", "HLAT_NAMESPACE": namespace, "HLAT_POD_NAME": "w-0",
-        "HLAT_HEARTBEAT_PERIOD_SECONDS": "0.5", "HLAT_ATTEMPT": "0", "OMP_NUM_THREADS": "1"}.items()]
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "w-0"}, "spec": {
-        "restartPolicy": "Never", "serviceAccountName": "trainer",
-        "containers": [{"name": "trainer", "image": "host", "env": env,
-                        "command": [sys.executable, "-m", "hlat_trainer", "--config", str(config)]}]}}
     core = client.CoreV1Api(cluster.admin_api())
-    core.create_namespaced_pod(namespace, pod)
+    start_trainer(cluster, namespace, config)
 
     def training() -> Heartbeat | None:
         beat, _ = read_beat(cluster, namespace, "w-0")

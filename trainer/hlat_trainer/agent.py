@@ -116,6 +116,8 @@ class LeaseControl:
                 return
             except Exception as err:
                 self._failed(f"reporting the exit on Lease {name}", err)
+                if getattr(err, "status", None) in (403, 404):
+                    return  # the attempt is over (fenced): nobody needs the report
                 time.sleep(POLL_SECONDS)
 
 

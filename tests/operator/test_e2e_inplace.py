@@ -33,6 +33,7 @@ class TrainerCensus:
 
     def __init__(self, env: Env) -> None:
         self.env, self.most, self.most_pods = env, 0, 0
+        self.names: set[str] = set()  # every pod seen while the job ran
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -40,6 +41,7 @@ class TrainerCensus:
         while not self._stop.is_set():
             ranks: dict[str, int] = {}
             for pod in self.env.pods():
+                self.names.add(pod.metadata.name)
                 if pod.metadata.deletion_timestamp is not None:
                     continue
                 rank = pod.metadata.labels.get("hlat.dev/node-rank")
@@ -207,9 +209,15 @@ def test_a_lost_node_s_rank_moves_to_a_warm_spare(job_env: Env) -> None:
     assert spare.metadata.labels["hlat.dev/node-rank"] == "1"
     assert "hlat.dev/spare" not in spare.metadata.labels
     assert pods[f"{JOB}-a0-0"].metadata.uid == before[f"{JOB}-a0-0"]
-    assert f"{JOB}-s1" in pods  # a new spare requested
     census = r["census"]
     assert isinstance(census, TrainerCensus)
+    # a new spare was requested (it may be gone by now: a finished job stops its spares)
+    assert f"{JOB}-s1" in census.names, sorted(census.names)
+    deadline = time.monotonic() + 30  # and the finished job's spares do not linger
+    while any(q.metadata.labels.get("hlat.dev/spare") and q.metadata.deletion_timestamp is None
+              for q in job_env.pods()):
+        assert time.monotonic() < deadline, "a spare still runs after the job succeeded"
+        time.sleep(0.5)
     assert census.most == 1 and census.most_pods == 1
     log = job_env.cluster.pod_log(job_env.ns, f"{JOB}-a0-0")
     seen = losses(log) | losses(job_env.cluster.pod_log(job_env.ns, f"{JOB}-s0"))

@@ -14,7 +14,7 @@ from hlat_api.heartbeat import Heartbeat
 from hlat_api.labels import Reason
 from hlat_api.spec import PretrainJobSpec
 from hlat_operator.faults import classify_failed, staleness, steady_timeout
-from hlat_operator.observe import ObservedLease, ObservedPod
+from hlat_operator.observe import ObservedLease, ObservedNode, ObservedPod
 
 
 def running_world(**overrides: Any) -> World:
@@ -290,11 +290,16 @@ def test_a_worker_frozen_before_it_reported_training_is_blamed_for_the_peers_tim
 
 
 def test_compiling_workers_get_the_startup_timeout() -> None:
+    """Compiling is slow but bounded: the startup timeout (60 s here) from the last beat."""
     w = World()
     w.until("Running")
     w.beat(0, phase="compiling")
     w.run(50)
     assert w.status.phase == "Running"
+    w.run(15)
+    assert w.status.phase == "Restarting"
+    assert w.status.last_failure is not None
+    assert w.status.last_failure.reason == Reason.STARTUP_TIMEOUT
 
 
 def test_a_finished_worker_is_not_expected_to_beat_but_to_exit() -> None:
@@ -335,6 +340,22 @@ def test_the_startup_clock_starts_when_the_last_worker_starts() -> None:
     pod = ObservedPod("tiny-a0-0", 0, 0, phase="Running", started_at=at(0))
     stale = staleness(spec, pod, None, SETTINGS, gang_started=at(40))
     assert stale is not None and stale.since == at(40)
+
+
+def test_a_gang_placed_in_two_goes_gets_its_startup_time_from_the_later_pod() -> None:
+    """Rank 1 waits 40 s for a node: rank 0 (started first) gets its 60 s from when rank 1
+    started, since no worker can pass the rendezvous before its last peer is up."""
+    w = World(nodes=("node-a",))
+    w.run(40)  # rank 0 runs, rank 1 has no node
+    assert w.status.phase == "Pending"
+    w.nodes["node-b"] = ObservedNode("node-b")
+    w.until("Running")
+    w.run(50)
+    assert w.status.phase == "Running" and w.status.restarts.total == 0, w.status.last_failure
+    w.run(15)
+    assert w.status.restarts.total == 1
+    assert w.status.last_failure is not None
+    assert w.status.last_failure.reason == Reason.STARTUP_TIMEOUT
 
 
 def test_a_save_longer_than_ever_seen_is_still_bounded_by_the_startup_timeout() -> None:

@@ -141,6 +141,27 @@ def test_suspend_deletes_the_pods_keeps_progress_and_resume_starts_a_new_attempt
     assert Reason.RESUMED in w.reasons()
 
 
+def test_a_resume_waits_for_the_suspended_gang_to_be_gone() -> None:
+    """A pod on a node that went NotReady lingers after the suspension deleted it: resuming
+    creates nothing until it is gone, then starts the next attempt."""
+    w = World()
+    w.until("Running")
+    node = w.pod_of(0).node
+    assert node is not None
+    w.node_down(node)
+    w.spec["suspend"] = True
+    w.step()
+    assert w.status.phase == "Suspended" and [p.name for p in w.pods.values()] == ["tiny-a0-0"]
+    w.spec["suspend"] = False
+    w.run(3)
+    assert w.status.phase == "Suspended" and sorted(w.pods) == ["tiny-a0-0"]
+    w.node_up(node)
+    del w.pods["tiny-a0-0"]  # its kubelet is back and confirms the deletion
+    w.step()
+    assert w.status.phase == "Pending" and w.status.attempt == 1
+    assert sorted(w.pods) == ["tiny-a1-0", "tiny-a1-1"]
+
+
 def test_a_job_created_suspended_creates_nothing() -> None:
     w = World(raw_spec(suspend=True))
     w.step()

@@ -251,11 +251,17 @@ def test_an_operator_crash_at_any_point_of_a_restart_leaves_one_gang(crash_after
     assert sorted(w.pods) == ["tiny-a1-0", "tiny-a1-1"]
 
 
-def test_a_stale_view_never_deletes_a_newer_gang() -> None:
+@pytest.mark.parametrize("seen", ["Running", "Restarting"])
+def test_a_stale_view_never_deletes_a_newer_gang(seen: str) -> None:
+    """A lagging cache still shows attempt 0 (Running before the fault, or Restarting) while
+    attempt 1's gang runs: the pass touches no pod."""
     w = running_world()
+    stale = w.status.model_copy(deep=True)
     w.fail(0)
     w.step()
-    stale = w.status.model_copy(deep=True)  # what a lagging cache still shows: Restarting, a0
+    if seen == "Restarting":
+        stale = w.status.model_copy(deep=True)
+    assert stale.phase == seen and stale.attempt == 0
     w.until("Running")
     from hlat_operator.reconcile import decide
 
@@ -273,6 +279,24 @@ def test_pods_of_an_older_attempt_are_removed_before_anything_else() -> None:
     w.pods["tiny-a0-0"] = ObservedPod("tiny-a0-0", 0, 0, phase="Running", node="node-c")
     d = w.step()
     assert [a.name for a in d.actions if isinstance(a, DeletePod)] == ["tiny-a0-0"]
+
+
+def test_a_lingering_pod_of_an_older_attempt_holds_back_the_new_gang() -> None:
+    """Attempt 1 is Pending with none of its pods yet (a pass cut short) and attempt 0's pod is
+    still there: it is deleted and nothing is created until it is gone."""
+    w = running_world()
+    w.fail(0)
+    w.step()
+    w.until("Pending")
+    from hlat_operator.observe import ObservedPod
+
+    w.pods.clear()
+    w.pods["tiny-a0-0"] = ObservedPod("tiny-a0-0", 0, 0, phase="Running", node="node-c")
+    d = w.step()
+    assert [a.name for a in d.actions if isinstance(a, DeletePod)] == ["tiny-a0-0"]
+    assert not any(isinstance(a, CreateObject) and a.obj["kind"] == "Pod" for a in d.actions)
+    w.step()
+    assert sorted(w.pods) == ["tiny-a1-0", "tiny-a1-1"]
 
 
 # --- uptime and recovery time ------------------------------------------------------------------

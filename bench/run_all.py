@@ -22,6 +22,8 @@ def main() -> int:
         ["bench_checkpoint.py"],
         ["bench_recovery.py"],  # needs root: it runs the local cluster
         ["bench_fleet.py"],  # simulated: writes docs/images/fleet-goodput.png
+        # the paper's precision, beta2 and spike-length findings: docs/images/fidelity-*.png
+        ["bench_fidelity.py", *(["--data", a.data] if a.data else [])],
     ]
     failed = 0
     for args in runs:

@@ -11,7 +11,10 @@ Design choices:
   optimizer partition, its data-parallel stream's loader position, its RNG); DCP de-duplicates
   what data-parallel replicas hold in common, so replicated weights are written once.
 - Asynchronous mode: `save` blocks only while DCP stages the state into host memory (a copy
-  the trainer may then overwrite); the write runs on DCP's background thread over a separate
+  the trainer may then overwrite). One stager serves the whole run: its host buffers (pinned
+  where CUDA is present) are allocated at the first save and refilled in place at every later
+  one, so a save costs one copy into memory it already has, not an allocation of the whole
+  state (the price: one staged copy of the state stays in host memory). The write runs on DCP's background thread over a separate
   gloo group (its collectives must not interleave with training's). Rank 0 writes `done` and
   purges old checkpoints from the future's completion callback, so a checkpoint is committed
   as soon as it is durable. A new save first waits for the previous one.
@@ -37,12 +40,14 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from hlat_api.layout import DONE, CheckpointEntry, latest_complete, list_checkpoints, step_dir
 from hlat_trainer.errors import UserError
@@ -135,10 +140,17 @@ class Checkpointer:
         (the heartbeat's `fenced_now`); a fenced trainer's checkpoints never get `done`."""
         # background saves talk over their own group, apart from training's collectives
         self.group: dist.ProcessGroup | None = None
+        self.stager: DefaultStager | None = None
+        """Host buffers the state is staged into, kept from save to save (see the module)."""
         if async_:
             group = dist.new_group(backend="gloo")
             assert isinstance(group, dist.ProcessGroup)
             self.group = group
+            cuda = torch.cuda.is_available()
+            # synchronous staging: when save returns, the copy is done and training may go on
+            self.stager = DefaultStager(StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                use_non_blocking_copy=False))
 
     @property
     def is_coordinator(self) -> bool:
@@ -159,7 +171,8 @@ class Checkpointer:
         delay = float(os.environ.get(WRITE_DELAY_ENV) or 0)
         writer = _DelayedWriter(target, delay) if delay else FileSystemWriter(target)
         if self.async_:
-            future = dcp_async_save(state, storage_writer=writer, process_group=self.group)
+            future = dcp_async_save(state, storage_writer=writer, process_group=self.group,
+                                    async_stager=self.stager)
             assert isinstance(future, Future)
             settled = threading.Event()
             future.add_done_callback(lambda f: self._on_written(step, f, start, settled))

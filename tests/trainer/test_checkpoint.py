@@ -1,0 +1,46 @@
+"""The checkpointer's asynchronous saves: staged once per save into buffers kept for the run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from hlat_api.layout import step_dir
+from hlat_trainer.checkpoint import Checkpointer
+
+
+def _join_alone() -> None:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0,  # type: ignore[attr-defined]
+                                world_size=1)
+
+
+def test_each_asynchronous_save_holds_its_own_step_s_values(tmp_path: Path) -> None:
+    """Training overwrites the weights in place the moment `save` returns, while the write of
+    that step (and, through the reused staging buffers, the next one's copy) is in flight:
+    every checkpoint still holds exactly the values of its own step."""
+    _join_alone()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    ck = Checkpointer(tmp_path, "job", keep=5, async_=True)
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(step)
+        expected[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        ck.save(step, {"model": model.state_dict()})
+        with torch.no_grad():  # the next steps train on at once, in place
+            for p in model.parameters():
+                p.mul_(-3.0)
+    ck.wait()
+    assert ck.committed == 3
+    for step, values in expected.items():
+        assert (step_dir(tmp_path, "job", step) / "done").exists()
+        loaded = {k: torch.zeros_like(v) for k, v in values.items()}
+        dcp_load({"model": loaded}, checkpoint_id=step_dir(tmp_path, "job", step))
+        for name, value in values.items():
+            assert torch.equal(loaded[name], value), (step, name)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from e2e_env import JOB, Env, report_recovery_log
 from e2e_spec import tiny_spec
+from kubernetes import client
 
 from hlat_testbed import faults
 from hlat_testbed.podfiles import PodNotFound
@@ -75,7 +76,7 @@ def losses(log: str) -> dict[int, list[float]]:
     return out
 
 
-def run_fault(job_env: Env, inject: Callable[[], object], reason: str,
+def run_fault(job_env: Env, inject: Callable[[], object], reason: str | set[str],
               steps: int = 40, **ft: object) -> Iterator[dict[str, object]]:
     job_env.create(in_place_spec(steps, **ft))
     with TrainerCensus(job_env) as census:
@@ -85,7 +86,8 @@ def run_fault(job_env: Env, inject: Callable[[], object], reason: str,
         fault_at = time.time()
         inject()
         restarting = job_env.wait("the restart", lambda s: s.get("attempt", 0) >= 1, 60)
-        assert restarting["lastFailure"]["reason"] == reason, restarting["lastFailure"]
+        reasons = {reason} if isinstance(reason, str) else reason
+        assert restarting["lastFailure"]["reason"] in reasons, restarting["lastFailure"]
         done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 240)
     yield {"done": done, "before": before, "fault_at": fault_at, "census": census}
 
@@ -153,6 +155,31 @@ def test_a_lost_node_s_pod_alone_is_recreated(job_env: Env) -> None:
     names = {p.metadata.name for p in job_env.pods()}
     assert names == {f"{JOB}-a0-0", f"{JOB}-a1-1"}, names
     report_recovery_log(job_env, "node lost, in place (its pod recreated)",
+                        job_env.cluster.pod_log(job_env.ns, f"{JOB}-a0-0"), 1,
+                        float(r["fault_at"]))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("how", ["deleted", "evicted"])
+def test_a_deleted_or_evicted_pod_alone_is_recreated(job_env: Env, how: str) -> None:
+    """Rank 1's pod deleted (kubectl delete) or evicted (the Eviction API, as a drain does):
+    only that pod is recreated, rank 0's pod and its launcher are kept. Both are
+    infrastructure faults (not counted against the budget)."""
+    victim = f"{JOB}-a0-1"
+
+    def remove() -> None:
+        if how == "deleted":
+            job_env.core.delete_namespaced_pod(victim, job_env.ns)
+        else:
+            job_env.core.create_namespaced_pod_eviction(victim, job_env.ns, client.V1Eviction(
+                metadata=client.V1ObjectMeta(name=victim, namespace=job_env.ns)))
+
+    # an eviction seen only once the pod is gone reads as PodDeleted (both infrastructure)
+    reasons = {"PodDeleted"} if how == "deleted" else {"Evicted", "PodDeleted"}
+    r = next(run_fault(job_env, remove, reasons))
+    check_in_place(job_env, r, kept=1, counted=0)
+    names = {p.metadata.name for p in job_env.pods()}
+    assert names == {f"{JOB}-a0-0", f"{JOB}-a1-1"}, names
+    report_recovery_log(job_env, f"pod {how}, in place (that pod recreated)",
                         job_env.cluster.pod_log(job_env.ns, f"{JOB}-a0-0"), 1,
                         float(r["fault_at"]))  # type: ignore[arg-type]
 

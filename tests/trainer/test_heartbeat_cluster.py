@@ -13,7 +13,7 @@ from kubernetes import client
 
 from hlat_api import ExitCode, Heartbeat
 from hlat_testbed.cluster import Cluster
-from hlat_testbed.testing import python_pod, terminated, wait_for, wait_pod_phase
+from hlat_testbed.testing import WaitTimeout, python_pod, terminated, wait_for, wait_pod_phase
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -62,13 +62,22 @@ def test_trainer_renews_its_lease_with_progress(
     start_trainer(cluster, namespace, config)
 
     renewals = set()
+    core = client.CoreV1Api(cluster.admin_api())
 
     def training() -> Heartbeat | None:
         beat, renewed = read_beat(cluster, namespace, "w-0")
         renewals.add(renewed)
+        phase = core.read_namespaced_pod("w-0", namespace).status.phase
+        assert phase in ("Pending", "Running"), (phase, cluster.pod_log(namespace, "w-0")[-3000:])
         return beat if beat and beat.phase == "training" and beat.step >= 3 else None
 
-    beat = wait_for(training, 240, "a training heartbeat past step 3", interval=0.2)
+    try:
+        beat = wait_for(training, 240, "a training heartbeat past step 3", interval=0.2)
+    except WaitTimeout as err:
+        pod = core.read_namespaced_pod("w-0", namespace)
+        raise AssertionError(f"{err}; pod {pod.status.phase} on {pod.spec.node_name}: "
+                             f"{pod.status.conditions}; log: "
+                             f"{cluster.pod_log(namespace, 'w-0')[-3000:]}") from err
     assert beat.loss is not None and beat.tokens > 0 and beat.step_seconds and beat.attempt == 0
     done = wait_pod_phase(client.CoreV1Api(cluster.admin_api()), namespace, "w-0",
                           {"Succeeded", "Failed"}, timeout=300)

@@ -21,6 +21,7 @@ from e2e_spec import tiny_spec
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from hlat_api import labels
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.demo import GROUP, PLURAL, VERSION, OperatorProcess, install_crd
 
@@ -182,3 +183,35 @@ def test_omitted_sections_are_defaulted_by_the_api_server(
     assert s["parallelism"]["pipeline"] == 1 and "tensor" not in s["parallelism"]
     assert s["scheduling"] == {"nodeSelector": {}, "tolerations": []} or s["scheduling"] == {}
     custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "defaults")
+
+
+EDGES = [
+    ("longest-name", {}),
+    ("whole-second-timeouts", {"faultTolerance.heartbeat": {
+        "timeoutSeconds": 1, "startupTimeoutSeconds": 1}}),
+    ("seq-len-at-the-model-s-maximum", {"data.seqLen": 128, "model.maxSeqLen": 128}),
+]
+
+
+@pytest.mark.parametrize("changes", [pytest.param(c, id=i) for i, c in EDGES])
+def test_valid_values_at_the_edge_of_a_rule_are_admitted(
+    changes: dict[str, Any], cluster: Cluster, namespace: str, operator: OperatorProcess,
+    request: pytest.FixtureRequest,
+) -> None:
+    """The other side of each rule: a name of exactly the longest length, 1-second timeouts,
+    seqLen equal to maxSeqLen are admitted by the API server (an inverted rule refuses them)."""
+    spec = copy.deepcopy(BASE)
+    for path, value in changes.items():
+        if isinstance(value, dict) and isinstance(spec.get(path), dict):
+            spec[path] = {**spec[path], **value}
+        else:
+            _set(spec, path, value)
+    spec["suspend"] = True  # admission is the point: no pods
+    longest = request.node.callspec.id == "longest-name"
+    name = "x" * labels.MAX_JOB_NAME if longest else "edge"
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "PretrainJob",
+            "metadata": {"name": name}, "spec": spec}
+    custom = client.CustomObjectsApi(cluster.admin_api())
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body,
+                                           field_validation="Strict")
+    custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)

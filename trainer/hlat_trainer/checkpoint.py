@@ -44,10 +44,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from hlat_api.layout import DONE, CheckpointEntry, latest_complete, list_checkpoints, step_dir
 from hlat_trainer.errors import UserError

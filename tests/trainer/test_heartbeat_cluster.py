@@ -58,7 +58,9 @@ def test_trainer_renews_its_lease_with_progress(
     cluster: Cluster, namespace: str, write_config: Callable[..., Path]
 ) -> None:
     grant_own_lease(cluster, namespace, "w-0")
-    config = write_config(train__steps=30, checkpoint__interval=10)
+    # long enough for several 0.5 s beats while training (30 tiny steps took about one period:
+    # the beat past step 3 was sometimes never published before the trainer finished)
+    config = write_config(train__steps=600, checkpoint__interval=200)
     start_trainer(cluster, namespace, config)
 
     renewals = set()
@@ -84,7 +86,7 @@ def test_trainer_renews_its_lease_with_progress(
     assert terminated(done).exit_code == 0, cluster.pod_log(namespace, "w-0")[-3000:]
     final, _ = read_beat(cluster, namespace, "w-0")
     assert final is not None and final.phase == "finished"
-    assert (final.step, final.checkpoint_step) == (30, 30)
+    assert (final.step, final.checkpoint_step) == (600, 600)
     # the loop's own clock moved on with it, and the saves' length was reported
     assert beat.progress_time and final.progress_time and final.progress_time > beat.progress_time
     assert final.checkpoint_seconds is not None and final.checkpoint_seconds > 0

@@ -14,8 +14,9 @@ Design choices:
   the trainer may then overwrite). One stager serves the whole run: its host buffers (pinned
   where CUDA is present) are allocated at the first save and refilled in place at every later
   one, so a save costs one copy into memory it already has, not an allocation of the whole
-  state (the price: one staged copy of the state stays in host memory). The write runs on DCP's background thread over a separate
-  gloo group (its collectives must not interleave with training's). Rank 0 writes `done` and
+  state (the price: one staged copy of the state stays in host memory). The write runs on
+  DCP's background thread over a separate gloo group (its collectives must not interleave
+  with training's). Rank 0 writes `done` and
   purges old checkpoints from the future's completion callback, so a checkpoint is committed
   as soon as it is durable. A new save first waits for the previous one.
 - Resume: the newest complete checkpoint that loads; if it cannot be read (truncated or corrupt

@@ -30,8 +30,11 @@ lint: setup
 	.venv/bin/lint-imports
 	.venv/bin/hadolint Dockerfile.trainer Dockerfile.operator
 
+# the control plane's binaries are built (once, cached outside the repo) before pytest starts;
+# then two pytest workers, each with a local cluster of its own, take whole test files
 test: lint .venv-xla/.synced
-	.venv/bin/pytest --ignore=tests/xla
+	$(PY) -m hlat_testbed.build
+	.venv/bin/pytest --ignore=tests/xla -n 2 --dist loadfile
 	$(MAKE) --no-print-directory test-xla
 
 test-fast: setup

@@ -190,12 +190,13 @@ class Cluster:
             logs.rename(previous)
 
     def _wipe_state(self) -> None:
-        """Remove everything but the logs (kept for a post-mortem until the next ``up``)."""
+        """Remove everything but the logs (kept for a post-mortem until the next ``up``) and
+        ``config.json`` (a cluster beside the shared one keeps its bridge, subnet and ports)."""
         state = self.config.state
         if not state.exists():
             return
         for child in state.iterdir():
-            if child.name.startswith("logs"):
+            if child.name.startswith("logs") or child.name == "config.json":
                 continue
             if child.is_dir():
                 shutil.rmtree(child, ignore_errors=True)

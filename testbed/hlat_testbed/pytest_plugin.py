@@ -9,6 +9,12 @@
 - ``core``: a ``CoreV1Api`` as the cluster admin.
 - ``helm`` (session): the Helm CLI built from its Go module (no cluster needed).
 
+Under pytest-xdist (``make test`` runs ``-n 2 --dist loadfile``) each worker has a cluster of its
+own: worker ``gw0`` the shared one, worker ``gwN`` one in ``~/.cache/hlat/cluster-gwN`` on bridge
+``hlatN``, subnet ``10.(244+N).0.0/16`` and etcd ports ``2379+10N`` (see ``worker_cluster_config``).
+A test module keeps one worker for all its tests (its operator watches every ``test-*``
+namespace of its cluster, so two modules must never share one).
+
 Only tests that request these fixtures (mark them ``@pytest.mark.cluster``) start a cluster; the
 unit tests never do. When such tests are collected and the binaries are not cached yet, they are
 built right after collection, outside any test, so a cold build (about 10 minutes on 2 cores)
@@ -30,6 +36,7 @@ from kubernetes import client
 
 from hlat_testbed import build
 from hlat_testbed.cluster import Cluster
+from hlat_testbed.config import ClusterConfig
 from hlat_testbed.testing import wait_for
 
 DEFAULT_TEST_NODES = 3
@@ -37,6 +44,29 @@ DEFAULT_TEST_NODES = 3
 
 def _progress(line: str) -> None:
     print(f"[hlat-cluster] {line}", file=sys.stderr, flush=True)
+
+
+def worker_cluster_config(worker: str) -> ClusterConfig | None:
+    """The cluster of pytest-xdist worker ``worker`` (``gw3``): None for ``gw0`` (the shared
+    cluster), else one that shares no state directory, bridge, subnet or port with the others."""
+    index = int(worker.removeprefix("gw"))
+    if index == 0:
+        return None
+    return ClusterConfig(name=f"hlat-gw{index}", state_dir=str(build.cache_root() / f"cluster-gw{index}"),
+                         bridge=f"hlat{index}", subnet=f"10.{244 + index}.0.0/16",
+                         etcd_port=2379 + 10 * index)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On an xdist worker other than the first, point ``HLAT_CLUSTER_DIR`` at the worker's own
+    cluster before anything reads it (this process and the tools the tests start alike)."""
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    own = worker_cluster_config(worker) if worker else None
+    if own is None:
+        return
+    own.state.mkdir(parents=True, exist_ok=True)
+    own.save()
+    os.environ["HLAT_CLUSTER_DIR"] = own.state_dir
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -38,6 +38,10 @@ class Env(StrEnum):
     EXIT_FILE = "HLAT_EXIT_FILE"
     """Where a trainer that fails for good writes its exit code (set by hlat-launch, which
     makes it the pod's: torchrun reports every failed worker as 1)."""
+    STARTED_FILE = "HLAT_STARTED_FILE"
+    """A file the trainer creates once it has taken its attempt's first training step (set by
+    hlat-launch under InPlace: it starts the next warm standbys only then, so that their
+    imports take no CPU from the attempt's own start)."""
     GANG_LEASE = "HLAT_GANG_LEASE"
     """Name of the job's restart record (a Lease, `labels.gang_lease_name`): set only under
     `restartStrategy: InPlace`, where the launcher polls it for a new attempt."""

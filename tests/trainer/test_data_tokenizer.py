@@ -106,3 +106,27 @@ def test_ambiguous_special_tokens_are_refused(tmp_path: Path) -> None:
     path = train_bpe(tmp_path / "two.json", ["<x>", "<y>"])
     with pytest.raises(UserError, match=r"two\.json has several special tokens \['<x>', '<y>'\]"):
         load_tokenizer(str(path))
+
+
+def test_a_tokenizer_parsed_ahead_is_taken_once_and_never_when_the_file_changed(
+        tmp_path: Path) -> None:
+    """What a warm standby trainer does before its attempt: the parse it did is the one the
+    attempt's loader gets, used once (two loaders never share one), and a file that changed
+    in between is parsed again (the attempt sees the file as it is)."""
+    from hlat_trainer.data import tokenizer as module
+
+    path = train_bpe(tmp_path / "tok.json", ["<|endoftext|>"])
+    module.parse_ahead(str(path))
+    ahead = module._parsed_ahead[path][1]
+    first, second = load_tokenizer(str(path)), load_tokenizer(str(path))
+    assert isinstance(first, HFTokenizer) and isinstance(second, HFTokenizer)
+    assert first._tok is ahead and second._tok is not ahead
+    assert first.encode_batch(CORPUS[:2]) == second.encode_batch(CORPUS[:2])
+
+    module.parse_ahead(str(path))
+    stale = module._parsed_ahead[path][1]
+    train_bpe(path, ["<|endoftext|>"], vocab=280)  # the file changes before the attempt
+    changed = load_tokenizer(str(path))
+    assert isinstance(changed, HFTokenizer)
+    assert changed._tok is not stale
+    assert changed.vocab_size == 280 and not module._parsed_ahead

@@ -5,7 +5,9 @@ environment torchrun would give them: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_
 GROUP_RANK, MASTER_ADDR, MASTER_PORT; static rendezvous at node rank 0's stable hostname) and
 supervises them:
 - The job's restart record (`hlat_api.gang`, a Lease the operator writes, get-only for
-  workers) is polled every `POLL_SECONDS`. When its attempt moves past the running one, every
+  workers) is polled every `POLL_SECONDS` (`FAILED_POLL_SECONDS` while this node's trainer has
+  failed and the next attempt is awaited); the worker processes are looked at every
+  `CHECK_SECONDS`. When its attempt moves past the running one, every
   worker of the old attempt is stopped (SIGTERM to its process group, SIGKILL after
   `STOP_GRACE_SECONDS`: a worker stuck in a collective or frozen does not hold the restart),
   waited for until gone, and the new attempt's workers are started with its attempt, Lease
@@ -20,7 +22,10 @@ supervises them:
 - Warm standby: for every local rank a process is kept started ahead of time with torch and
   the trainer imported (`hlat_trainer.standby`), waiting on its stdin for the attempt's
   environment; a restart costs the rendezvous and the checkpoint load, not the imports. The
-  next standbys are started as soon as the current ones are handed an attempt. Each costs the
+  next standbys are started once the attempt's trainers have taken their first step (they say
+  so with HLAT_STARTED_FILE), at most `STANDBY_DELAY_SECONDS` after the attempt began: starting
+  one imports torch, which would take CPU from the attempt's own start; a fault before that
+  restarts from a cold process. Each costs the
   memory of an idle interpreter with torch loaded (about 300 MiB on CPU).
 
 The launcher's kubernetes client uses the pod's service-account token, as the heartbeat does;
@@ -51,12 +56,20 @@ from hlat_api.gang import GangRecord
 log = logging.getLogger("hlat_launch")
 
 POLL_SECONDS = 0.5
+"""How often the restart record is read (one GET per launcher)."""
+FAILED_POLL_SECONDS = 0.1
+"""How often while this node's trainer has failed and the next attempt is awaited (a few
+seconds at most per fault: the operator publishes it within its backoff)."""
+CHECK_SECONDS = 0.05
+"""How often the launcher looks at its own worker processes (no API request): a worker's exit
+is reported within this, not within a record poll."""
 RENDEZVOUS_PORTS = 16
 """Attempt N rendezvous at HLAT_MASTER_PORT + N % 16: a fresh store per attempt, so a
 straggler of the previous attempt (a process still dying, reconnecting to the port it knew)
 can never meet the new one's (a port reused at once let attempts stall at rendezvous)."""
 STOP_GRACE_SECONDS = 5.0
 WAIT_MARGIN_SECONDS = 120.0
+STANDBY_DELAY_SECONDS = 60.0
 TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 
 
@@ -157,9 +170,10 @@ class Standby:
     """A worker process started ahead of time: torch and the trainer imported, waiting on its
     stdin for the environment and arguments of the attempt it will run."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], argv: Sequence[str] = ()) -> None:
+        """`argv`: the trainer's arguments, for the standby to prepare what they name."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hlat_trainer.standby"], env=dict(env),
+            [sys.executable, "-m", "hlat_trainer.standby", *argv], env=dict(env),
             stdin=subprocess.PIPE, start_new_session=True)
 
     def go(self, env: Mapping[str, str], argv: Sequence[str]) -> subprocess.Popen[bytes]:
@@ -213,6 +227,9 @@ class Agent:
     """A spare pod: no trainer until the restart record names this pod with a node rank."""
     clock: Callable[[], float] = time.monotonic
     standbys: list[Standby] = field(default_factory=list)
+    standbys_due: float | None = None
+    """When to start the next standbys at the latest (None: they run, or none are kept)."""
+    started_file: Path | None = None
     exit_file: Path | None = None
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -220,6 +237,7 @@ class Agent:
         job = self.env.get(Env.JOB_NAME, "")
         exit_dir = Path(tempfile.mkdtemp(prefix="hlat-launch-"))
         return {Env.ATTEMPT: str(attempt), Env.STEPS_DONE: str(steps_done),
+                Env.STARTED_FILE: str(exit_dir / "started"),
                 Env.HEARTBEAT_LEASE: labels.worker_lease_name(job, attempt,
                                                               self.layout.node_rank),
                 Env.LAUNCHED_MONOTONIC: f"{started:.6f}",
@@ -231,13 +249,15 @@ class Agent:
                 else self.layout.master_port + attempt % RENDEZVOUS_PORTS)
         common = self._attempt_env(attempt, steps_done, started)
         self.exit_file = Path(common[Env.EXIT_FILE])
+        self.started_file = Path(common[Env.STARTED_FILE])
         procs = []
         for local in range(self.layout.nproc):
             env = {**common, **self.layout.worker_env(local, port)}
             ready = self.warm and len(self.standbys) == self.layout.nproc
-            standby = self.standbys[local] if ready else Standby(self.env)
+            standby = self.standbys[local] if ready else Standby(self.env, self.argv)
             procs.append(standby.go(env, self.argv))
-        self.standbys = [Standby(self.env) for _ in range(self.layout.nproc)] if self.warm else []
+        self.standbys = []
+        self.standbys_due = self.clock() + STANDBY_DELAY_SECONDS if self.warm else None
         self.procs = procs
         print(f"hlat-launch: attempt {attempt}: started {len(procs)} worker(s) "
               f"(pids {', '.join(str(p.pid) for p in procs)})", file=sys.stderr, flush=True)
@@ -245,13 +265,21 @@ class Agent:
 
     def run(self, attempt: int, steps_done: int, started: float) -> int:
         if self.warm:
-            self.standbys = [Standby(self.env) for _ in range(self.layout.nproc)]
+            self.standbys = [Standby(self.env, self.argv) for _ in range(self.layout.nproc)]
         try:
             return self._loop(attempt, steps_done, started)
         finally:  # SIGTERM from the kubelet (SystemExit) or done: leave no process behind
             stop_all(self.procs, STOP_GRACE_SECONDS)
             for standby in self.standbys:
                 standby.discard()
+
+    def _keep_standbys(self) -> None:
+        if self.standbys_due is None:
+            return
+        if self.clock() >= self.standbys_due or (self.started_file is not None
+                                                  and self.started_file.exists()):
+            self.standbys = [Standby(self.env, self.argv) for _ in range(self.layout.nproc)]
+            self.standbys_due = None
 
     def _rank(self, record: GangRecord) -> int | None:
         """This node's rank in the record's attempt; None: still a spare."""
@@ -267,9 +295,15 @@ class Agent:
         master = self.layout.master_addr
         failed_at: float | None = None
         code = 0
+        next_read = self.clock()
         while True:
-            time.sleep(POLL_SECONDS)
-            record = self.control.record()
+            time.sleep(CHECK_SECONDS)
+            self._keep_standbys()
+            record = None
+            if self.clock() >= next_read:
+                next_read = self.clock() + (POLL_SECONDS if failed_at is None
+                                            else FAILED_POLL_SECONDS)
+                record = self.control.record()
             rank = self._rank(record) if record is not None else None
             if record is not None and record.attempt > attempt and rank is not None:
                 began = self.clock()
@@ -303,7 +337,7 @@ class Agent:
             print(f"hlat-launch: attempt {attempt}: a worker exited with {code}; waiting for "
                   "the next attempt", file=sys.stderr, flush=True)
             self.control.report_exit(attempt, code)
-            failed_at = self.clock()
+            failed_at = next_read = self.clock()
 
 
 def _exit_code(codes: Sequence[int | None], exit_file: Path | None) -> int:

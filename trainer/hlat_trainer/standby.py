@@ -1,7 +1,9 @@
 """A warm standby worker (`python -m hlat_trainer.standby`), started by the in-place agent
 (`hlat_trainer.agent`) ahead of the attempt it will run.
 
-It imports torch and the trainer, then blocks on one line of JSON on its stdin:
+It imports torch and the trainer and does ahead what every attempt does the same way (`prewarm`:
+the modules the trainer imports lazily, the tokenizer parsed), then blocks on one line of JSON
+on its stdin:
 `{"env": {...}, "argv": [...]}`, the attempt's environment (rank, rendezvous, Lease, attempt)
 and the trainer's arguments. It adds the environment and runs the trainer exactly as
 `python -m hlat_trainer` would. End of input without a line: it was not needed; it exits 0.
@@ -27,12 +29,33 @@ def set_process_name(name: bytes) -> None:
         ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)
 
 
-def main() -> int:
+def prewarm(argv: list[str]) -> None:
+    """What an attempt would otherwise pay for after the restart, done while waiting: the
+    modules imported on first use (DeviceMesh imports torch._dynamo at its first sub-mesh,
+    0.8 s on CPU; DCP at the first checkpoint) and the job's tokenizer parsed. Anything wrong
+    here (a config that does not load) is left for the attempt itself to report."""
+    import torch._dynamo
+    import torch.distributed.checkpoint  # noqa: F401
+
+    from hlat_api import load_job
+    from hlat_trainer.cli import parse_args
+    from hlat_trainer.data.tokenizer import parse_ahead
+
+    try:
+        args = parse_args(argv)
+        parse_ahead(load_job(args.config, args.overrides, name=args.job_name).spec.data.tokenizer)
+    except (Exception, SystemExit):  # the attempt reports it, naming the field
+        return
+
+
+def main(argv: list[str] | None = None) -> int:
     set_process_name(WAITING_NAME)
     import torch  # noqa: F401  (the point: paid for before the restart, not during it)
 
     import hlat_trainer.train  # noqa: F401
     from hlat_trainer.cli import main as train
+
+    prewarm(sys.argv[1:] if argv is None else argv)
 
     line = sys.stdin.readline()
     if not line.strip():

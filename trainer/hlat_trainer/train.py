@@ -69,6 +69,16 @@ def _exit_for_drills() -> None:
         raise SystemExit(1)
 
 
+def _say_started() -> None:
+    """Create hlat-launch's HLAT_STARTED_FILE (if it set one): the attempt is training."""
+    path = os.environ.get(Env.STARTED_FILE)
+    if path:
+        try:
+            open(path, "a").close()
+        except OSError as err:  # the launcher then starts its standbys after its bound
+            log.warning("could not create %s (%s): %s", Env.STARTED_FILE, path, err)
+
+
 def _linger_for_drills() -> None:
     path = os.environ.get(LINGER_ENV)
     deadline = time.monotonic() + 3600
@@ -322,6 +332,8 @@ class Trainer:
         try:
             for step in range(first, total + 1):
                 done = self.train_step(batches, step)
+                if step == first:
+                    _say_started()
                 wait = done.result.data_wait_seconds
                 blocked = None
                 if step % self.spec.checkpoint.interval == 0 or step == total:

@@ -77,7 +77,7 @@ class HFTokenizer:
     def __init__(self, path: Path, eos_token: str | None = None) -> None:
         self.path = path
         raw = _read_tokenizer_file(path)
-        self._tok = _parse_tokenizer(path, raw)
+        self._tok = _take_parsed(path, raw) or _parse_tokenizer(path, raw)
         # files from model hubs may enable these; either would corrupt packed documents
         self._tok.no_padding()
         self._tok.no_truncation()
@@ -108,6 +108,26 @@ def load_tokenizer(spec: str, eos_token: str | None = None) -> Tokenizer:
     if spec == BYTES_SPEC:
         return ByteTokenizer()
     return HFTokenizer(Path(spec), eos_token)
+
+
+_parsed_ahead: dict[Path, tuple[bytes, _HFTokenizer]] = {}
+
+
+def parse_ahead(spec: str) -> None:
+    """Parse the tokenizer file that `data.tokenizer` names now, for the next `load_tokenizer`
+    of it in this process to take (a warm standby trainer does this before its attempt: a large
+    vocabulary takes a fraction of a second to parse). Used once: never shared by two loaders.
+    The file is read again then, and a file changed meanwhile is parsed again."""
+    if spec == BYTES_SPEC:
+        return
+    path = Path(spec)
+    raw = _read_tokenizer_file(path)
+    _parsed_ahead[path] = (raw, _parse_tokenizer(path, raw))
+
+
+def _take_parsed(path: Path, raw: bytes) -> _HFTokenizer | None:
+    ahead = _parsed_ahead.pop(path, None)
+    return ahead[1] if ahead is not None and ahead[0] == raw else None
 
 
 def _read_tokenizer_file(path: Path) -> bytes:

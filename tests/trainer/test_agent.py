@@ -1,0 +1,94 @@
+"""The in-place launcher's bookkeeping of warm standbys (`hlat_trainer.agent.Agent`), with the
+standby processes replaced by records of what the agent asked of them (the real ones, and
+restarts through them, run in tests/operator/test_e2e_inplace.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from hlat_api import Env
+from hlat_trainer import agent
+
+
+class Recorded:
+    """Stands in for `agent.Standby`: remembers the attempt it was handed."""
+
+    made: ClassVar[list[Recorded]] = []
+
+    def __init__(self, env: Mapping[str, str], argv: Sequence[str] = ()) -> None:
+        self.argv, self.handed = list(argv), None
+        Recorded.made.append(self)
+
+    def go(self, env: Mapping[str, str], argv: Sequence[str]) -> Any:
+        self.handed = dict(env)
+        return type("Proc", (), {"pid": 4242, "poll": lambda _: None})()
+
+    def discard(self) -> None:
+        pass
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def launcher(monkeypatch: pytest.MonkeyPatch) -> tuple[agent.Agent, Clock]:
+    Recorded.made = []
+    monkeypatch.setattr(agent, "Standby", Recorded)
+    clock = Clock()
+    layout = agent.NodeLayout(nnodes=2, nproc=2, node_rank=1, master_addr="job-0.job",
+                              master_port=29500)
+    run = agent.Agent(layout, ["--config", "/etc/hlat/config.json"], {}, control=None,  # type: ignore[arg-type]
+                      wait_bound=60, clock=clock)
+    run.standbys = [Recorded({}, run.argv) for _ in range(2)]  # what run() starts first
+    return run, clock
+
+
+def test_next_standbys_start_once_the_attempt_has_taken_its_first_step(
+        launcher: tuple[agent.Agent, Clock]) -> None:
+    run, clock = launcher
+    warm = list(run.standbys)
+    run._start(attempt=3, steps_done=40, started=clock())
+    assert [s.handed is not None for s in warm] == [True, True]  # the attempt ran on them
+    assert all(s.argv == run.argv for s in warm)  # they could prepare what the job names
+    started = Path(warm[0].handed[Env.STARTED_FILE])  # type: ignore[index]
+    assert warm[1].handed[Env.STARTED_FILE] == str(started)  # type: ignore[index]
+    assert warm[0].handed[Env.ATTEMPT] == "3" and warm[1].handed["RANK"] == "3"  # type: ignore[index]
+
+    clock.now += 5
+    run._keep_standbys()
+    assert run.standbys == []  # the attempt is still starting: its CPU is its own
+    started.touch()  # what the trainer does after its first step
+    run._keep_standbys()
+    assert len(run.standbys) == 2 and all(s.handed is None for s in run.standbys)
+    run._keep_standbys()
+    assert len(Recorded.made) == 4  # started once, not at every look
+
+
+def test_a_trainer_that_never_says_it_started_gets_standbys_after_the_bound(
+        launcher: tuple[agent.Agent, Clock]) -> None:
+    run, clock = launcher
+    run._start(attempt=1, steps_done=0, started=clock())
+    clock.now += agent.STANDBY_DELAY_SECONDS - 0.1
+    run._keep_standbys()
+    assert run.standbys == []
+    clock.now += 0.2
+    run._keep_standbys()
+    assert len(run.standbys) == 2
+
+
+def test_without_warm_standbys_none_are_started(launcher: tuple[agent.Agent, Clock]) -> None:
+    run, clock = launcher
+    run.warm, run.standbys, Recorded.made = False, [], []
+    run._start(attempt=1, steps_done=0, started=clock())
+    clock.now += agent.STANDBY_DELAY_SECONDS + 1
+    run._keep_standbys()
+    assert run.standbys == [] and len(Recorded.made) == 2  # only the attempt's own

@@ -229,6 +229,33 @@ def _seen_from(stale: Staleness, back: datetime) -> Staleness:
     return replace(stale, since=max(stale.since, back), renewed=renewed)
 
 
+def _judged(spec: PretrainJobSpec, pods: list[ObservedPod], observed: Observed,
+            settings: OperatorSettings) -> list[tuple[ObservedPod, Staleness]]:
+    """The running workers whose heartbeats are judged, each with the timeout that applies."""
+    out = []
+    gang_started = max((p.started_at for p in pods if p.started_at), default=None)
+    for pod in pods:
+        if pod.phase != "Running" or pod.terminating:
+            continue
+        stale = staleness(spec, pod, observed.lease_of(pod), settings, gang_started)
+        if stale is None:
+            continue
+        if observed.seeing_since is not None:  # nothing could renew while it was away
+            stale = _seen_from(stale, observed.seeing_since)
+        out.append((pod, stale))
+    return out
+
+
+def seconds_to_next_timeout(spec: PretrainJobSpec, attempt: int, observed: Observed,
+                            now: datetime, settings: OperatorSettings) -> float | None:
+    """Seconds until the first worker of `attempt` passes its timeout if nothing renews
+    meanwhile (0: already past); None: no worker is judged. A pass due then finds a hang when
+    its timeout runs out, not up to a resync period later."""
+    left = [stale.timeout - (now - stale.since).total_seconds()
+            for _, stale in _judged(spec, observed.pods_of(attempt), observed, settings)]
+    return max(0.0, min(left)) if left else None
+
+
 def _heartbeat_fault(
     spec: PretrainJobSpec,
     pods: list[ObservedPod],
@@ -242,16 +269,7 @@ def _heartbeat_fault(
     expiry = EXPIRY_PERIODS * settings.heartbeat_period_seconds
     hung: list[tuple[float, ObservedPod, Staleness]] = []
     silent: list[tuple[float, ObservedPod, Staleness]] = []
-    gang_started = max((p.started_at for p in pods if p.started_at), default=None)
-    for pod in pods:
-        if pod.phase != "Running" or pod.terminating:
-            continue
-        lease = observed.lease_of(pod)
-        stale = staleness(spec, pod, lease, settings, gang_started)
-        if stale is None:
-            continue
-        if observed.seeing_since is not None:  # nothing could renew while it was away
-            stale = _seen_from(stale, observed.seeing_since)
+    for pod, stale in _judged(spec, pods, observed, settings):
         over = (now - stale.since).total_seconds() - stale.timeout
         if over > 0:
             hung.append((over, pod, stale))

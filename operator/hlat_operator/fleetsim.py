@@ -118,7 +118,8 @@ class ClusterTimes:
     """Node lifecycle controller's grace before NotReady: 40 s by default on EKS (benchmarks
     section 5; the local rig uses 16 s and detects in 19.8 s)."""
     resync_s: float = _OPERATOR.resync_seconds
-    """Operator resync: a fault found by polling (hang, lost node) waits half of it on average."""
+    """Operator resync: a lost node (found by polling node conditions) waits half of it on
+    average; a hang does not (the operator's next pass is due when the first timeout runs out)."""
     heartbeat_floor_s: float = _OPERATOR.min_heartbeat_timeout_seconds
     """Floor of the learned heartbeat timeout (OperatorSettings)."""
     heartbeat_period_s: float = _OPERATOR.heartbeat_period_seconds
@@ -152,7 +153,7 @@ class ClusterTimes:
         start, poll = self.gang_start_s(), self.resync_s / 2
         return {
             "crash": FaultCost(self.crash_detection_s, self.backoff_s + start),
-            "hang": FaultCost(self.heartbeat_timeout_s() + poll,
+            "hang": FaultCost(self.heartbeat_timeout_s(),
                               max(self.backoff_s, self.termination_grace_s) + start),
             "node_lost": FaultCost(self.node_monitor_grace_s + poll,
                                    max(self.backoff_s, self.force_delete_s)

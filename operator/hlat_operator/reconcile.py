@@ -41,7 +41,13 @@ from hlat_api.spec import PretrainJobSpec
 from hlat_api.status import AvoidedNode, Condition, Failure, Phase, PretrainJobStatus, Spares
 from hlat_operator import accounting, builders
 from hlat_operator.config import OperatorSettings
-from hlat_operator.faults import Fault, detect_fault, heartbeat_ages, node_dead
+from hlat_operator.faults import (
+    Fault,
+    detect_fault,
+    heartbeat_ages,
+    node_dead,
+    seconds_to_next_timeout,
+)
 from hlat_operator.kube import Object
 from hlat_operator.observe import (
     Observed,
@@ -57,6 +63,8 @@ ACTIVE: tuple[Phase, ...] = ("Pending", "Running")
 """An attempt's gang exists (its goodput window runs)."""
 PHASE_CONDITIONS = ("Running", "Restarting", "Suspended", "Succeeded", "Failed")
 IN_PLACE_FAILURES_BEFORE_RECREATE = 2
+TIMEOUT_CHECK_MARGIN_SECONDS = 0.1
+"""A pass due at a heartbeat timeout runs this much after it, so the timeout has run out."""
 """In-place attempts in a row that fail before all their workers train, after which the next
 restart recreates the gang (a pod may be broken in a way its launcher cannot see)."""
 
@@ -772,6 +780,9 @@ def _active(p: _Pass, spec: PretrainJobSpec) -> None:
         p.condition("Restarting", False, Reason.RUNNING, "the new gang runs")
     if p.status.phase == "Running":
         _update_ready(p, spec, pods)
+        left = seconds_to_next_timeout(spec, attempt, p.observed, p.now, p.settings)
+        if left is not None:  # judged when the first timeout runs out, not a resync later
+            p.after(left + TIMEOUT_CHECK_MARGIN_SECONDS)
     p.after(p.settings.resync_seconds)
 
 

@@ -480,3 +480,18 @@ def test_after_an_outage_a_node_still_not_ready_is_lost_after_the_grace() -> Non
     assert w.status.phase == "Restarting"
     assert w.status.last_failure is not None
     assert (w.status.last_failure.reason, w.status.last_failure.node) == (Reason.NODE_LOST, node)
+
+
+def test_the_next_pass_is_due_when_the_first_heartbeat_timeout_runs_out() -> None:
+    """Hang detection within a fraction of a second of the timeout, not up to a resync period
+    (10 s here) later: a running gang's pass asks to be run again when the first worker's
+    timeout (7 s: 5 x 0.5 s steps, at least 5 s, + a 2 s period) would run out."""
+    w = running_world()
+    w.advance(3)
+    decision = w.step()
+    assert decision.requeue_after == pytest.approx(7 - 3 + 0.1, abs=0.01)
+    w.advance(4.1)
+    w.step()
+    assert w.status.phase == "Restarting"  # that pass found the hang
+    assert w.status.last_failure is not None
+    assert w.status.last_failure.reason == Reason.HEARTBEAT_TIMEOUT

@@ -42,6 +42,10 @@ class Env(StrEnum):
     """A file the trainer creates once it has taken its attempt's first training step (set by
     hlat-launch under InPlace: it starts the next warm standbys only then, so that their
     imports take no CPU from the attempt's own start)."""
+    PEAK_FLOPS_FILE = "HLAT_PEAK_FLOPS_FILE"
+    """Where a trainer on CPU keeps the peak FLOP/s it measured for MFU (JSON by device and
+    dtype), for the next attempts in the same pod to reuse (set by hlat-launch under InPlace:
+    the probe takes a fraction of a second of every start)."""
     GANG_LEASE = "HLAT_GANG_LEASE"
     """Name of the job's restart record (a Lease, `labels.gang_lease_name`): set only under
     `restartStrategy: InPlace`, where the launcher polls it for a new attempt."""

@@ -92,3 +92,18 @@ def test_without_warm_standbys_none_are_started(launcher: tuple[agent.Agent, Clo
     clock.now += agent.STANDBY_DELAY_SECONDS + 1
     run._keep_standbys()
     assert run.standbys == [] and len(Recorded.made) == 2  # only the attempt's own
+
+
+def test_attempts_of_one_pod_share_what_they_hand_on_and_nothing_else(
+        launcher: tuple[agent.Agent, Clock]) -> None:
+    """The peak-FLOP file lives as long as the pod; the started and exit files are the
+    attempt's own (an old attempt's marker must not start the next standbys early)."""
+    run, clock = launcher
+    run._start(attempt=1, steps_done=0, started=clock())
+    first = Recorded.made[0].handed
+    run._start(attempt=2, steps_done=10, started=clock())
+    second = Recorded.made[-1].handed
+    assert first is not None and second is not None
+    assert first[Env.PEAK_FLOPS_FILE] == second[Env.PEAK_FLOPS_FILE]
+    assert first[Env.STARTED_FILE] != second[Env.STARTED_FILE]
+    assert first[Env.EXIT_FILE] != second[Env.EXIT_FILE]

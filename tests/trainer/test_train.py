@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import urllib.request
@@ -211,3 +212,22 @@ def test_a_fenced_trainer_marks_no_checkpoint_complete(make_job: Callable[..., J
         assert not (step_dir(root, "job", 4) / "done").exists(), async_
         assert trainer.engine.committed == 2
         shutil.rmtree(root)
+
+
+def test_the_cpu_peak_flops_are_measured_once_per_pod_and_device_type(tmp_path: Path) -> None:
+    """hlat-launch gives every attempt of a pod the same HLAT_PEAK_FLOPS_FILE: the next
+    attempt reuses the measured peak (the probe is a fraction of a second of each restart);
+    another dtype is measured on its own; an unreadable file is measured over."""
+    from hlat_trainer.train import known_peak_flops
+
+    path = tmp_path / "peak-flops.json"
+    cpu = torch.device("cpu")
+    first = known_peak_flops(cpu, torch.float32, str(path))
+    assert first > 0 and json.loads(path.read_text()) == {"cpu/float32": first}
+    assert known_peak_flops(cpu, torch.float32, str(path)) == first  # read, not re-measured
+    bf16 = known_peak_flops(cpu, torch.bfloat16, str(path))
+    assert json.loads(path.read_text()) == {"cpu/float32": first, "cpu/bfloat16": bf16}
+    path.write_text("{not json")
+    again = known_peak_flops(cpu, torch.float32, str(path))
+    assert again > 0 and json.loads(path.read_text()) == {"cpu/float32": again}
+    assert known_peak_flops(cpu, torch.float32, None) > 0 and not (tmp_path / "None").exists()

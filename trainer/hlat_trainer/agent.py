@@ -230,14 +230,18 @@ class Agent:
     standbys_due: float | None = None
     """When to start the next standbys at the latest (None: they run, or none are kept)."""
     started_file: Path | None = None
+    scratch: Path | None = None
     exit_file: Path | None = None
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def _attempt_env(self, attempt: int, steps_done: int, started: float) -> dict[str, str]:
         job = self.env.get(Env.JOB_NAME, "")
         exit_dir = Path(tempfile.mkdtemp(prefix="hlat-launch-"))
+        if self.scratch is None:  # lives as long as the pod: what attempts hand on
+            self.scratch = Path(tempfile.mkdtemp(prefix="hlat-pod-"))
         return {Env.ATTEMPT: str(attempt), Env.STEPS_DONE: str(steps_done),
                 Env.STARTED_FILE: str(exit_dir / "started"),
+                Env.PEAK_FLOPS_FILE: str(self.scratch / "peak-flops.json"),
                 Env.HEARTBEAT_LEASE: labels.worker_lease_name(job, attempt,
                                                               self.layout.node_rank),
                 Env.LAUNCHED_MONOTONIC: f"{started:.6f}",

@@ -26,11 +26,14 @@ read the same one. The logged loss is the mean over data-parallel ranks.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -147,6 +150,29 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / fastest
 
 
+def known_peak_flops(device: torch.device, dtype: torch.dtype, path: str | None) -> float:
+    """`measure_peak_flops`, kept in the JSON file `path` (when given) by device and dtype: a
+    later attempt in the same pod reads it instead of measuring again."""
+    key = f"{device.type}/{dtype}".replace("torch.", "")
+    known: dict[str, Any] = {}
+    if path:
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            known = dict(json.loads(Path(path).read_text()))
+        value = known.get(key)
+        if isinstance(value, (int, float)) and value > 0:
+            return float(value)
+    peak = measure_peak_flops(device, dtype)
+    if path:
+        try:  # atomically: the node's other local ranks may write it at the same time
+            tmp = f"{path}.{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump({**known, key: peak}, f)
+            os.replace(tmp, path)
+        except OSError as err:
+            log.warning("could not keep the peak FLOP/s in %s: %s", path, err)
+    return peak
+
+
 class Trainer:
     def __init__(self, job: Job, *, sinks: list[Sink] | None = None,
                  backend: Backend | None = None) -> None:
@@ -194,7 +220,8 @@ class Trainer:
         table = INSTANCE_TYPES[self.spec.instance_type].peak_tflops_per_rank
         if table is not None and self.device.type != "cpu":
             return table * 1e12
-        return measure_peak_flops(self.device, self.policy.param_dtype)
+        return known_peak_flops(self.device, self.policy.param_dtype,
+                                os.environ.get(Env.PEAK_FLOPS_FILE))
 
     # --- state ----------------------------------------------------------------------------------
 

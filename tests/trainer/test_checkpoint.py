@@ -19,9 +19,10 @@ def _join_alone() -> None:
 
 
 def test_each_asynchronous_save_holds_its_own_step_s_values(tmp_path: Path) -> None:
-    """Training overwrites the weights in place the moment `save` returns, while the write of
-    that step (and, through the reused staging buffers, the next one's copy) is in flight:
-    every checkpoint still holds exactly the values of its own step."""
+    """Training overwrites the weights in place the moment the save's copy is taken
+    (`wait_staged`, what the engine calls before its update), while the write of that step
+    (and, through the reused staging buffers, the next one's copy) is in flight: every
+    checkpoint still holds exactly the values of its own step."""
     _join_alone()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
@@ -33,6 +34,7 @@ def test_each_asynchronous_save_holds_its_own_step_s_values(tmp_path: Path) -> N
                 p.add_(step)
         expected[step] = {k: v.clone() for k, v in model.state_dict().items()}
         ck.save(step, {"model": model.state_dict()})
+        ck.wait_staged()
         with torch.no_grad():  # the next steps train on at once, in place
             for p in model.parameters():
                 p.mul_(-3.0)

@@ -231,3 +231,36 @@ def test_the_cpu_peak_flops_are_measured_once_per_pod_and_device_type(tmp_path: 
     again = known_peak_flops(cpu, torch.float32, str(path))
     assert again > 0 and json.loads(path.read_text()) == {"cpu/float32": again}
     assert known_peak_flops(cpu, torch.float32, None) > 0 and not (tmp_path / "None").exists()
+
+
+def test_the_update_waits_for_an_asynchronous_save_s_copy_of_the_state(
+    make_job: Callable[..., Job],
+) -> None:
+    """A save returns while its copy of the state is still being taken on the stager's
+    thread (slowed down here to 0.5 s): the next step's update must wait for it, or the
+    checkpoint of step N holds step N+1's weights. The wait is charged as checkpoint time."""
+    import time as clock
+
+    from torch.distributed.checkpoint import load as dcp_load
+
+    job = make_job(train__steps=3, checkpoint__interval=1, checkpoint__keep=3,
+                   checkpoint__async=True, train__logInterval=1)
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    trainer = Trainer(job)
+    stager = trainer.engine.checkpointer.stager  # type: ignore[attr-defined]
+    copy = stager._stage
+
+    def slow_copy(state: Any, **kw: Any) -> Any:
+        clock.sleep(0.5)
+        return copy(state, **kw)
+
+    stager._stage = slow_copy
+    trainer.sinks.append(lambda s: seen.__setitem__(int(s["step"]), {
+        k: v.detach().clone() for k, v in trainer.model.state_dict().items()}))
+    trainer.run()
+    root = Path(job.spec.checkpoint.dir)
+    for step in (1, 2):
+        loaded = {k: torch.zeros_like(v) for k, v in seen[step].items()}
+        dcp_load({"model": loaded}, checkpoint_id=step_dir(root, "job", step))
+        assert all(torch.equal(loaded[k], seen[step][k]) for k in loaded), step
+    assert trainer.ledger.seconds["checkpoint"] >= 2 * 0.4  # the waits, as checkpoint time

@@ -10,11 +10,14 @@ Design choices:
 - Every rank writes its own shards (DTensor shards of tensor-parallel weights, its ZeRO-1
   optimizer partition, its data-parallel stream's loader position, its RNG); DCP de-duplicates
   what data-parallel replicas hold in common, so replicated weights are written once.
-- Asynchronous mode: `save` blocks only while DCP stages the state into host memory (a copy
-  the trainer may then overwrite). One stager serves the whole run: its host buffers (pinned
-  where CUDA is present) are allocated at the first save and refilled in place at every later
-  one, so a save costs one copy into memory it already has, not an allocation of the whole
-  state (the price: one staged copy of the state stays in host memory). The write runs on
+- Asynchronous mode: `save` returns once DCP has started staging the state into host memory
+  on its staging thread; the copy runs while the next step computes its gradients, and the
+  engine calls `wait_staged` before the optimizer update changes any of the state (the time
+  it waits there is the save's blocking too, charged as checkpoint time). One stager serves
+  the whole run: its host buffers (pinned where CUDA is present) are allocated at the first
+  save and refilled in place at every later one, so a save costs one copy into memory it
+  already has, not an allocation of the whole state (the price: one staged copy of the state
+  stays in host memory). The write runs on
   DCP's background thread over a separate gloo group (its collectives must not interleave
   with training's). Rank 0 writes `done` and
   purges old checkpoints from the future's completion callback, so a checkpoint is committed
@@ -30,6 +33,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -47,6 +51,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -148,10 +153,12 @@ class Checkpointer:
             assert isinstance(group, dist.ProcessGroup)
             self.group = group
             cuda = torch.cuda.is_available()
-            # synchronous staging: when save returns, the copy is done and training may go on
+            # staging on the stager's thread: `wait_staged` before the state changes
             self.stager = DefaultStager(StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
                 use_non_blocking_copy=False))
+        self.staging: Future[Any] | None = None
+        """The in-flight save's copy of the state into the stager's buffers."""
 
     @property
     def is_coordinator(self) -> bool:
@@ -172,8 +179,12 @@ class Checkpointer:
         delay = float(os.environ.get(WRITE_DELAY_ENV) or 0)
         writer = _DelayedWriter(target, delay) if delay else FileSystemWriter(target)
         if self.async_:
-            future = dcp_async_save(state, storage_writer=writer, process_group=self.group,
-                                    async_stager=self.stager)
+            response = dcp_async_save(state, storage_writer=writer, process_group=self.group,
+                                      async_stager=self.stager)
+            if isinstance(response, AsyncSaveResponse):
+                self.staging, future = response.staging_completion, response.upload_completion
+            else:  # staged already (no stager: DCP's default)
+                future = response
             assert isinstance(future, Future)
             settled = threading.Event()
             future.add_done_callback(lambda f: self._on_written(step, f, start, settled))
@@ -212,6 +223,18 @@ class Checkpointer:
             write_durably(target / DONE, b"")
             self.purge()
             log.info("checkpoint step_%d complete", step)
+
+    def wait_staged(self) -> float:
+        """Block until the in-flight asynchronous save has its copy of the state, so that the
+        state may change; returns the seconds waited. A failed copy fails the save's write,
+        which `wait` reports."""
+        if self.staging is None:
+            return 0.0
+        start = time.perf_counter()
+        staging, self.staging = self.staging, None
+        with contextlib.suppress(Exception, CheckpointException):  # reported with the write's
+            staging.result()
+        return time.perf_counter() - start
 
     def wait(self) -> None:
         """Block until the in-flight asynchronous save (if any) is written and committed (the

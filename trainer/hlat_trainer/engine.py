@@ -96,6 +96,8 @@ class StepResult:
     """Global gradient norm before clipping (0-d)."""
     data_wait_seconds: float
     """Time spent waiting for the loader's batches."""
+    staging_wait_seconds: float = 0.0
+    """Time the update waited for an asynchronous save's copy of the state (checkpoint time)."""
 
 
 @dataclass
@@ -170,12 +172,17 @@ class Engine(ABC):
             loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach()
             backend.micro_batch_end()
+        staging_wait = self._wait_staged()  # the update must not change what a save copies
         grad_norm = self._update(self.spec.optimizer.grad_clip)
         if self.world.dp > 1:
             dist.all_reduce(loss_sum, group=self.world.dp_group)
             loss_sum /= self.world.dp
         backend.step_end()
-        return StepResult(loss_sum, grad_norm, data_wait)
+        return StepResult(loss_sum, grad_norm, data_wait, staging_wait)
+
+    def _wait_staged(self) -> float:
+        """Wait until an asynchronous save's copy of the state is taken; the seconds waited."""
+        return 0.0
 
     @abstractmethod
     def _update(self, max_norm: float) -> Tensor:
@@ -272,6 +279,9 @@ class TorchEngine(Engine):
 
     def wait(self) -> None:
         self.checkpointer.wait()
+
+    def _wait_staged(self) -> float:
+        return self.checkpointer.wait_staged()
 
     def longest_write_seconds(self) -> float | None:
         return self.checkpointer.longest_write or None

@@ -304,13 +304,16 @@ class Trainer:
             self.heartbeat.update(checkpoint_step=self.engine.committed,
                                   activity=self.ledger.snapshot(), **fields)
 
-    def _charge_step(self, step: int, data_wait: float, compiled_since: float) -> float:
+    def _charge_step(self, step: int, data_wait: float, compiled_since: float,
+                     staged: float = 0.0) -> float:
         """Charge the loop's time since the last charge to this step (productive, or recompute
-        when an earlier attempt finished it), less its data wait and compilation; returns the
+        when an earlier attempt finished it), less its data wait, compilation and the wait for
+        an asynchronous save's copy of the state (`staged`, checkpoint time); returns the
         compile seconds counted so far (the next step's baseline)."""
         compiled = self.backend.compile_seconds()
         self.ledger.charge("recompute" if step <= self.steps_done else "productive",
-                           data_wait=data_wait, compile=compiled - compiled_since)
+                           data_wait=data_wait, compile=compiled - compiled_since,
+                           checkpoint=staged)
         return compiled
 
     def save_bound(self) -> float | None:
@@ -361,11 +364,15 @@ class Trainer:
                 done = self.train_step(batches, step)
                 if step == first:
                     _say_started()
-                wait = done.result.data_wait_seconds
+                wait, staged = done.result.data_wait_seconds, done.result.staging_wait_seconds
+                if staged:  # the update waited for the last save's copy: that save's time
+                    since, last_step, saved = self._window
+                    self._window = (since, last_step, saved + staged)
                 blocked = None
                 if step % self.spec.checkpoint.interval == 0 or step == total:
                     self.observe_norms()  # waits for the step: its time is the step's
-                    compiled, wait = self._charge_step(step, wait, compiled), 0.0
+                    compiled = self._charge_step(step, wait, compiled, staged)
+                    wait = staged = 0.0
                     self.save(step)
                     # all the save held the loop (building the state included), not only the
                     # checkpointer's part: what the log, the step time and goodput all use
@@ -379,7 +386,7 @@ class Trainer:
                     stats["recomputed"] = step <= self.steps_done
                     for sink in self.sinks:
                         sink(stats)
-                compiled = self._charge_step(step, wait, compiled)
+                compiled = self._charge_step(step, wait, compiled, staged)
                 self._beat(phase="training")
             # the final asynchronous write: say so, or a long one looks like a hang and gets a
             # finished job restarted; the operator allows the longest write seen x its safety

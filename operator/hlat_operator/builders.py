@@ -203,11 +203,12 @@ def build_role(job: JobRef, spec: PretrainJobSpec, attempt: int) -> Role:
                 "resourceNames": lease_names(job, spec, attempt),
                 "verbs": ["get", "update", "patch"],
             },
-            {   # the restart record of an in-place restart: read only
+            {   # the restart record of an in-place restart: read (and watched) only; a watch
+                # with a metadata.name field selector is authorized by resourceNames
                 "apiGroups": ["coordination.k8s.io"],
                 "resources": ["leases"],
                 "resourceNames": [labels.gang_lease_name(job.name)],
-                "verbs": ["get"],
+                "verbs": ["get", "watch"],
             },
         ],
     }

@@ -81,7 +81,7 @@ def test_workers_may_touch_only_their_own_attempts_leases() -> None:
     assert rule["resourceNames"] == ["tiny-a2-0", "tiny-a2-1", "tiny-a2-2"]
     assert set(rule["verbs"]) == {"get", "update", "patch"}  # no create/list/delete
     # the in-place restart record: read, never written, by workers
-    assert record["resourceNames"] == ["tiny-gang"] and record["verbs"] == ["get"]
+    assert record["resourceNames"] == ["tiny-gang"] and record["verbs"] == ["get", "watch"]
     binding = builders.build_role_binding(JOB, spec)
     sa = builders.build_service_account(JOB)
     assert binding["subjects"][0]["name"] == sa["metadata"]["name"]

@@ -4,10 +4,11 @@ The pod outlives its trainers. The launcher starts the node's worker processes i
 environment torchrun would give them: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 GROUP_RANK, MASTER_ADDR, MASTER_PORT; static rendezvous at node rank 0's stable hostname) and
 supervises them:
-- The job's restart record (`hlat_api.gang`, a Lease the operator writes, get-only for
-  workers) is polled every `POLL_SECONDS` (`FAILED_POLL_SECONDS` while this node's trainer has
-  failed and the next attempt is awaited); the worker processes are looked at every
-  `CHECK_SECONDS`. When its attempt moves past the running one, every
+- The job's restart record (`hlat_api.gang`, a Lease the operator writes, read-only for
+  workers) is watched (one long request per launcher; a new attempt is seen as soon as it is
+  published); while no watch is established (refused, or the API server away) it is polled
+  every `POLL_SECONDS` (`FAILED_POLL_SECONDS` while this node's trainer has failed and the next
+  attempt is awaited). The worker processes are looked at every `CHECK_SECONDS`. When its attempt moves past the running one, every
   worker of the old attempt is stopped (SIGTERM to its process group, SIGKILL after
   `STOP_GRACE_SECONDS`: a worker stuck in a collective or frozen does not hold the restart),
   waited for until gone, and the new attempt's workers are started with its attempt, Lease
@@ -44,6 +45,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -60,6 +62,12 @@ POLL_SECONDS = 0.5
 FAILED_POLL_SECONDS = 0.1
 """How often while this node's trainer has failed and the next attempt is awaited (a few
 seconds at most per fault: the operator publishes it within its backoff)."""
+WATCH_SECONDS = 60
+"""Server-side timeout of one watch request of the record (then it is watched again)."""
+RECHECK_SECONDS = 10.0
+"""While watching, the record is still read this often: a watch whose connection died
+silently would otherwise hide a new attempt until its read timeout."""
+CONNECT_SECONDS = 5.0
 CHECK_SECONDS = 0.05
 """How often the launcher looks at its own worker processes (no API request): a worker's exit
 is reported within this, not within a record poll."""
@@ -76,8 +84,14 @@ TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 class Control(Protocol):
     """What the agent needs of the cluster."""
 
-    def record(self) -> GangRecord | None:
-        """The job's restart record now (None: unreadable for the moment)."""
+    @property
+    def pushed(self) -> bool:
+        """True while `record` answers from a watch (free to ask at any time); False: every
+        call is a request, made at the poll interval."""
+
+    def record(self, fresh: bool = False) -> GangRecord | None:
+        """The job's restart record now (None: unreadable for the moment); `fresh`: read from
+        the API server even while watching."""
 
     def report_exit(self, attempt: int, code: int) -> None:
         """Tell the operator the trainer of `attempt` on this node exited with `code`."""
@@ -91,6 +105,37 @@ class LeaseControl:
         self.api, self.namespace, self.gang_lease = api, namespace, gang_lease
         self.job, self.node_rank = job, node_rank
         self._errors: set[str] = set()
+        self._watched: GangRecord | None = None
+        self._watching = False
+
+    @property
+    def pushed(self) -> bool:
+        return self._watching
+
+    def start_watch(self) -> None:
+        """Watch the record on a daemon thread from now on (`record` then makes no request)."""
+        threading.Thread(target=self._watch, name="hlat-gang-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        from kubernetes import watch
+
+        while True:
+            try:
+                # a field selector on the name: what the Role's resourceNames allow to watch
+                events = watch.Watch().stream(  # type: ignore[no-untyped-call]
+                    self.api.list_namespaced_lease, self.namespace,
+                    field_selector=f"metadata.name={self.gang_lease}",
+                    timeout_seconds=WATCH_SECONDS,
+                    _request_timeout=(CONNECT_SECONDS, WATCH_SECONDS + 15))
+                for event in events:
+                    if event["type"] in ("ADDED", "MODIFIED"):
+                        meta = event["object"].metadata
+                        self._watched = GangRecord.from_annotations(meta.annotations)
+                        self._watching = True
+            except Exception as err:  # refused (an older Role), or the API server away
+                self._watching = False
+                self._failed(f"watching Lease {self.gang_lease}", err)
+                time.sleep(POLL_SECONDS)
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str]) -> LeaseControl:
@@ -100,8 +145,10 @@ class LeaseControl:
 
         config.load_incluster_config()  # type: ignore[no-untyped-call]
         api = client.CoordinationV1Api(bound_requests(client.ApiClient()))
-        return cls(api, env.get(Env.NAMESPACE, "default"), env[Env.GANG_LEASE],
-                   env[Env.JOB_NAME], int(env.get(Env.NODE_RANK) or 0))
+        control = cls(api, env.get(Env.NAMESPACE, "default"), env[Env.GANG_LEASE],
+                      env[Env.JOB_NAME], int(env.get(Env.NODE_RANK) or 0))
+        control.start_watch()
+        return control
 
     def _failed(self, what: str, err: Exception) -> None:
         kind = what + type(err).__name__ + str(getattr(err, "status", ""))
@@ -109,7 +156,9 @@ class LeaseControl:
             self._errors.add(kind)
             log.warning("%s failed (%s); retrying", what, str(err).splitlines()[0][:200])
 
-    def record(self) -> GangRecord | None:
+    def record(self, fresh: bool = False) -> GangRecord | None:
+        if self._watching and self._watched is not None and not fresh:
+            return self._watched
         try:
             lease = self.api.read_namespaced_lease(self.gang_lease, self.namespace)
         except Exception as err:  # the API server's trouble must never stop training
@@ -304,10 +353,13 @@ class Agent:
             time.sleep(CHECK_SECONDS)
             self._keep_standbys()
             record = None
-            if self.clock() >= next_read:
-                next_read = self.clock() + (POLL_SECONDS if failed_at is None
-                                            else FAILED_POLL_SECONDS)
-                record = self.control.record()
+            due = self.clock() >= next_read
+            if due or self.control.pushed:
+                if due:
+                    next_read = self.clock() + (
+                        RECHECK_SECONDS if self.control.pushed
+                        else POLL_SECONDS if failed_at is None else FAILED_POLL_SECONDS)
+                record = self.control.record(fresh=due)
             rank = self._rank(record) if record is not None else None
             if record is not None and record.attempt > attempt and rank is not None:
                 began = self.clock()

@@ -1,0 +1,73 @@
+"""The in-place launcher's view of its restart record on the real local API server, with the
+credentials a worker has: the Role the operator builds for the job's workers."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from hlat_api import labels, load_job
+from hlat_api.apitimeouts import bound_requests
+from hlat_api.gang import GangRecord
+from hlat_operator.builders import JobRef, build_role
+from hlat_testbed.cluster import Cluster
+from hlat_testbed.kube import api_client
+from hlat_testbed.testing import wait_for
+from hlat_trainer.agent import LeaseControl
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pretrainjob-tiny.yaml"
+
+
+def workers_with_the_operator_s_role(cluster: Cluster, namespace: str) -> client.ApiClient:
+    """A client with the token of a service account bound to `build_role` of job `tiny`."""
+    api = cluster.admin_api()
+    rbac = client.RbacAuthorizationV1Api(api)
+    role = build_role(JobRef("tiny", namespace, "uid"), load_job(EXAMPLE).spec, attempt=0)
+    role["metadata"] = {"name": "workers"}  # no owner: there is no job to own it here
+    rbac.create_namespaced_role(namespace, role)
+    client.CoreV1Api(api).create_namespaced_service_account(
+        namespace, {"metadata": {"name": "workers"}})
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": "workers"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "workers"},
+        "subjects": [{"kind": "ServiceAccount", "name": "workers", "namespace": namespace}]})
+    return bound_requests(api_client(cluster.service_account_kubeconfig(namespace, "workers")))
+
+
+def test_a_launcher_watches_its_restart_record_with_the_workers_own_role(
+        cluster: Cluster, namespace: str) -> None:
+    """A new attempt reaches the launcher through its watch as soon as it is published (no
+    poll interval in between), which the workers' Role allows on the record alone."""
+    admin = client.CoordinationV1Api(cluster.admin_api())
+    gang = labels.gang_lease_name("tiny")
+    first = GangRecord(attempt=0, ranks={"tiny-a0-0": 0, "tiny-a0-1": 1})
+    admin.create_namespaced_lease(namespace, {"metadata": {
+        "name": gang, "annotations": first.to_annotations()}, "spec": {}})
+    worker = client.CoordinationV1Api(workers_with_the_operator_s_role(cluster, namespace))
+    control = LeaseControl(worker, namespace, gang, "tiny", node_rank=1)
+    control.start_watch()
+    wait_for(lambda: control.pushed, 30, "the launcher's watch of its restart record")
+    assert control.record() == first
+
+    published = time.monotonic()
+    second = GangRecord(attempt=1, steps_done=40, ranks={"tiny-a0-0": 0, "tiny-a0-1": 1},
+                        master_addr="tiny-0.tiny")
+    admin.patch_namespaced_lease(gang, namespace, {"metadata": {
+        "annotations": second.to_annotations()}})
+    wait_for(lambda: control.record() == second, 10, "the new attempt seen by the launcher")
+    seen = time.monotonic() - published
+    assert control.pushed, "seen by a poll, not the watch"
+    print(f"new attempt seen {seen * 1000:.0f} ms after it was published")
+    assert control.record(fresh=True) == second  # and a read of its own agrees
+
+    # the same token may not watch (nor read) any other Lease of the namespace
+    admin.create_namespaced_lease(namespace, {"metadata": {"name": "other"}, "spec": {}})
+    with pytest.raises(client.exceptions.ApiException) as denied:
+        worker.list_namespaced_lease(namespace, field_selector="metadata.name=other",
+                                     watch=True, timeout_seconds=1)
+    assert denied.value.status == 403

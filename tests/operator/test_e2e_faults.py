@@ -276,8 +276,10 @@ def test_worker_clocks_a_minute_off_neither_cause_nor_hide_a_hang(job_env: Env, 
     detected = time.monotonic() - frozen
     assert restarting["lastFailure"]["reason"] == "HeartbeatTimeout", restarting["lastFailure"]
     # the timeout, give or take: the correction is as fine as the server's stamp (1 s), a
-    # beat comes every period (2 s here), the status is written every 2 s. A minute off shows.
-    assert timeout - 2 <= detected <= timeout + 12, detected
+    # beat comes every period (2 s here: the last progress it carried may be 2 s older than
+    # the freeze), the status is written every 2 s; the operator's pass is due right at the
+    # deadline it computes. So as early as timeout - 3 s. A minute off shows.
+    assert timeout - 3 <= detected <= timeout + 12, detected
     print(f"clock {skew:+d}s: hang detected {detected:.1f}s after the freeze")
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
     assert done["restarts"]["total"] == 1 and job_env.max_gangs == 1

@@ -51,6 +51,20 @@ def test_a_launcher_watches_its_restart_record_with_the_workers_own_role(
     worker = client.CoordinationV1Api(workers_with_the_operator_s_role(cluster, namespace))
     control = LeaseControl(worker, namespace, gang, "tiny", node_rank=1)
     control.start_watch()
+    try:
+        _sees_new_attempts_through_its_watch(control, admin, namespace, gang, first)
+    finally:
+        control.stop_watch()
+    # the same token may not watch (nor read) any other Lease of the namespace
+    admin.create_namespaced_lease(namespace, {"metadata": {"name": "other"}, "spec": {}})
+    with pytest.raises(client.exceptions.ApiException) as denied:
+        worker.list_namespaced_lease(namespace, field_selector="metadata.name=other",
+                                     watch=True, timeout_seconds=1)
+    assert denied.value.status == 403
+
+
+def _sees_new_attempts_through_its_watch(control: LeaseControl, admin: client.CoordinationV1Api,
+                                         namespace: str, gang: str, first: GangRecord) -> None:
     wait_for(lambda: control.pushed, 30, "the launcher's watch of its restart record")
     assert control.record() == first
 
@@ -64,10 +78,3 @@ def test_a_launcher_watches_its_restart_record_with_the_workers_own_role(
     assert control.pushed, "seen by a poll, not the watch"
     print(f"new attempt seen {seen * 1000:.0f} ms after it was published")
     assert control.record(fresh=True) == second  # and a read of its own agrees
-
-    # the same token may not watch (nor read) any other Lease of the namespace
-    admin.create_namespaced_lease(namespace, {"metadata": {"name": "other"}, "spec": {}})
-    with pytest.raises(client.exceptions.ApiException) as denied:
-        worker.list_namespaced_lease(namespace, field_selector="metadata.name=other",
-                                     watch=True, timeout_seconds=1)
-    assert denied.value.status == 403

@@ -107,6 +107,7 @@ class LeaseControl:
         self._errors: set[str] = set()
         self._watched: GangRecord | None = None
         self._watching = False
+        self._stopped = threading.Event()
 
     @property
     def pushed(self) -> bool:
@@ -116,10 +117,15 @@ class LeaseControl:
         """Watch the record on a daemon thread from now on (`record` then makes no request)."""
         threading.Thread(target=self._watch, name="hlat-gang-watch", daemon=True).start()
 
+    def stop_watch(self) -> None:
+        """No new watch request from now on (the one in flight ends by its own timeout)."""
+        self._stopped.set()
+        self._watching = False
+
     def _watch(self) -> None:
         from kubernetes import watch
 
-        while True:
+        while not self._stopped.is_set():
             try:
                 # a field selector on the name: what the Role's resourceNames allow to watch
                 events = watch.Watch().stream(  # type: ignore[no-untyped-call]
@@ -128,14 +134,17 @@ class LeaseControl:
                     timeout_seconds=WATCH_SECONDS,
                     _request_timeout=(CONNECT_SECONDS, WATCH_SECONDS + 15))
                 for event in events:
+                    if self._stopped.is_set():
+                        return
                     if event["type"] in ("ADDED", "MODIFIED"):
                         meta = event["object"].metadata
                         self._watched = GangRecord.from_annotations(meta.annotations)
                         self._watching = True
             except Exception as err:  # refused (an older Role), or the API server away
                 self._watching = False
-                self._failed(f"watching Lease {self.gang_lease}", err)
-                time.sleep(POLL_SECONDS)
+                if not self._stopped.is_set():
+                    self._failed(f"watching Lease {self.gang_lease}", err)
+                self._stopped.wait(POLL_SECONDS)
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str]) -> LeaseControl:

@@ -144,6 +144,8 @@ class LeaseControl:
                 self._watching = False
                 if not self._stopped.is_set():
                     self._failed(f"watching Lease {self.gang_lease}", err)
+                if getattr(err, "status", None) == 403:
+                    return  # never allowed (a Role without `watch`): polled from now on
                 self._stopped.wait(POLL_SECONDS)
 
     @classmethod

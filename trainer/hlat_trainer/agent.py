@@ -6,9 +6,11 @@ GROUP_RANK, MASTER_ADDR, MASTER_PORT; static rendezvous at node rank 0's stable 
 supervises them:
 - The job's restart record (`hlat_api.gang`, a Lease the operator writes, read-only for
   workers) is watched (one long request per launcher; a new attempt is seen as soon as it is
-  published); while no watch is established (refused, or the API server away) it is polled
-  every `POLL_SECONDS` (`FAILED_POLL_SECONDS` while this node's trainer has failed and the next
-  attempt is awaited). The worker processes are looked at every `CHECK_SECONDS`. When its attempt moves past the running one, every
+  published); while no watch is established (the API server away, or the watch refused: then
+  tried again every `WATCH_REFUSED_RETRY_SECONDS`) it is polled every `POLL_SECONDS`
+  (`FAILED_POLL_SECONDS` while this node's trainer has failed and the next attempt is
+  awaited). The worker processes are looked at every `CHECK_SECONDS`. When its attempt moves
+  past the running one, every
   worker of the old attempt is stopped (SIGTERM to its process group, SIGKILL after
   `STOP_GRACE_SECONDS`: a worker stuck in a collective or frozen does not hold the restart),
   waited for until gone, and the new attempt's workers are started with its attempt, Lease
@@ -54,6 +56,7 @@ from typing import Any, Protocol
 
 from hlat_api import Env, ExitCode, Heartbeat, labels
 from hlat_api.gang import GangRecord
+from hlat_trainer.errors import first_line
 
 log = logging.getLogger("hlat_launch")
 
@@ -68,6 +71,8 @@ RECHECK_SECONDS = 10.0
 """While watching, the record is still read this often: a watch whose connection died
 silently would otherwise hide a new attempt until its read timeout."""
 CONNECT_SECONDS = 5.0
+WATCH_REFUSED_RETRY_SECONDS = 30.0
+"""A watch refused (403) is tried again this much later; the record is polled meanwhile."""
 CHECK_SECONDS = 0.05
 """How often the launcher looks at its own worker processes (no API request): a worker's exit
 is reported within this, not within a record poll."""
@@ -144,9 +149,11 @@ class LeaseControl:
                 self._watching = False
                 if not self._stopped.is_set():
                     self._failed(f"watching Lease {self.gang_lease}", err)
-                if getattr(err, "status", None) == 403:
-                    return  # never allowed (a Role without `watch`): polled from now on
-                self._stopped.wait(POLL_SECONDS)
+                # refused: a Role without `watch` (an operator of the previous version), or an
+                # API server just restarted whose authorizer has not loaded the Roles yet
+                # (a moment): polled meanwhile, the watch tried again now and then
+                refused = getattr(err, "status", None) == 403
+                self._stopped.wait(WATCH_REFUSED_RETRY_SECONDS if refused else POLL_SECONDS)
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str]) -> LeaseControl:
@@ -165,7 +172,7 @@ class LeaseControl:
         kind = what + type(err).__name__ + str(getattr(err, "status", ""))
         if kind not in self._errors:
             self._errors.add(kind)
-            log.warning("%s failed (%s); retrying", what, str(err).splitlines()[0][:200])
+            log.warning("%s failed (%s); retrying", what, first_line(err, 200))
 
     def record(self, fresh: bool = False) -> GangRecord | None:
         if self._watching and self._watched is not None and not fresh:
@@ -189,8 +196,8 @@ class LeaseControl:
                 return
             except Exception as err:
                 self._failed(f"reporting the exit on Lease {name}", err)
-                if getattr(err, "status", None) in (403, 404):
-                    return  # the attempt is over (fenced): nobody needs the report
+                if getattr(err, "status", None) == 404:
+                    return  # the attempt is over (its Lease deleted): nobody needs the report
                 time.sleep(POLL_SECONDS)
 
 

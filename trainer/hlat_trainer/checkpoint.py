@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from hlat_api.layout import DONE, CheckpointEntry, latest_complete, list_checkpoints, step_dir
-from hlat_trainer.errors import UserError
+from hlat_trainer.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
 META_FILE = "hlat.json"
@@ -244,7 +244,7 @@ class Checkpointer:
             try:
                 future.result()
             except (Exception, CheckpointException) as err:  # not an Exception subclass
-                log.error("asynchronous checkpoint failed: %s", str(err).splitlines()[0][:300])
+                log.error("asynchronous checkpoint failed: %s", first_line(err))
             settled.wait()
 
     def purge(self) -> None:
@@ -267,7 +267,7 @@ class Checkpointer:
                 dcp_load(state, checkpoint_id=entry.path)
             except (Exception, CheckpointException) as err:  # unreadable: try an older one
                 log.warning("checkpoint %s is unreadable (%s): trying an older one",
-                            entry.path, str(err).splitlines()[0][:300])
+                            entry.path, first_line(err))
                 return None
             return entry.step
 

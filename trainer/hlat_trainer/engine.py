@@ -65,7 +65,7 @@ from hlat_trainer.checkpoint import (
     write_durably,
 )
 from hlat_trainer.distributed import World
-from hlat_trainer.errors import UserError
+from hlat_trainer.errors import UserError, first_line
 from hlat_trainer.optim import AdamWSR
 from hlat_trainer.parallel import DataParallel, LocalParams, apply_ac, apply_tp, global_norm
 
@@ -498,7 +498,7 @@ class ManagedEngine(Engine):
             return loop
         except Exception as err:
             log.warning("checkpoint %s is unreadable on rank %d: %s", path, self.world.rank,
-                        str(err).splitlines()[0][:300] if str(err) else repr(err))
+                        first_line(err))
             return None
 
     def _all_ok(self, ok: bool) -> bool:

@@ -12,10 +12,15 @@ it to detect hangs (a stale `renewTime`) and to report progress. Design choices:
   next period.
 - Off when not in a pod: no `HLAT_HEARTBEAT_LEASE`, no service-account token, or not local
   rank 0.
-- Fencing: a renewal refused with 403 (the job's Role names only the current attempt's Leases)
-  or 404 (the operator deleted the Lease of an ended attempt) means this trainer's attempt is
-  over. `fenced` stays True; the checkpointer then commits nothing (`fenced_now` asks again
-  before each commit) and the next step's report stops the trainer (`ExitCode.FENCED`).
+- Fencing: renewals refused with 403 (the job's Role names only the current attempt's Leases)
+  or 404 (the operator deleted the Lease of an ended attempt) mean this trainer's attempt is
+  over, once they have been refused for `REFUSAL_CONFIRM_SECONDS` with none accepted: an API
+  server that has just restarted refuses a request or two before its authorizer has loaded the
+  Roles (measured on the rig: one 403 among thousands of requests across a restart), and that
+  must not stop a healthy trainer. While refused, renewals are retried every
+  `REFUSED_RETRY_SECONDS`. `fenced` then stays True; the checkpointer commits nothing
+  (`fenced_now` asks again, and waits out a refusal, before each commit) and the next step's
+  report stops the trainer (`ExitCode.FENCED`).
 """
 
 from __future__ import annotations
@@ -24,13 +29,19 @@ import datetime
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from hlat_api import Env, ExitCode, Heartbeat
 from hlat_api.heartbeat import DEFAULT_PERIOD_SECONDS, EXPIRY_PERIODS
+from hlat_trainer.errors import first_line
 
 log = logging.getLogger(__name__)
 TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+REFUSAL_CONFIRM_SECONDS = 3.0
+"""Renewals refused (403/404) for this long, none accepted in between: the attempt is over."""
+REFUSED_RETRY_SECONDS = 0.5
+"""How often a refused renewal is tried again until it is accepted or confirmed."""
 
 
 class LeaseHeartbeat:
@@ -42,6 +53,7 @@ class LeaseHeartbeat:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._errors: set[str] = set()
+        self._refused_since: float | None = None
         self.fenced = False
         """A renewal was refused for good: this trainer's attempt is over."""
         self._thread = threading.Thread(target=self._loop, name="hlat-heartbeat", daemon=True)
@@ -99,26 +111,49 @@ class LeaseHeartbeat:
             self.api.patch_namespaced_lease(self.lease, self.namespace, body)
         except Exception as err:  # the API server's trouble must never stop training
             if getattr(err, "status", None) in (403, 404):
-                self.fenced = True
+                self._refused()
             kind = type(err).__name__ + str(getattr(err, "status", ""))
             if kind not in self._errors:
                 self._errors.add(kind)
-                log.warning("heartbeat to Lease %s/%s failed (%s); retrying every %.0fs",
-                            self.namespace, self.lease, str(err).splitlines()[0][:200],
-                            self.period)
+                log.warning("heartbeat to Lease %s/%s failed (%s); retrying every %.1fs",
+                            self.namespace, self.lease, first_line(err, 200), self._wait())
             return False
+        with self._lock:
+            self._refused_since = None
         return True
 
+    def _refused(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._refused_since is None:
+                self._refused_since = now
+            if now - self._refused_since >= REFUSAL_CONFIRM_SECONDS and not self.fenced:
+                self.fenced = True
+                log.error("Lease %s/%s has refused renewals for %.1fs: this attempt is over",
+                          self.namespace, self.lease, now - self._refused_since)
+
+    def _wait(self) -> float:
+        """Seconds to the next renewal: the period, or sooner while refused and unconfirmed."""
+        refused = self._refused_since is not None and not self.fenced
+        return min(self.period, REFUSED_RETRY_SECONDS) if refused else self.period
+
     def fenced_now(self) -> bool:
-        """Renew now and say whether this trainer's attempt is over (before a commit)."""
-        if not self.fenced:
-            self.renew()
+        """Renew now and say whether this trainer's attempt is over (before a commit). A
+        refusal is retried until accepted or confirmed (`REFUSAL_CONFIRM_SECONDS` at most);
+        one still unsettled then (other errors in between) counts as over: no commit."""
+        if self.fenced:
+            return True
+        deadline = time.monotonic() + REFUSAL_CONFIRM_SECONDS + 1
+        while not self.renew() and self._refused_since is not None and not self.fenced:
+            if time.monotonic() >= deadline:
+                return True
+            time.sleep(REFUSED_RETRY_SECONDS)
         return self.fenced
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.renew()
-            self._stop.wait(self.period)
+            self._stop.wait(self._wait())
 
     def stop(self, phase: str | None = None) -> None:
         """Stop the thread; with a phase (e.g. finished), publish it once more first."""

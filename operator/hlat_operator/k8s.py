@@ -8,7 +8,8 @@ kopf would hand over, so there is one representation of a Kubernetes object in t
 decides again from what it then observes):
 - CreateObject: create; AlreadyExists is fine (deterministic names make a replayed pass a
   no-op), or, with `replace`, the existing object is replaced (ConfigMap, Role of a new attempt);
-  a refusal no retry can fix (`permanent`: 400/403/422) raises `Rejected`, which ends the job;
+  a refusal no retry can fix (`permanent`: 400/403/422) raises `Rejected`, which ends the job
+  (an RBAC 403 only once it has lasted `FORBIDDEN_RETRIES` retries);
 - DeletePod: delete (grace None: the pod's own grace period; 0: force); NotFound is fine;
 - PatchPod: merge patch of a pod's labels and annotations (an in-place restart's kept pods);
 - DeleteObject("Lease"): delete; NotFound is fine;
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -77,6 +80,13 @@ class NotFound(K8sError):
 
 _PERMANENT = {400, 403, 422}
 _QUOTA_HINTS = ("exceeded quota", "is being terminated")
+_RBAC_REFUSAL = re.compile(r"cannot \w+ resource")
+FORBIDDEN_RETRIES = 3
+"""An RBAC refusal of a create is tried again this many times, `FORBIDDEN_RETRY_SECONDS` apart,
+before it rejects the job: an API server that has just restarted refuses a request or two
+before its authorizer has loaded the Roles (seen on the rig as one 403 among thousands of
+requests across a restart), which must not fail a job. A Pod Security refusal is not retried."""
+FORBIDDEN_RETRY_SECONDS = 1.0
 
 
 def permanent(err: K8sError, kind: str | None = None) -> bool:
@@ -160,6 +170,7 @@ class Kube:
         self.custom = client.CustomObjectsApi(api)
         self.coordination = client.CoordinationV1Api(api)
         self.rbac = client.RbacAuthorizationV1Api(api)
+        self.sleep: Callable[[float], None] = time.sleep
 
     # --- reads -----------------------------------------------------------------------------
     def get_job(self, namespace: str, name: str) -> Raw | None:
@@ -299,16 +310,24 @@ class Kube:
         obj: Mapping[str, Any] = action.obj
         kind, name = str(obj["kind"]), str(obj["metadata"]["name"])
         what = f"create {kind} {job.namespace}/{name}"
-        try:
-            self._create_call(kind, job.namespace, obj)
-            log.debug("%s", what)
-            return
-        except _API_ERRORS as err:
-            wrapped = _wrap(what, err)
-            if permanent(wrapped, kind):
-                raise Rejected(str(wrapped), wrapped.status) from err
-            if wrapped.status != 409:
-                raise wrapped from err
+        for retry in range(FORBIDDEN_RETRIES + 1):
+            try:
+                self._create_call(kind, job.namespace, obj)
+                log.debug("%s", what)
+                return
+            except _API_ERRORS as err:
+                wrapped = _wrap(what, err)
+                if (permanent(wrapped, kind) and retry < FORBIDDEN_RETRIES
+                        and _RBAC_REFUSAL.search(str(wrapped))):
+                    log.warning("%s refused (%s): trying again in %.0fs", what, wrapped,
+                                FORBIDDEN_RETRY_SECONDS)
+                    self.sleep(FORBIDDEN_RETRY_SECONDS)
+                    continue
+                if permanent(wrapped, kind):
+                    raise Rejected(str(wrapped), wrapped.status) from err
+                if wrapped.status != 409:
+                    raise wrapped from err
+                break
         if not action.replace:
             return
         what = f"replace {kind} {job.namespace}/{name}"

@@ -21,7 +21,7 @@ from opfakes import JOB, SETTINGS, raw_spec
 from urllib3.exceptions import ProtocolError
 
 from hlat_api.status import PretrainJobStatus
-from hlat_operator import handlers
+from hlat_operator import handlers, k8s
 from hlat_operator.k8s import REBASE_ATTEMPTS, Conflict, K8sError, Kube, NotFound, Rejected
 from hlat_operator.metrics import OperatorMetrics
 from hlat_operator.reconcile import (
@@ -202,6 +202,33 @@ def test_a_create_refused_for_good_is_rejected_and_a_passing_refusal_retried(
         k.execute(JOB, decision(CreateObject(obj)))
     assert isinstance(err.value, Rejected) is rejected
     assert message in str(err.value) and f"create {kind}" in str(err.value)
+
+
+RBAC_REFUSAL = ('pods is forbidden: User "system:serviceaccount:hlat:hlat-operator" cannot '
+                'create resource "pods" in API group "" in the namespace "team"')
+
+
+def test_an_rbac_refusal_that_passes_creates_the_object_and_one_that_lasts_rejects() -> None:
+    """Right after a restart the API server may refuse with RBAC's 403 for a moment (its
+    authorizer not yet filled): that must not fail the job. A refusal that lasts does, after
+    FORBIDDEN_RETRIES retries; a Pod Security refusal at once."""
+    slept: list[float] = []
+    k = kube(core={"create_namespaced_pod": [api_error(403, RBAC_REFUSAL)]})
+    k.sleep = slept.append
+    k.execute(JOB, decision(CreateObject(POD)))
+    assert k.core.names() == ["create_namespaced_pod"] * 2  # type: ignore[attr-defined]
+    assert slept == [k8s.FORBIDDEN_RETRY_SECONDS]
+
+    k = kube(core={"create_namespaced_pod": [api_error(403, RBAC_REFUSAL)] * 10})
+    k.sleep = slept.append
+    with pytest.raises(Rejected, match="cannot create resource"):
+        k.execute(JOB, decision(CreateObject(POD)))
+    assert len(k.core.names()) == k8s.FORBIDDEN_RETRIES + 1  # type: ignore[attr-defined]
+
+    k = kube(core={"create_namespaced_pod": [api_error(403, "violates PodSecurity")] * 10})
+    with pytest.raises(Rejected, match="PodSecurity"):
+        k.execute(JOB, decision(CreateObject(POD)))
+    assert len(k.core.names()) == 1  # type: ignore[attr-defined]
 
 
 def test_deleting_a_pod_that_is_gone_is_done_and_other_errors_stop_the_pass() -> None:

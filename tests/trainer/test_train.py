@@ -260,6 +260,10 @@ def test_the_update_waits_for_an_asynchronous_save_s_copy_of_the_state(
         return copy(state, **kw)
 
     stager._stage = slow_copy
+    checkpointer = trainer.engine.checkpointer  # type: ignore[attr-defined]
+    waited: list[float] = []
+    wait_staged = checkpointer.wait_staged
+    checkpointer.wait_staged = lambda: waited.append(wait_staged()) or waited[-1]
     trainer.sinks.append(lambda s: seen.__setitem__(int(s["step"]), {
         k: v.detach().clone() for k, v in trainer.model.state_dict().items()}))
     trainer.run()
@@ -268,4 +272,6 @@ def test_the_update_waits_for_an_asynchronous_save_s_copy_of_the_state(
         loaded = {k: torch.zeros_like(v) for k, v in seen[step].items()}
         dcp_load({"model": loaded}, checkpoint_id=step_dir(root, "job", step))
         assert all(torch.equal(loaded[k], seen[step][k]) for k in loaded), step
-    assert trainer.ledger.seconds["checkpoint"] >= 2 * 0.4  # the waits, as checkpoint time
+    # the waits, as checkpoint time (how long they are depends on how much of the copy the
+    # step's forward and backward overlapped: the less, the busier the machine)
+    assert sum(waited) > 0 and trainer.ledger.seconds["checkpoint"] >= sum(waited)

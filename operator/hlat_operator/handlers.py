@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -58,6 +59,8 @@ class Runtime:
     metrics: OperatorMetrics
     tasks: dict[tuple[str, str], asyncio.Task[None]] = field(default_factory=dict)
     wakes: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    woken_at: dict[tuple[str, str], float] = field(default_factory=dict)
+    """When a watch event first woke a job's loop since its last pass began (monotonic)."""
     api_lost: bool = False
     """A pass could not reach the API server (connection refused or dropped, timeout, 5xx)."""
     api_back_at: datetime | None = None
@@ -148,9 +151,15 @@ async def _job_loop(rt: Runtime, namespace: str, name: str) -> None:
     try:
         while True:
             wake.clear()
+            woken = rt.woken_at.pop(key, None)
+            began = time.monotonic()
             try:
                 requeue = await asyncio.to_thread(reconcile_once, rt, namespace, name)
                 errors = 0
+                done = time.monotonic()
+                rt.metrics.pass_seconds.observe(done - began)
+                if woken is not None:
+                    rt.metrics.reaction_seconds.observe(done - woken)
             except JobGone:
                 log.info("%s/%s: gone; its loop ends", namespace, name)
                 rt.metrics.forget(namespace, name)
@@ -176,6 +185,7 @@ async def _job_loop(rt: Runtime, namespace: str, name: str) -> None:
     finally:
         rt.tasks.pop(key, None)
         rt.wakes.pop(key, None)
+        rt.woken_at.pop(key, None)
 
 
 def error_backoff(failures: int) -> float:
@@ -195,6 +205,8 @@ def _uid(rt: Runtime, namespace: str, name: str) -> str:
 def _poke(namespace: str, name: str, start: bool = False) -> None:
     rt = runtime()
     key = (namespace, name)
+    if key in rt.tasks or start:
+        rt.woken_at.setdefault(key, time.monotonic())
     if key in rt.tasks:
         rt.wakes[key].set()
     elif start:
@@ -228,7 +240,9 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     ours = _settings or OperatorSettings.from_env()
     # it cannot have heard what went silent before it started (a leader that lost its Lease in
     # an outage of the API server and was restarted, a standby taking over): from now on
-    rt = Runtime(ours, Kube(api_client()), OperatorMetrics(), api_back_at=datetime.now(UTC))
+    metrics = OperatorMetrics()
+    rt = Runtime(ours, Kube(metrics.count_requests(api_client())), metrics,
+                 api_back_at=datetime.now(UTC))
     port = ours.metrics_port if _metrics_port is None else _metrics_port
     if port:
         rt.metrics.serve(port)
@@ -255,6 +269,7 @@ def probe_jobs(**_: Any) -> int:
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
 async def on_job(event: kopf.RawEvent, name: str | None, namespace: str | None, **_: Any) -> None:
+    runtime().metrics.watch_events.labels("PretrainJob").inc()
     if not name or not namespace:
         return
     _poke(namespace, name, start=event.get("type") != "DELETED")
@@ -265,6 +280,7 @@ async def on_job(event: kopf.RawEvent, name: str | None, namespace: str | None, 
 async def on_trainer_exit(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
     """A launcher reported its trainer's exit (in-place restarts keep the pod, so no pod
     event says so): decide now, not at the next resync."""
+    runtime().metrics.watch_events.labels("Lease").inc()
     job = labels.get(JOB)
     if job and namespace:
         _poke(namespace, job)
@@ -272,6 +288,7 @@ async def on_trainer_exit(labels: kopf.Labels, namespace: str | None, **_: Any) 
 
 @kopf.on.event("", "v1", "pods", labels={JOB: kopf.PRESENT})
 async def on_pod(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
+    runtime().metrics.watch_events.labels("Pod").inc()
     job = labels.get(JOB)
     if job and namespace:
         _poke(namespace, job)

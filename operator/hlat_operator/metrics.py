@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 from datetime import datetime
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
@@ -26,6 +27,7 @@ from hlat_operator.reconcile import Decision
 PHASES: tuple[Phase, ...] = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 JOB_LABELS = ("namespace", "pretrainjob")
 RECOVERY_BUCKETS = (5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
+PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 RESTART_REASONS = tuple(sorted(
     {Reason.POD_FAILED, Reason.KILLED, Reason.OOM_KILLED, Reason.STARTUP_TIMEOUT,
      Reason.HEARTBEAT_TIMEOUT, *INFRA_REASONS}))
@@ -144,6 +146,22 @@ class OperatorMetrics:
         self._phases: dict[tuple[str, str], Phase] = {}
         for phase in PHASES:
             self.jobs.labels(phase).set(0)
+        # the operator itself: what a pass costs, how soon it follows what woke it, its load
+        # on the API server (bench/bench_operator_scale.py reads these)
+        self.pass_seconds = Histogram(
+            "hlat_operator_pass_seconds", "Duration of one reconcile pass of one job "
+            "(read the job, its pods, Leases and nodes; decide; write).",
+            buckets=PASS_BUCKETS, registry=r)
+        self.reaction_seconds = Histogram(
+            "hlat_operator_reaction_seconds", "From a watch event about a job (the job, one of "
+            "its pods, a trainer's exit) to the end of the pass it woke.",
+            buckets=PASS_BUCKETS, registry=r)
+        self.api_requests = Counter(
+            "hlat_operator_api_requests", "Requests of the reconcile passes to the API server "
+            "(kopf's watches not included).", ("verb",), registry=r)
+        self.watch_events = Counter(
+            "hlat_operator_watch_events", "Watch events received, by kind of object.",
+            ("kind",), registry=r)
 
     def observe(self, namespace: str, job: str, decision: Decision) -> None:
         """Record one pass's outcome for one job."""
@@ -254,6 +272,18 @@ class OperatorMetrics:
     def _count_phases(self) -> None:
         for phase in PHASES:
             self.jobs.labels(phase).set(sum(1 for p in self._phases.values() if p == phase))
+
+    def count_requests(self, api: Any) -> Any:
+        """`api` (a kubernetes ApiClient) with every request counted by HTTP verb; returns it."""
+        rest: Any = api.rest_client
+        send = rest.request
+
+        def request(method: str, *args: Any, **kwargs: Any) -> Any:
+            self.api_requests.labels(method).inc()
+            return send(method, *args, **kwargs)
+
+        rest.request = request
+        return api
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

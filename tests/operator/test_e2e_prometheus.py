@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import shutil
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 from e2e_env import Env
 from e2e_spec import tiny_spec
+from prometheus_client.parser import text_string_to_metric_families
 
 from hlat_operator import dashboards
 from hlat_testbed import chart, faults
@@ -53,6 +55,7 @@ def test_every_dashboard_panel_has_data_from_a_real_prometheus(
         faults.kill(cluster.config, namespace, "tiny-a0-1")
         done = job.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 240)
         assert done["restarts"]["total"] == 1
+        _the_operator_reports_its_own_load(port)
         time.sleep(3)  # a few more scrapes
         end = time.time()
         targets = prom.targets()
@@ -77,3 +80,22 @@ def test_every_dashboard_panel_has_data_from_a_real_prometheus(
     finally:
         prom.stop()
         operator.stop()
+
+
+def _the_operator_reports_its_own_load(port: int) -> None:
+    """What bench_operator_scale reads: passes and their latency after watch events, the
+    requests the passes made, the watch events that arrived."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def value(name: str, **labels: str) -> float:
+        return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    passes = value("hlat_operator_pass_seconds_count")
+    assert passes >= 3 and value("hlat_operator_reaction_seconds_count") >= 1, text
+    assert 0 < value("hlat_operator_pass_seconds_sum") / passes < 10
+    assert value("hlat_operator_api_requests_total", verb="GET") >= 3 * passes  # job, pods, ...
+    assert value("hlat_operator_api_requests_total", verb="POST") >= 2  # pods of two attempts
+    assert value("hlat_operator_watch_events_total", kind="Pod") >= 4
+    assert value("hlat_operator_watch_events_total", kind="PretrainJob") >= 1

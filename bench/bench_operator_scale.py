@@ -1,0 +1,263 @@
+"""The operator at scale: hundreds of PretrainJobs on the real local API server.
+
+`--jobs` PretrainJobs (500 by default) of 1 to 64 workers (half of them 1, a few 64; ~3,000
+worker pods for 500) are created in `--namespaces` namespaces at `--rate` per second, on
+simulated nodes (hlat_testbed.simnodes: Nodes registered through the real API server whose pods
+the real scheduler binds and a simulator reports Running; no processes, no trainer heartbeats,
+so the jobs' heartbeat timeouts are set beyond the run). The operator runs as in production:
+its own process, the Helm chart's ServiceAccount, its default intervals (resync 10 s, status
+every 10 s). Once every job's pods run, a fault stream fails one running worker pod every
+`--fault-every` seconds (its container reported terminated with 137) for `--seconds`.
+
+Reported, over that steady window:
+- reaction: fault -> the job's status counts the restart (what a user watching the job sees),
+  p50 / p99 / max, measured outside the operator through a watch of the jobs;
+- the operator's own figures, from its /metrics: one pass's duration and the time from a watch
+  event to the end of the pass it woke (p50 / p99 from the histograms), the passes' API
+  requests per job per minute by verb, watch events per second; its RSS (peak and at the end);
+- start-up: creation -> every pod of every job running.
+Goal (issue 16): reaction p99 < 1 s and RSS <= 256 MiB at 500 jobs.
+
+    .venv/bin/python bench/bench_operator_scale.py [--jobs 500]   # needs root: the local cluster
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import random
+import statistics
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, watch
+from prometheus_client.parser import text_string_to_metric_families
+
+from hlat_operator.config import OperatorSettings
+from hlat_testbed import simnodes
+from hlat_testbed.cluster import Cluster
+from hlat_testbed.demo import (
+    GROUP,
+    PLURAL,
+    REPO,
+    VERSION,
+    OperatorProcess,
+    ensure_namespace,
+    install_crd,
+)
+from hlat_testbed.prometheus import free_port
+
+SIZES = [1] * 10 + [2] * 4 + [4] * 3 + [8, 16, 64]
+"""Workers per job, cycled: 5.9 on average."""
+PODS_PER_NODE = 64
+
+
+def spec(nodes: int) -> dict[str, Any]:
+    forever = 24 * 3600
+    return {
+        "image": "hlat-trainer:dev", "nodes": nodes, "instanceType": "cpu",
+        "processesPerNode": 1, "model": {"preset": "tiny"}, "precision": "fp32",
+        "optimizer": {"lr": 3.0e-3},
+        "data": {"path": "/fsx/data", "tokenizer": "/fsx/data/tokenizer.json", "seqLen": 128},
+        "train": {"globalBatch": 4 * nodes, "microBatch": 4, "steps": 1000},
+        "checkpoint": {"dir": "/fsx/checkpoints", "interval": 100},
+        "faultTolerance": {"maxRestarts": 10000, "backoff": {"initialSeconds": 1,
+                                                             "maxSeconds": 1},
+                           "heartbeat": {"startupTimeoutSeconds": forever,
+                                         "timeoutSeconds": forever}},
+        "template": {"spec": {"nodeSelector": {simnodes.LABEL: "true"},
+                              "tolerations": [simnodes.TOLERATION]}},
+    }
+
+
+class Jobs:
+    """A watch of every PretrainJob: when each one's status first counted N restarts."""
+
+    def __init__(self, custom: client.CustomObjectsApi) -> None:
+        self.custom = custom
+        self.restarts: dict[tuple[str, str], int] = {}
+        self.seen: dict[tuple[str, str, int], float] = {}
+        self.cond = threading.Condition()
+        self.stopping = threading.Event()
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                for event in watch.Watch().stream(self.custom.list_cluster_custom_object,
+                                                  GROUP, VERSION, PLURAL, timeout_seconds=60):
+                    obj = event["object"]
+                    meta = obj.get("metadata") or {}
+                    key = (meta.get("namespace", ""), meta.get("name", ""))
+                    total = int(((obj.get("status") or {}).get("restarts") or {})
+                                .get("total", 0))
+                    now = time.time()
+                    with self.cond:
+                        if total > self.restarts.get(key, 0):
+                            for n in range(self.restarts.get(key, 0) + 1, total + 1):
+                                self.seen.setdefault((*key, n), now)
+                            self.restarts[key] = total
+                            self.cond.notify_all()
+            except Exception as err:
+                print(f"job watch: {err!r}", flush=True)
+                time.sleep(1)
+
+    def restart_seen(self, key: tuple[str, str], n: int, timeout: float) -> float | None:
+        with self.cond:
+            self.cond.wait_for(lambda: (*key, n) in self.seen, timeout)
+            return self.seen.get((*key, n))
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def quantile_from_buckets(before: dict[Any, float], after: dict[Any, float], name: str,
+                          q: float) -> float:
+    """The q-quantile of histogram `name` over the window, interpolated within its bucket."""
+    buckets = sorted(
+        (float(dict(labels)["le"]), after[(n, labels)] - before.get((n, labels), 0.0))
+        for (n, labels) in after if n == f"{name}_bucket")
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return math.nan
+    rank, low, below = q * total, 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return low
+            return low + (bound - low) * (rank - below) / max(count - below, 1e-9)
+        low, below = bound, count
+    return low
+
+
+def delta(before: dict[Any, float], after: dict[Any, float], name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def rss_mib(pid: int) -> tuple[float, float]:
+    """(current, peak) resident memory of a process in MiB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text()
+                  .splitlines() if ":" in line)
+    return (int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--jobs", type=int, default=500)
+    p.add_argument("--namespaces", type=int, default=10)
+    p.add_argument("--rate", type=float, default=10.0, help="jobs created per second")
+    p.add_argument("--seconds", type=float, default=180.0, help="steady window with faults")
+    p.add_argument("--fault-every", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    rng = random.Random(a.seed)
+    sizes = [SIZES[i % len(SIZES)] for i in range(a.jobs)]
+    pods = sum(sizes)
+    cluster = Cluster()
+    cluster.up(nodes=0, progress=lambda line: print(f"[cluster] {line}", flush=True))
+    api = cluster.admin_api()
+    install_crd(api)
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    namespaces = [f"scale-{i}" for i in range(a.namespaces)]
+    for ns in namespaces:
+        ensure_namespace(core, ns)
+    nodes = simnodes.SimNodes(cluster.admin_api(), math.ceil(pods / PODS_PER_NODE * 1.1),
+                              pods=PODS_PER_NODE).start()
+    print(f"{a.jobs} jobs, {pods} worker pods, {len(nodes.names)} simulated nodes", flush=True)
+    defaults = OperatorSettings()
+    port = free_port()
+    work = REPO / "runs" / "bench-operator-scale"
+    operator = OperatorProcess(cluster, work / "operator.log", ["scale-*"], {
+        "HLAT_OPERATOR_RESYNC_SECONDS": str(defaults.resync_seconds),
+        "HLAT_OPERATOR_STATUS_INTERVAL_SECONDS": str(defaults.status_interval_seconds),
+    }, metrics_port=port).start()
+    jobs = Jobs(custom)
+    names: list[tuple[str, str]] = []
+    try:
+        began = time.time()
+        for i, size in enumerate(sizes):
+            ns, name = namespaces[i % len(namespaces)], f"job-{i:04d}"
+            custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, {
+                "apiVersion": f"{GROUP}/{VERSION}", "kind": "PretrainJob",
+                "metadata": {"name": name}, "spec": spec(size)})
+            names.append((ns, name))
+            time.sleep(max(0.0, began + (i + 1) / a.rate - time.time()))
+        created = time.time() - began
+        deadline = time.time() + 600
+        while len(nodes.running) < pods and time.time() < deadline:
+            time.sleep(1)
+        started = time.time() - began
+        print(f"created in {created:.0f} s; every pod running after {started:.0f} s "
+              f"({len(nodes.running)}/{pods})", flush=True)
+        time.sleep(15)  # the first passes' writes settle
+        before, sim_before = scrape(port), nodes.requests
+        window_began = time.time()
+        reactions: list[float] = []
+        pending: list[tuple[tuple[str, str], int, float]] = []
+        expected: dict[tuple[str, str], int] = {}
+        for k in range(int(a.seconds / a.fault_every)):
+            time.sleep(max(0.0, window_began + k * a.fault_every - time.time()))
+            hit = nodes.fail(rng)
+            if hit is None:
+                continue
+            ns, pod, when = hit
+            key = (ns, pod.rsplit("-a", 1)[0])  # <job>-a<attempt>-<rank>
+            expected[key] = max(expected.get(key, 0), jobs.restarts.get(key, 0)) + 1
+            pending.append((key, expected[key], when))
+        time.sleep(max(0.0, window_began + a.seconds - time.time()))
+        window = time.time() - window_began
+        after, sim_requests = scrape(port), nodes.requests - sim_before
+        missed, settle = 0, time.time() + 30
+        for key, n, when in pending:
+            seen = jobs.restart_seen(key, n, max(0.0, settle - time.time()))
+            if seen is None:
+                missed += 1
+            else:
+                reactions.append(seen - when)
+        current, peak = rss_mib(operator.pid or 0)
+    finally:
+        jobs.stopping.set()
+        operator.stop()
+        for ns in namespaces:
+            with contextlib.suppress(client.exceptions.ApiException):
+                core.delete_namespace(ns)
+        nodes.stop()
+    minutes = window / 60
+    passes = delta(before, after, "hlat_operator_pass_seconds_count")
+    print(f"\n== operator at scale: {a.jobs} jobs, {pods} worker pods, {len(nodes.names)} "
+          f"simulated nodes, {window:.0f} s with a fault every {a.fault_every:g} s")
+    print(f"faults {len(pending)}, restarts seen {len(reactions)}, missed {missed}")
+    if reactions:
+        print(f"reaction (fault -> status counts the restart): p50 {pct(reactions, .5):.3f} s"
+              f"  p99 {pct(reactions, .99):.3f} s  max {max(reactions):.3f} s"
+              f"  mean {statistics.fmean(reactions):.3f} s")
+    for name in ("hlat_operator_pass_seconds", "hlat_operator_reaction_seconds"):
+        print(f"{name}: p50 {quantile_from_buckets(before, after, name, .5):.3f} s  "
+              f"p99 {quantile_from_buckets(before, after, name, .99):.3f} s  "
+              f"(count {delta(before, after, name + '_count'):.0f})")
+    print(f"passes per job per minute: {passes / a.jobs / minutes:.2f}")
+    for verb in ("GET", "POST", "PATCH", "PUT", "DELETE"):
+        sent = delta(before, after, "hlat_operator_api_requests_total", verb=verb)
+        print(f"API requests per job per minute, {verb}: {sent / a.jobs / minutes:.2f}")
+    for kind in ("PretrainJob", "Pod", "Lease"):
+        events = delta(before, after, "hlat_operator_watch_events_total", kind=kind)
+        print(f"watch events per second, {kind}: {events / window:.1f}")
+    print(f"operator RSS: {current:.0f} MiB at the end, peak {peak:.0f} MiB")
+    print(f"(the simulated nodes made {sim_requests / window:.1f} requests/s of their own)")
+
+
+if __name__ == "__main__":
+    main()

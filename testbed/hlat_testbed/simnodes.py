@@ -32,7 +32,7 @@ LABEL = "hlat.dev/simulated"
 TAINT = {"key": LABEL, "value": "true", "effect": "NoSchedule"}
 TOLERATION = {"key": LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
 LEASE_NAMESPACE = "kube-node-lease"
-RENEW_SECONDS = 10.0
+RENEW_SECONDS = 15.0
 POD_RANGE = ipaddress.ip_network("100.64.0.0/10")
 """Pod IPs handed out (never routed: nothing listens on them)."""
 
@@ -89,11 +89,16 @@ class SimNodes:
             except ApiException as err:
                 if err.status != 409:
                     raise
-            self._renew(name)
+            self._renew(name, status=True)
 
-    def _renew(self, name: str) -> None:
-        self.requests += 2
-        self.core.patch_node_status(name, {"status": self._status()})
+    def _renew(self, name: str, status: bool = False) -> None:
+        """The node's Lease (what the node lifecycle controller reads as its heartbeat, as a
+        real kubelet renews it); its status only when asked (a real kubelet reports it every
+        few minutes when nothing changes)."""
+        if status:
+            self.requests += 1
+            self.core.patch_node_status(name, {"status": self._status()})
+        self.requests += 1
         spec = {"holderIdentity": name, "leaseDurationSeconds": 40,
                 "renewTime": _now(micro=True)}
         try:

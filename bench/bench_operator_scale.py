@@ -7,7 +7,8 @@ the real scheduler binds and a simulator reports Running; no processes, no train
 so the jobs' heartbeat timeouts are set beyond the run). The operator runs as in production:
 its own process, the Helm chart's ServiceAccount, its default intervals (resync 10 s, status
 every 10 s). Once every job's pods run, a fault stream fails one running worker pod every
-`--fault-every` seconds (its container reported terminated with 137) for `--seconds`.
+`--fault-every` seconds (its container reported terminated with 137) for `--seconds`: a job
+drawn at random, then one of its pods (a fault rate far above any real fleet's: a stress).
 
 Reported, over that steady window:
 - reaction: fault -> the job's status counts the restart (what a user watching the job sees),
@@ -24,7 +25,9 @@ Goal (issue 16): reaction p99 < 1 s and RSS <= 256 MiB at 500 jobs.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import datetime
 import math
 import random
 import statistics
@@ -37,6 +40,7 @@ from typing import Any
 from kubernetes import client, watch
 from prometheus_client.parser import text_string_to_metric_families
 
+from hlat_api import Heartbeat, labels
 from hlat_operator.config import OperatorSettings
 from hlat_testbed import simnodes
 from hlat_testbed.cluster import Cluster
@@ -64,9 +68,9 @@ def spec(nodes: int) -> dict[str, Any]:
     return {
         "image": "hlat-trainer:dev", "nodes": nodes, "instanceType": "cpu",
         "processesPerNode": 1, "model": {"preset": "tiny"}, "precision": "fp32",
-        "optimizer": {"lr": 3.0e-3},
+        "optimizer": {"lr": 3.0e-3, "warmupSteps": 10},
         "data": {"path": "/fsx/data", "tokenizer": "/fsx/data/tokenizer.json", "seqLen": 128},
-        "train": {"globalBatch": 4 * nodes, "microBatch": 4, "steps": 1000},
+        "train": {"globalBatch": 4 * nodes, "microBatch": 4, "steps": 100000},
         "checkpoint": {"dir": "/fsx/checkpoints", "interval": 100},
         "faultTolerance": {"maxRestarts": 10000, "backoff": {"initialSeconds": 1,
                                                              "maxSeconds": 1},
@@ -83,6 +87,7 @@ class Jobs:
     def __init__(self, custom: client.CustomObjectsApi) -> None:
         self.custom = custom
         self.restarts: dict[tuple[str, str], int] = {}
+        self.phases: dict[tuple[str, str], str] = {}
         self.seen: dict[tuple[str, str, int], float] = {}
         self.cond = threading.Condition()
         self.stopping = threading.Event()
@@ -99,6 +104,7 @@ class Jobs:
                     total = int(((obj.get("status") or {}).get("restarts") or {})
                                 .get("total", 0))
                     now = time.time()
+                    self.phases[key] = str((obj.get("status") or {}).get("phase"))
                     with self.cond:
                         if total > self.restarts.get(key, 0):
                             for n in range(self.restarts.get(key, 0) + 1, total + 1):
@@ -113,6 +119,50 @@ class Jobs:
         with self.cond:
             self.cond.wait_for(lambda: (*key, n) in self.seen, timeout)
             return self.seen.get((*key, n))
+
+
+class Trainers:
+    """What each running pod's trainer would say once: a heartbeat on its attempt's Lease,
+    training (so the operator sees every attempt train, as it would; the heartbeat
+    timeouts are beyond the run, so no further beats are needed). Kept pods of an in-place
+    restart move to the new attempt by a label patch: they beat again for it."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.coordination = client.CoordinationV1Api(api)
+        self.done: set[tuple[str, str, str]] = set()
+        self.requests = 0
+
+    def __call__(self, pod: Any) -> None:
+        meta = pod.metadata
+        attempt, rank = meta.labels.get(labels.ATTEMPT), meta.labels.get(labels.NODE_RANK)
+        job = meta.labels.get(labels.JOB)
+        if attempt is None or rank is None or job is None:
+            return
+        key = (meta.namespace, meta.name, attempt)
+        if key in self.done:
+            return
+        self.done.add(key)
+        now = datetime.datetime.now(datetime.UTC)
+        # each attempt gets further than the last and checkpoints (the operator fails a job
+        # whose restarts make no progress)
+        step = 100 * (int(attempt) + 1)
+        beat = Heartbeat(phase="training", step=step, checkpoint_step=step,
+                         attempt=int(attempt), progress_time=now)
+        self.requests += 1
+        try:
+            self.coordination.patch_namespaced_lease(
+                labels.worker_lease_name(job, int(attempt), int(rank)), meta.namespace, {
+                    "metadata": {"annotations": beat.to_annotations()},
+                    "spec": {"holderIdentity": meta.name, "renewTime": now.isoformat(),
+                             "leaseDurationSeconds": 3600}})
+        except client.exceptions.ApiException as err:
+            if err.status != 404:  # an attempt already over
+                raise
+
+
+def job_of(pod: tuple[str, str]) -> str:
+    """`namespace/job` of a worker pod `<job>-a<attempt>-<rank>`."""
+    return f"{pod[0]}/{pod[1].rsplit('-a', 1)[0]}"
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -174,11 +224,13 @@ def main() -> None:
     api = cluster.admin_api()
     install_crd(api)
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-    namespaces = [f"scale-{i}" for i in range(a.namespaces)]
+    run = f"{int(time.time()) % 100000:05d}"  # namespaces of an earlier run may still be going
+    namespaces = [f"scale-{run}-{i}" for i in range(a.namespaces)]
     for ns in namespaces:
         ensure_namespace(core, ns)
+    trainers = Trainers(cluster.admin_api())
     nodes = simnodes.SimNodes(cluster.admin_api(), math.ceil(pods / PODS_PER_NODE * 1.1),
-                              pods=PODS_PER_NODE).start()
+                              pods=PODS_PER_NODE, on_running=trainers).start()
     print(f"{a.jobs} jobs, {pods} worker pods, {len(nodes.names)} simulated nodes", flush=True)
     defaults = OperatorSettings()
     port = free_port()
@@ -206,23 +258,23 @@ def main() -> None:
         print(f"created in {created:.0f} s; every pod running after {started:.0f} s "
               f"({len(nodes.running)}/{pods})", flush=True)
         time.sleep(15)  # the first passes' writes settle
-        before, sim_before = scrape(port), nodes.requests
+        before, sim_before = scrape(port), nodes.requests + trainers.requests
         window_began = time.time()
         reactions: list[float] = []
         pending: list[tuple[tuple[str, str], int, float]] = []
         expected: dict[tuple[str, str], int] = {}
         for k in range(int(a.seconds / a.fault_every)):
             time.sleep(max(0.0, window_began + k * a.fault_every - time.time()))
-            hit = nodes.fail(rng)
+            hit = nodes.fail(rng, group=job_of)
             if hit is None:
                 continue
             ns, pod, when = hit
-            key = (ns, pod.rsplit("-a", 1)[0])  # <job>-a<attempt>-<rank>
+            key = (ns, job_of((ns, pod)).split("/")[1])
             expected[key] = max(expected.get(key, 0), jobs.restarts.get(key, 0)) + 1
             pending.append((key, expected[key], when))
         time.sleep(max(0.0, window_began + a.seconds - time.time()))
         window = time.time() - window_began
-        after, sim_requests = scrape(port), nodes.requests - sim_before
+        after, sim_requests = scrape(port), nodes.requests + trainers.requests - sim_before
         missed, settle = 0, time.time() + 30
         for key, n, when in pending:
             seen = jobs.restart_seen(key, n, max(0.0, settle - time.time()))
@@ -238,11 +290,13 @@ def main() -> None:
             with contextlib.suppress(client.exceptions.ApiException):
                 core.delete_namespace(ns)
         nodes.stop()
+        nodes.remove()
     minutes = window / 60
     passes = delta(before, after, "hlat_operator_pass_seconds_count")
     print(f"\n== operator at scale: {a.jobs} jobs, {pods} worker pods, {len(nodes.names)} "
           f"simulated nodes, {window:.0f} s with a fault every {a.fault_every:g} s")
-    print(f"faults {len(pending)}, restarts seen {len(reactions)}, missed {missed}")
+    print(f"faults {len(pending)}, restarts seen {len(reactions)}, missed {missed}; jobs by "
+          f"phase at the end: {dict(collections.Counter(jobs.phases.values()))}")
     if reactions:
         print(f"reaction (fault -> status counts the restart): p50 {pct(reactions, .5):.3f} s"
               f"  p99 {pct(reactions, .99):.3f} s  max {max(reactions):.3f} s"
@@ -259,7 +313,8 @@ def main() -> None:
         events = delta(before, after, "hlat_operator_watch_events_total", kind=kind)
         print(f"watch events per second, {kind}: {events / window:.1f}")
     print(f"operator RSS: {current:.0f} MiB at the end, peak {peak:.0f} MiB")
-    print(f"(the simulated nodes made {sim_requests / window:.1f} requests/s of their own)")
+    print(f"(the simulated nodes and trainers made {sim_requests / window:.1f} requests/s of "
+          "their own)")
 
 
 if __name__ == "__main__":

@@ -103,7 +103,8 @@ def _observe(rt: Runtime, namespace: str, name: str) -> tuple[Any, observe.Obser
         raise JobGone(f"{namespace}/{name}")
     pods = rt.kube.job_pods(namespace, name)
     leases = rt.kube.job_leases(namespace, name)
-    nodes = rt.kube.nodes()
+    nodes = rt.kube.nodes(wanted={str((p.get("spec") or {}).get("nodeName"))
+                                  for p in pods if (p.get("spec") or {}).get("nodeName")})
     if rt.api_lost:
         rt.api_lost, rt.api_back_at = False, datetime.now(UTC)
         log.warning("the API server answers again: heartbeats and node readiness are judged "
@@ -241,8 +242,9 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     # it cannot have heard what went silent before it started (a leader that lost its Lease in
     # an outage of the API server and was restarted, a standby taking over): from now on
     metrics = OperatorMetrics()
-    rt = Runtime(ours, Kube(metrics.count_requests(api_client())), metrics,
-                 api_back_at=datetime.now(UTC))
+    kube = Kube(metrics.count_requests(api_client()))
+    kube.node_list_seconds = ours.node_list_seconds
+    rt = Runtime(ours, kube, metrics, api_back_at=datetime.now(UTC))
     port = ours.metrics_port if _metrics_port is None else _metrics_port
     if port:
         rt.metrics.serve(port)

@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from functools import partial
 from typing import Any
@@ -171,6 +172,11 @@ class Kube:
         self.coordination = client.CoordinationV1Api(api)
         self.rbac = client.RbacAuthorizationV1Api(api)
         self.sleep: Callable[[float], None] = time.sleep
+        self.node_list_seconds = 0.0
+        """How long one list of nodes serves every pass (OperatorSettings.node_list_seconds)."""
+        self._nodes: Items | None = None
+        self._nodes_at = 0.0
+        self._nodes_lock = threading.Lock()
 
     # --- reads -----------------------------------------------------------------------------
     def get_job(self, namespace: str, name: str) -> Raw | None:
@@ -223,15 +229,24 @@ class Kube:
         items: Items = _json(resp).get("items") or []
         return items
 
-    def nodes(self) -> Items | None:
-        """All nodes; None when they cannot be read (then no node counts as lost)."""
-        try:
-            resp = self.core.list_node(_preload_content=False)
-        except _API_ERRORS as err:
-            log.warning("%s", _wrap("list nodes", err))
-            return None
-        items: Items = _json(resp).get("items") or []
-        return items
+    def nodes(self, wanted: Iterable[str] = ()) -> Items | None:
+        """All nodes; None when they cannot be read (then no node counts as lost). A list at
+        most `node_list_seconds` old is shared by every job's passes, unless it lacks one of
+        the `wanted` node names (a node that just joined): then they are listed again."""
+        with self._nodes_lock:
+            now = time.monotonic()
+            if self._nodes is not None and now - self._nodes_at < self.node_list_seconds:
+                names = {(n.get("metadata") or {}).get("name") for n in self._nodes}
+                if all(w in names for w in wanted):
+                    return self._nodes
+            try:
+                resp = self.core.list_node(_preload_content=False)
+            except _API_ERRORS as err:
+                log.warning("%s", _wrap("list nodes", err))
+                return None
+            items: Items = _json(resp).get("items") or []
+            self._nodes, self._nodes_at = items, now
+            return items
 
     # --- executing a decision ----------------------------------------------------------------
     def execute(self, job: JobRef, decision: Decision, read: Raw | None = None) -> int:

@@ -21,6 +21,7 @@ import ipaddress
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client, watch
@@ -46,7 +47,11 @@ class SimNodes:
     """`count` simulated nodes named `<prefix>-<i>`, each taking up to `pods` pods."""
 
     def __init__(self, api: client.ApiClient, count: int, prefix: str = "sim",
-                 pods: int = 64, cpu: int = 512, memory_gi: int = 4096) -> None:
+                 pods: int = 64, cpu: int = 512, memory_gi: int = 4096,
+                 on_running: Callable[[Any], None] | None = None) -> None:
+        """`on_running(pod)`: called on the watch thread for every event of a pod reported
+        Running (what its processes would do, e.g. a heartbeat)."""
+        self.on_running = on_running
         self.core = client.CoreV1Api(api)
         self.coordination = client.CoordinationV1Api(api)
         self.names = [f"{prefix}-{i}" for i in range(count)]
@@ -177,6 +182,12 @@ class SimNodes:
             self._patch_status(meta, status)
             with self.lock:
                 self.running[key] = meta.uid
+        if self.on_running is not None and pod.status.phase in ("Pending", "Running") \
+                and key in self.running:
+            try:
+                self.on_running(pod)
+            except Exception as err:
+                print(f"simnodes: on_running {key}: {err!r}", flush=True)
 
     def _patch_status(self, meta: Any, status: dict[str, Any]) -> None:
         try:
@@ -187,14 +198,22 @@ class SimNodes:
             if err.status not in (404, 409):
                 raise
 
-    def fail(self, rng: random.Random, exit_code: int = 137
+    def fail(self, rng: random.Random, exit_code: int = 137,
+             group: Callable[[tuple[str, str]], str] | None = None
              ) -> tuple[str, str, float] | None:
-        """Report one running pod, chosen by `rng`, terminated with `exit_code`: (namespace,
+        """Report one running pod, chosen by `rng` (among all, or in a group drawn first:
+        `group` maps (namespace, pod) to its group), terminated with `exit_code`: (namespace,
         pod, when); None when no pod runs."""
         with self.lock:
             if not self.running:
                 return None
-            key = rng.choice(sorted(self.running))
+            if group is None:
+                key = rng.choice(sorted(self.running))
+            else:  # a group first, then one of its pods: big groups are not hit more often
+                groups: dict[str, list[tuple[str, str]]] = {}
+                for k in self.running:
+                    groups.setdefault(group(k), []).append(k)
+                key = rng.choice(sorted(groups[rng.choice(sorted(groups))]))
             uid = self.running.pop(key)
         pod = self.core.read_namespaced_pod(key[1], key[0])
         if pod.metadata.uid != uid:

@@ -292,7 +292,7 @@ class FakeKube:
     def job_leases(self, namespace: str, job: str) -> list[Any]:
         return []
 
-    def nodes(self) -> list[Any] | None:
+    def nodes(self, wanted: Any = ()) -> list[Any] | None:
         return []
 
     def execute(self, job: Any, d: Decision, read: Any = None) -> int:
@@ -373,3 +373,26 @@ def test_a_pass_that_reaches_the_api_server_again_restarts_the_operator_s_clock(
     rt.api_lost, began = True, datetime.now(UTC)
     handlers.reconcile_once(rt, JOB.namespace, JOB.name)
     assert not rt.api_lost and rt.api_back_at is not None and rt.api_back_at >= began
+
+
+def _node_list(*names: str) -> Response:
+    return Response(json.dumps({"items": [{"metadata": {"name": n}} for n in names]}).encode())
+
+
+def test_one_list_of_nodes_serves_every_pass_for_a_while_but_never_hides_a_new_node() -> None:
+    """At 500 jobs a list of every node per pass was most of the operator's work: one list is
+    shared for `node_list_seconds`, unless a pass's pods sit on a node it lacks (just joined:
+    it must not be taken for a lost one)."""
+    k = kube(core={"list_node": [_node_list("a"), _node_list("a", "b"), api_error(500),
+                                 _node_list("a", "b")]})
+    k.node_list_seconds = 60.0
+    first = k.nodes(wanted={"a"})
+    assert [n["metadata"]["name"] for n in first or []] == ["a"]
+    assert k.nodes(wanted={"a"}) == first  # shared
+    assert k.core.names() == ["list_node"]  # type: ignore[attr-defined]
+    fresh = k.nodes(wanted={"a", "b"})  # a pod on a node the shared list lacks
+    assert [n["metadata"]["name"] for n in fresh or []] == ["a", "b"]
+    k.node_list_seconds = 0.0  # every pass lists; a failed list is None, and not kept
+    assert k.nodes() is None
+    assert k.nodes() == fresh
+    assert len(k.core.names()) == 4  # type: ignore[attr-defined]

@@ -57,9 +57,9 @@ from hlat_testbed.prometheus import free_port
 
 SIZES = [1] * 10 + [2] * 4 + [4] * 3 + [8, 16, 64]
 """Workers per job, cycled: 5.9 on average."""
-PODS_PER_NODE = 8
-"""A trn1.32xlarge takes one worker pod; 8 here keeps the simulated nodes' own Lease renewals
-(one per node every 15 s) from loading this 2-core machine: a real fleet of this size has 8x
+PODS_PER_NODE = 16
+"""A trn1.32xlarge takes one worker pod; 16 here keeps the simulated nodes' own Lease renewals
+(one per node every 10 s) from loading this 2-core machine: a real fleet of this size has 16x
 the nodes, which matters to every request that lists them."""
 
 
@@ -207,12 +207,75 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
 
 
+CONFIGS = {"a list of nodes per pass": "0", "one list shared for 2 s (default)": "2"}
+"""Operators measured one after the other on the same jobs: HLAT_OPERATOR_NODE_LIST_SECONDS."""
+
+
+def window(a: argparse.Namespace, rng: random.Random, port: int, pid: int, nodes: Any,
+           trainers: Trainers, jobs: Jobs) -> dict[str, Any]:
+    """Faults for `a.seconds`; what the operator did meanwhile."""
+    before, sim_before = scrape(port), nodes.requests + trainers.requests
+    began = time.time()
+    pending: list[tuple[tuple[str, str], int, float]] = []
+    expected: dict[tuple[str, str], int] = {}
+    for k in range(int(a.seconds / a.fault_every)):
+        time.sleep(max(0.0, began + k * a.fault_every - time.time()))
+        hit = nodes.fail(rng, group=job_of)
+        if hit is None:
+            continue
+        ns, pod, when = hit
+        key = (ns, job_of((ns, pod)).split("/")[1])
+        expected[key] = max(expected.get(key, 0), jobs.restarts.get(key, 0)) + 1
+        pending.append((key, expected[key], when))
+    time.sleep(max(0.0, began + a.seconds - time.time()))
+    seconds = time.time() - began
+    after = scrape(port)
+    sim = nodes.requests + trainers.requests - sim_before
+    reactions, missed, settle = [], 0, time.time() + 30
+    for key, n, when in pending:
+        seen = jobs.restart_seen(key, n, max(0.0, settle - time.time()))
+        if seen is None:
+            missed += 1
+        else:
+            reactions.append(seen - when)
+    current, peak = rss_mib(pid)
+    return {"before": before, "after": after, "seconds": seconds, "faults": len(pending),
+            "reactions": reactions, "missed": missed, "rss": current, "peak": peak,
+            "sim": sim / seconds}
+
+
+def report(name: str, r: dict[str, Any], jobs: int) -> None:
+    before, after, minutes = r["before"], r["after"], r["seconds"] / 60
+    reactions = r["reactions"]
+    print(f"\n-- {name}")
+    print(f"faults {r['faults']}, restarts seen {len(reactions)}, missed {r['missed']}")
+    if reactions:
+        print(f"reaction (fault -> status counts the restart): p50 {pct(reactions, .5):.3f} s"
+              f"  p99 {pct(reactions, .99):.3f} s  max {max(reactions):.3f} s"
+              f"  mean {statistics.fmean(reactions):.3f} s")
+    for metric in ("hlat_operator_pass_seconds", "hlat_operator_reaction_seconds"):
+        print(f"{metric}: p50 {quantile_from_buckets(before, after, metric, .5):.3f} s  "
+              f"p99 {quantile_from_buckets(before, after, metric, .99):.3f} s  "
+              f"(count {delta(before, after, metric + '_count'):.0f})")
+    passes = delta(before, after, "hlat_operator_pass_seconds_count")
+    print(f"passes per job per minute: {passes / jobs / minutes:.2f}")
+    for verb in ("GET", "POST", "PATCH", "PUT", "DELETE"):
+        sent = delta(before, after, "hlat_operator_api_requests_total", verb=verb)
+        print(f"API requests per job per minute, {verb}: {sent / jobs / minutes:.2f}")
+    for kind in ("PretrainJob", "Pod", "Lease"):
+        events = delta(before, after, "hlat_operator_watch_events_total", kind=kind)
+        print(f"watch events per second, {kind}: {events / r['seconds']:.1f}")
+    print(f"operator RSS: {r['rss']:.0f} MiB at the end, peak {r['peak']:.0f} MiB")
+    print(f"(the simulated nodes and trainers made {r['sim']:.1f} requests/s of their own)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=500)
     p.add_argument("--namespaces", type=int, default=10)
     p.add_argument("--rate", type=float, default=10.0, help="jobs created per second")
-    p.add_argument("--seconds", type=float, default=180.0, help="steady window with faults")
+    p.add_argument("--seconds", type=float, default=120.0,
+                   help="steady window with faults, per operator configuration")
     p.add_argument("--fault-every", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
@@ -233,88 +296,51 @@ def main() -> None:
                               pods=PODS_PER_NODE, on_running=trainers).start()
     print(f"{a.jobs} jobs, {pods} worker pods, {len(nodes.names)} simulated nodes", flush=True)
     defaults = OperatorSettings()
-    port = free_port()
     work = REPO / "runs" / "bench-operator-scale"
-    operator = OperatorProcess(cluster, work / "operator.log", ["scale-*"], {
-        "HLAT_OPERATOR_RESYNC_SECONDS": str(defaults.resync_seconds),
-        "HLAT_OPERATOR_STATUS_INTERVAL_SECONDS": str(defaults.status_interval_seconds),
-    }, metrics_port=port).start()
     jobs = Jobs(custom)
-    names: list[tuple[str, str]] = []
+    results: dict[str, dict[str, Any]] = {}
+    operator: OperatorProcess | None = None
     try:
-        began = time.time()
-        for i, size in enumerate(sizes):
-            ns, name = namespaces[i % len(namespaces)], f"job-{i:04d}"
-            custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, {
-                "apiVersion": f"{GROUP}/{VERSION}", "kind": "PretrainJob",
-                "metadata": {"name": name}, "spec": spec(size)})
-            names.append((ns, name))
-            time.sleep(max(0.0, began + (i + 1) / a.rate - time.time()))
-        created = time.time() - began
-        deadline = time.time() + 600
-        while len(nodes.running) < pods and time.time() < deadline:
-            time.sleep(1)
-        started = time.time() - began
-        print(f"created in {created:.0f} s; every pod running after {started:.0f} s "
-              f"({len(nodes.running)}/{pods})", flush=True)
-        time.sleep(15)  # the first passes' writes settle
-        before, sim_before = scrape(port), nodes.requests + trainers.requests
-        window_began = time.time()
-        reactions: list[float] = []
-        pending: list[tuple[tuple[str, str], int, float]] = []
-        expected: dict[tuple[str, str], int] = {}
-        for k in range(int(a.seconds / a.fault_every)):
-            time.sleep(max(0.0, window_began + k * a.fault_every - time.time()))
-            hit = nodes.fail(rng, group=job_of)
-            if hit is None:
-                continue
-            ns, pod, when = hit
-            key = (ns, job_of((ns, pod)).split("/")[1])
-            expected[key] = max(expected.get(key, 0), jobs.restarts.get(key, 0)) + 1
-            pending.append((key, expected[key], when))
-        time.sleep(max(0.0, window_began + a.seconds - time.time()))
-        window = time.time() - window_began
-        after, sim_requests = scrape(port), nodes.requests + trainers.requests - sim_before
-        missed, settle = 0, time.time() + 30
-        for key, n, when in pending:
-            seen = jobs.restart_seen(key, n, max(0.0, settle - time.time()))
-            if seen is None:
-                missed += 1
-            else:
-                reactions.append(seen - when)
-        current, peak = rss_mib(operator.pid or 0)
+        for i, (name, node_list) in enumerate(CONFIGS.items()):
+            port = free_port()
+            operator = OperatorProcess(cluster, work / "operator.log", ["scale-*"], {
+                "HLAT_OPERATOR_RESYNC_SECONDS": str(defaults.resync_seconds),
+                "HLAT_OPERATOR_STATUS_INTERVAL_SECONDS": str(defaults.status_interval_seconds),
+                "HLAT_OPERATOR_NODE_LIST_SECONDS": node_list,
+            }, metrics_port=port).start()
+            if i == 0:
+                began = time.time()
+                for j, size in enumerate(sizes):
+                    custom.create_namespaced_custom_object(GROUP, VERSION, namespaces[
+                        j % len(namespaces)], PLURAL, {
+                        "apiVersion": f"{GROUP}/{VERSION}", "kind": "PretrainJob",
+                        "metadata": {"name": f"job-{j:04d}"}, "spec": spec(size)})
+                    time.sleep(max(0.0, began + (j + 1) / a.rate - time.time()))
+                created = time.time() - began
+                deadline = time.time() + 900
+                while len(nodes.running) < pods and time.time() < deadline:
+                    time.sleep(1)
+                print(f"[{name}] created in {created:.0f} s; every pod running after "
+                      f"{time.time() - began:.0f} s ({len(nodes.running)}/{pods})", flush=True)
+            time.sleep(20)  # the operator's first passes over every job settle
+            results[name] = window(a, rng, port, operator.pid or 0, nodes, trainers, jobs)
+            print(f"[{name}] window done", flush=True)
+            operator.stop()
+            operator = None
     finally:
         jobs.stopping.set()
-        operator.stop()
+        if operator is not None:
+            operator.stop()
+        nodes.stop()
         for ns in namespaces:
             with contextlib.suppress(client.exceptions.ApiException):
                 core.delete_namespace(ns)
-        nodes.stop()
         nodes.remove()
-    minutes = window / 60
-    passes = delta(before, after, "hlat_operator_pass_seconds_count")
     print(f"\n== operator at scale: {a.jobs} jobs, {pods} worker pods, {len(nodes.names)} "
-          f"simulated nodes, {window:.0f} s with a fault every {a.fault_every:g} s")
-    print(f"faults {len(pending)}, restarts seen {len(reactions)}, missed {missed}; jobs by "
-          f"phase at the end: {dict(collections.Counter(jobs.phases.values()))}")
-    if reactions:
-        print(f"reaction (fault -> status counts the restart): p50 {pct(reactions, .5):.3f} s"
-              f"  p99 {pct(reactions, .99):.3f} s  max {max(reactions):.3f} s"
-              f"  mean {statistics.fmean(reactions):.3f} s")
-    for name in ("hlat_operator_pass_seconds", "hlat_operator_reaction_seconds"):
-        print(f"{name}: p50 {quantile_from_buckets(before, after, name, .5):.3f} s  "
-              f"p99 {quantile_from_buckets(before, after, name, .99):.3f} s  "
-              f"(count {delta(before, after, name + '_count'):.0f})")
-    print(f"passes per job per minute: {passes / a.jobs / minutes:.2f}")
-    for verb in ("GET", "POST", "PATCH", "PUT", "DELETE"):
-        sent = delta(before, after, "hlat_operator_api_requests_total", verb=verb)
-        print(f"API requests per job per minute, {verb}: {sent / a.jobs / minutes:.2f}")
-    for kind in ("PretrainJob", "Pod", "Lease"):
-        events = delta(before, after, "hlat_operator_watch_events_total", kind=kind)
-        print(f"watch events per second, {kind}: {events / window:.1f}")
-    print(f"operator RSS: {current:.0f} MiB at the end, peak {peak:.0f} MiB")
-    print(f"(the simulated nodes and trainers made {sim_requests / window:.1f} requests/s of "
-          "their own)")
+          f"simulated nodes; {a.seconds:.0f} s with a fault every {a.fault_every:g} s per "
+          f"operator; jobs by phase at the end: {dict(collections.Counter(jobs.phases.values()))}")
+    for name, r in results.items():
+        report(name, r, a.jobs)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ def main() -> int:
         ["bench_loader.py", *(["--data", a.data] if a.data else [])],
         ["bench_checkpoint.py"],
         ["bench_recovery.py"],  # needs root: it runs the local cluster
+        ["bench_operator_scale.py"],  # 500 jobs on simulated nodes, same local cluster
         ["bench_fleet.py"],  # simulated: writes docs/images/fleet-goodput.png
         # the paper's precision, beta2 and spike-length findings: docs/images/fidelity-*.png
         ["bench_fidelity.py", *(["--data", a.data] if a.data else [])],

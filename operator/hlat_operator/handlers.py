@@ -164,7 +164,6 @@ async def _job_loop(rt: Runtime, namespace: str, name: str) -> None:
             except JobGone:
                 log.info("%s/%s: gone; its loop ends", namespace, name)
                 rt.metrics.forget(namespace, name)
-                rt.kube.forget(namespace, name)
                 return
             except K8sError as err:
                 if err.status is None or err.status >= 500:
@@ -272,19 +271,10 @@ def probe_jobs(**_: Any) -> int:
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
 async def on_job(event: kopf.RawEvent, name: str | None, namespace: str | None, **_: Any) -> None:
-    rt = runtime()
-    rt.metrics.watch_events.labels("PretrainJob").inc()
+    runtime().metrics.watch_events.labels("PretrainJob").inc()
     if not name or not namespace:
         return
-    kind = event.get("type")
-    version = ((event.get("object") or {}).get("metadata") or {}).get("resourceVersion")
-    if kind == "MODIFIED" and (namespace, name) in rt.tasks \
-            and rt.kube.wrote(namespace, name, version):
-        # our own write: the pass that made it decided on everything it says, and its
-        # Decision's requeue (or the pods' events) brings the next pass; waking again here
-        # made every write cause a pass, which under load caused a write (bench_operator_scale)
-        return
-    _poke(namespace, name, start=kind != "DELETED")
+    _poke(namespace, name, start=event.get("type") != "DELETED")
 
 
 @kopf.on.event("coordination.k8s.io", "v1", "leases",

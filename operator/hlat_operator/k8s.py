@@ -29,7 +29,6 @@ import re
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from functools import partial
@@ -178,8 +177,6 @@ class Kube:
         self._nodes: Items | None = None
         self._nodes_at = 0.0
         self._nodes_lock = threading.Lock()
-        self._written: dict[tuple[str, str], deque[str]] = {}
-        """Per job, the resourceVersions its latest writes (status, state) left."""
 
     # --- reads -----------------------------------------------------------------------------
     def get_job(self, namespace: str, name: str) -> Raw | None:
@@ -417,7 +414,7 @@ class Kube:
         if action.resource_version:
             body["metadata"] = {"resourceVersion": action.resource_version}
         try:
-            resp = self.custom.patch_namespaced_custom_object_status(
+            self.custom.patch_namespaced_custom_object_status(
                 API_GROUP,
                 API_VERSION,
                 job.namespace,
@@ -428,20 +425,6 @@ class Kube:
             )
         except _API_ERRORS as err:
             raise _wrap(f"patch status of {KIND} {job.namespace}/{job.name}", err) from err
-        self._wrote(job, (_json(resp).get("metadata") or {}).get("resourceVersion"))
-
-    def _wrote(self, job: JobRef, version: object) -> None:
-        if version:
-            written = self._written.setdefault((job.namespace, job.name), deque(maxlen=4))
-            written.append(str(version))
-
-    def wrote(self, namespace: str, name: str, version: str | None) -> bool:
-        """Whether the job at `version` is what one of this operator's own writes left (a
-        watch event about it tells a pass nothing the pass that wrote it did not know)."""
-        return version is not None and version in self._written.get((namespace, name), ())
-
-    def forget(self, namespace: str, name: str) -> None:
-        self._written.pop((namespace, name), None)
 
     def _patch_status_at(self, job: JobRef, status: Raw, version: str | None) -> None:
         self._patch_status(job, PatchStatus(status, version))
@@ -461,7 +444,6 @@ class Kube:
         except _API_ERRORS as err:
             raise _wrap(f"patch state of {KIND} {job.namespace}/{job.name}", err) from err
         version = (_json(resp).get("metadata") or {}).get("resourceVersion")
-        self._wrote(job, version)
         return str(version) if version else None
 
     def _delete_job(self, job: JobRef) -> None:

@@ -150,7 +150,8 @@ class OperatorMetrics:
         # on the API server (bench/bench_operator_scale.py reads these)
         self.pass_seconds = Histogram(
             "hlat_operator_pass_seconds", "Duration of one reconcile pass of one job "
-            "(read the job, its pods, Leases and nodes; decide; write).",
+            "(read the job, its pods, Leases and nodes; decide; write), including its wait "
+            "for a free worker thread.",
             buckets=PASS_BUCKETS, registry=r)
         self.reaction_seconds = Histogram(
             "hlat_operator_reaction_seconds", "From a watch event about a job (the job, one of "

@@ -207,7 +207,7 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
 
 
-CONFIGS = {"a list of nodes per pass": "0", "one list shared for 2 s (default)": "2"}
+CONFIGS = {"a list of nodes per pass (default)": "0", "one list shared for 2 s (opt-in)": "2"}
 """Operators measured one after the other on the same jobs: HLAT_OPERATOR_NODE_LIST_SECONDS."""
 
 

@@ -102,6 +102,11 @@ def permanent(err: K8sError, kind: str | None = None) -> bool:
     return not any(hint in str(err) for hint in _QUOTA_HINTS)
 
 
+def _ready(node: Mapping[str, Any]) -> bool:
+    conditions = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
 class Rejected(K8sError):
     """The API server refused to create an object the job needs, for good (see `permanent`)."""
 
@@ -231,13 +236,14 @@ class Kube:
 
     def nodes(self, wanted: Iterable[str] = ()) -> Items | None:
         """All nodes; None when they cannot be read (then no node counts as lost). A list at
-        most `node_list_seconds` old is shared by every job's passes, unless it lacks one of
-        the `wanted` node names (a node that just joined): then they are listed again."""
+        most `node_list_seconds` old is shared by every job's passes, unless one of the
+        `wanted` nodes is missing from it or not Ready there: then they are listed again."""
         with self._nodes_lock:
             now = time.monotonic()
             if self._nodes is not None and now - self._nodes_at < self.node_list_seconds:
-                names = {(n.get("metadata") or {}).get("name") for n in self._nodes}
-                if all(w in names for w in wanted):
+                ready = {(n.get("metadata") or {}).get("name") for n in self._nodes
+                         if _ready(n)}
+                if all(w in ready for w in wanted):  # else: judged on a fresh list only
                     return self._nodes
             try:
                 resp = self.core.list_node(_preload_content=False)

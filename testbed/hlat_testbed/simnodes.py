@@ -173,8 +173,10 @@ class SimNodes:
                 self.running.pop(key, None)
             try:
                 self.requests += 1
-                self.core.delete_namespaced_pod(meta.name, meta.namespace, grace_period_seconds=0,
-                                                body={"preconditions": {"uid": meta.uid}})
+                self.core.delete_namespaced_pod(
+                    meta.name, meta.namespace, grace_period_seconds=0,
+                    body=client.V1DeleteOptions(grace_period_seconds=0,
+                                                preconditions=client.V1Preconditions(uid=meta.uid)))
             except ApiException as err:
                 if err.status not in (404, 409):
                     raise

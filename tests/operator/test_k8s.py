@@ -375,8 +375,10 @@ def test_a_pass_that_reaches_the_api_server_again_restarts_the_operator_s_clock(
     assert not rt.api_lost and rt.api_back_at is not None and rt.api_back_at >= began
 
 
-def _node_list(*names: str) -> Response:
-    return Response(json.dumps({"items": [{"metadata": {"name": n}} for n in names]}).encode())
+def _node_list(*names: str, ready: bool = True) -> Response:
+    status = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    return Response(json.dumps({"items": [{"metadata": {"name": n}, "status": status}
+                                          for n in names]}).encode())
 
 
 def test_one_list_of_nodes_serves_every_pass_for_a_while_but_never_hides_a_new_node() -> None:
@@ -392,7 +394,12 @@ def test_one_list_of_nodes_serves_every_pass_for_a_while_but_never_hides_a_new_n
     assert k.core.names() == ["list_node"]  # type: ignore[attr-defined]
     fresh = k.nodes(wanted={"a", "b"})  # a pod on a node the shared list lacks
     assert [n["metadata"]["name"] for n in fresh or []] == ["a", "b"]
+    k.core.answers["list_node"] = [_node_list("a", "b", ready=False), _node_list("a", "b"),  # type: ignore[attr-defined]
+                                   api_error(500), _node_list("a", "b")]
+    k.nodes(wanted={"c"})  # a node the shared list lacks: listed again (both not Ready)
+    k.nodes(wanted={"a"})  # "a" not Ready on the shared list: judged on a fresh one
+    assert len(k.core.names()) == 4  # type: ignore[attr-defined]
     k.node_list_seconds = 0.0  # every pass lists; a failed list is None, and not kept
     assert k.nodes() is None
     assert k.nodes() == fresh
-    assert len(k.core.names()) == 4  # type: ignore[attr-defined]
+    assert len(k.core.names()) == 6  # type: ignore[attr-defined]

@@ -262,7 +262,11 @@ def test_bf16_update_is_a_rounding_of_the_exact_adamw_update(backend: str) -> No
     exact = theirs[0].detach()
     lo, hi = _neighbours(exact)
     got = ours[0].detach().float()
-    assert bool(((got == lo) | (got == hi)).all())
+    # a bf16 neighbour of the exact value or of the fp32 values an ulp either side of it (the
+    # two computations may differ by that ulp, which now and then crosses a bf16 value)
+    near = [_neighbours(torch.nextafter(exact, exact + d)) for d in (-1.0, 1.0)]
+    assert bool(((got == lo) | (got == hi)
+                 | sum(((got == a) | (got == b)) for a, b in near).bool()).all())
     step = (hi - lo).abs()
     rel_err = ((got - exact) / step).double()
     assert abs(rel_err.mean().item()) <= SIGMAS * 0.5 / math.sqrt(rel_err.numel())

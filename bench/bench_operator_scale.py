@@ -207,8 +207,8 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
 
 
-CONFIGS = {"a list of nodes per pass (default)": "0", "one list shared for 2 s (opt-in)": "2"}
-"""Operators measured one after the other on the same jobs: HLAT_OPERATOR_NODE_LIST_SECONDS."""
+CONFIGS = {"every pass lists the nodes (watch off)": "false", "nodes watched (default)": "true"}
+"""Operators measured one after the other on the same jobs: HLAT_OPERATOR_WATCH_NODES."""
 
 
 def window(a: argparse.Namespace, rng: random.Random, port: int, pid: int, nodes: Any,
@@ -269,6 +269,24 @@ def report(name: str, r: dict[str, Any], jobs: int) -> None:
     print(f"(the simulated nodes and trainers made {r['sim']:.1f} requests/s of their own)")
 
 
+def cleanup(core: client.CoreV1Api, namespaces: list[str], timeout: float = 300) -> None:
+    """Delete the run's namespaces and wait until they are gone, so the next run's operator
+    (which watches `scale-*`) is not loaded by this one's jobs. Worker pods are force-deleted:
+    pods of simulated nodes left Terminating after the simulator stops stay for minutes."""
+    for ns in namespaces:
+        with contextlib.suppress(client.exceptions.ApiException):
+            core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
+            core.delete_namespace(ns)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        left = [ns.metadata.name for ns in core.list_namespace().items
+                if ns.metadata.name in namespaces]
+        if not left:
+            return
+        time.sleep(2)
+    print(f"namespaces still terminating after {timeout:.0f} s: {left}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=500)
@@ -287,7 +305,9 @@ def main() -> None:
     api = cluster.admin_api()
     install_crd(api)
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-    run = f"{int(time.time()) % 100000:05d}"  # namespaces of an earlier run may still be going
+    cleanup(core, [ns.metadata.name for ns in core.list_namespace().items  # a killed run's
+                   if ns.metadata.name.startswith("scale-")])
+    run = f"{int(time.time()) % 100000:05d}"
     namespaces = [f"scale-{run}-{i}" for i in range(a.namespaces)]
     for ns in namespaces:
         ensure_namespace(core, ns)
@@ -301,12 +321,12 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     operator: OperatorProcess | None = None
     try:
-        for i, (name, node_list) in enumerate(CONFIGS.items()):
+        for i, (name, watch_nodes) in enumerate(CONFIGS.items()):
             port = free_port()
             operator = OperatorProcess(cluster, work / "operator.log", ["scale-*"], {
                 "HLAT_OPERATOR_RESYNC_SECONDS": str(defaults.resync_seconds),
                 "HLAT_OPERATOR_STATUS_INTERVAL_SECONDS": str(defaults.status_interval_seconds),
-                "HLAT_OPERATOR_NODE_LIST_SECONDS": node_list,
+                "HLAT_OPERATOR_WATCH_NODES": watch_nodes,
             }, metrics_port=port).start()
             if i == 0:
                 began = time.time()
@@ -331,10 +351,8 @@ def main() -> None:
         jobs.stopping.set()
         if operator is not None:
             operator.stop()
+        cleanup(core, namespaces)
         nodes.stop()
-        for ns in namespaces:
-            with contextlib.suppress(client.exceptions.ApiException):
-                core.delete_namespace(ns)
         nodes.remove()
     print(f"\n== operator at scale: {a.jobs} jobs, {pods} worker pods, {len(nodes.names)} "
           f"simulated nodes; {a.seconds:.0f} s with a fault every {a.fault_every:g} s per "

@@ -51,12 +51,11 @@ class OperatorSettings(BaseModel):
     status_interval_seconds: float = 10.0
     """Progress and uptime are written to status at most this often (transitions at once):
     status writes are watch events for every client of the API server."""
-    node_list_seconds: float = Field(default=0.0, ge=0)
-    """A list of the cluster's nodes is shared by the passes of every job for this long (0,
-    the default: each pass lists them). At 500 jobs, 2 s cut the reaction to a fault about 3x
-    (bench_operator_scale). A pass whose pods sit on a node the shared list lacks, or shows
-    not Ready, lists them again at once (a node that just joined or just recovered is never
-    taken for lost on a stale view). Opt-in until it has run through the e2e suite."""
+    watch_nodes: bool = True
+    """Passes read the nodes from one watch of them (`nodewatch`) rather than listing every
+    node per pass (false: the old way, kept for the side-by-side bench). A pass whose pods sit
+    on a node the watch lacks or shows not Ready, or that runs while the watch is broken,
+    still lists them afresh."""
     resync_seconds: float = 10.0
     """Requeue delay while a job is alive, so timeouts fire without a watch event."""
     fast_requeue_seconds: float = 1.0

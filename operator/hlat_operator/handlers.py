@@ -243,7 +243,8 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     # an outage of the API server and was restarted, a standby taking over): from now on
     metrics = OperatorMetrics()
     kube = Kube(metrics.count_requests(api_client()))
-    kube.node_list_seconds = ours.node_list_seconds
+    if ours.watch_nodes:
+        kube.start_node_watch()
     rt = Runtime(ours, kube, metrics, api_back_at=datetime.now(UTC))
     port = ours.metrics_port if _metrics_port is None else _metrics_port
     if port:
@@ -257,6 +258,8 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
 async def cleanup(**_: Any) -> None:
     if _runtime is None:
         return
+    if _runtime.kube.node_watch is not None:
+        _runtime.kube.node_watch.stop()
     tasks = list(_runtime.tasks.values())
     for task in tasks:
         task.cancel()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -41,6 +40,7 @@ from urllib3.exceptions import HTTPError
 from hlat_api import labels
 from hlat_api.manifest import API_GROUP, API_VERSION, KIND
 from hlat_operator.builders import JobRef
+from hlat_operator.nodewatch import NodeWatch
 from hlat_operator.reconcile import (
     Action,
     CreateObject,
@@ -166,6 +166,15 @@ def _json(response: Any) -> Raw:
     return data
 
 
+def _discard(response: Any) -> None:
+    """Read the rest of a response the operator does not need and give its connection back to
+    the pool. A response left unread keeps its connection out of the pool for good, so every
+    later request opened a new TLS connection: at 200 jobs 15% of the operator's CPU went to
+    handshakes (and the API server's share beside it)."""
+    response.drain_conn()
+    response.release_conn()
+
+
 class Kube:
     """API access for the operator, with one ApiClient (thread-safe for our use: one pass at
     a time per job, passes of different jobs may run concurrently in threads)."""
@@ -177,11 +186,12 @@ class Kube:
         self.coordination = client.CoordinationV1Api(api)
         self.rbac = client.RbacAuthorizationV1Api(api)
         self.sleep: Callable[[float], None] = time.sleep
-        self.node_list_seconds = 0.0
-        """How long one list of nodes serves every pass (OperatorSettings.node_list_seconds)."""
-        self._nodes: Items | None = None
-        self._nodes_at = 0.0
-        self._nodes_lock = threading.Lock()
+        self.node_watch: NodeWatch | None = None
+        """Every node, kept current by a watch (`start_node_watch`); None: each pass lists."""
+
+    def start_node_watch(self) -> NodeWatch:
+        self.node_watch = NodeWatch(self.core).start()
+        return self.node_watch
 
     # --- reads -----------------------------------------------------------------------------
     def get_job(self, namespace: str, name: str) -> Raw | None:
@@ -235,24 +245,24 @@ class Kube:
         return items
 
     def nodes(self, wanted: Iterable[str] = ()) -> Items | None:
-        """All nodes; None when they cannot be read (then no node counts as lost). A list at
-        most `node_list_seconds` old is shared by every job's passes, unless one of the
-        `wanted` nodes is missing from it or not Ready there: then they are listed again."""
-        with self._nodes_lock:
-            now = time.monotonic()
-            if self._nodes is not None and now - self._nodes_at < self.node_list_seconds:
-                ready = {(n.get("metadata") or {}).get("name") for n in self._nodes
-                         if _ready(n)}
-                if all(w in ready for w in wanted):  # else: judged on a fresh list only
-                    return self._nodes
-            try:
-                resp = self.core.list_node(_preload_content=False)
-            except _API_ERRORS as err:
-                log.warning("%s", _wrap("list nodes", err))
-                return None
-            items: Items = _json(resp).get("items") or []
-            self._nodes, self._nodes_at = items, now
-            return items
+        """All nodes; None when they cannot be read (then no node counts as lost). The node
+        watch's view when it is in sync and every `wanted` node (those the pass's pods sit on)
+        is on it and Ready; otherwise a fresh list: no watch, a broken one, or a node it lacks
+        or shows not Ready (just joined, or the watch behind a recovery) is judged only on
+        what the API server says now."""
+        if self.node_watch is not None:
+            items = self.node_watch.snapshot()
+            if items is not None:
+                ready = {(n.get("metadata") or {}).get("name") for n in items if _ready(n)}
+                if all(w in ready for w in wanted):
+                    return items
+        try:
+            resp = self.core.list_node(_preload_content=False)
+        except _API_ERRORS as err:
+            log.warning("%s", _wrap("list nodes", err))
+            return None
+        listed: Items = _json(resp).get("items") or []
+        return listed
 
     # --- executing a decision ----------------------------------------------------------------
     def execute(self, job: JobRef, decision: Decision, read: Raw | None = None) -> int:
@@ -361,14 +371,14 @@ class Kube:
         body: Any = obj
         if kind == "PodGroup":  # a custom resource (Volcano's): through the custom objects API
             group, version = str(obj["apiVersion"]).split("/")
-            self.custom.create_namespaced_custom_object(
-                group, version, ns, "podgroups", body, _preload_content=False)
+            _discard(self.custom.create_namespaced_custom_object(
+                group, version, ns, "podgroups", body, _preload_content=False))
             return
         if kind not in _KINDS:
             raise K8sError(f"create {kind}: kind not supported by the operator")
         api, suffix, _ = _KINDS[kind]
-        getattr(getattr(self, api), f"create_namespaced_{suffix}")(
-            ns, body, _preload_content=False)
+        _discard(getattr(getattr(self, api), f"create_namespaced_{suffix}")(
+            ns, body, _preload_content=False))
 
     def _replace_call(self, kind: str, ns: str, name: str, obj: Mapping[str, Any]) -> None:
         body: Any = obj
@@ -378,20 +388,20 @@ class Kube:
         # a Lease may not be updated without the resourceVersion it was read at: merge-patch
         # the fields instead (the operator owns every field it writes there)
         verb = "patch" if kind == "Lease" else "replace"
-        getattr(getattr(self, api), f"{verb}_namespaced_{suffix}")(
-            name, ns, body, _preload_content=False)
+        _discard(getattr(getattr(self, api), f"{verb}_namespaced_{suffix}")(
+            name, ns, body, _preload_content=False))
 
     def _delete_pod(self, job: JobRef, action: DeletePod) -> None:
         what = f"delete pod {job.namespace}/{action.name}"
         if action.grace_seconds is not None:
             what += f" (grace {action.grace_seconds}s)"
         try:
-            self.core.delete_namespaced_pod(
+            _discard(self.core.delete_namespaced_pod(
                 action.name,
                 job.namespace,
                 grace_period_seconds=action.grace_seconds,
                 _preload_content=False,
-            )
+            ))
         except _API_ERRORS as err:
             wrapped = _wrap(what, err)
             if not isinstance(wrapped, NotFound):
@@ -400,16 +410,16 @@ class Kube:
     def _patch_pod(self, job: JobRef, action: PatchPod) -> None:
         body = {"metadata": {"labels": action.labels, "annotations": action.annotations}}
         try:
-            self.core.patch_namespaced_pod(action.name, job.namespace, body,
-                                           _preload_content=False)
+            _discard(self.core.patch_namespaced_pod(action.name, job.namespace, body,
+                                                    _preload_content=False))
         except _API_ERRORS as err:
             raise _wrap(f"patch pod {job.namespace}/{action.name}", err) from err
 
     def _delete_lease(self, job: JobRef, name: str) -> None:
         try:
-            self.coordination.delete_namespaced_lease(
+            _discard(self.coordination.delete_namespaced_lease(
                 name, job.namespace, _preload_content=False
-            )
+            ))
         except _API_ERRORS as err:
             wrapped = _wrap(f"delete lease {job.namespace}/{name}", err)
             if not isinstance(wrapped, NotFound):
@@ -420,7 +430,7 @@ class Kube:
         if action.resource_version:
             body["metadata"] = {"resourceVersion": action.resource_version}
         try:
-            self.custom.patch_namespaced_custom_object_status(
+            _discard(self.custom.patch_namespaced_custom_object_status(
                 API_GROUP,
                 API_VERSION,
                 job.namespace,
@@ -428,7 +438,7 @@ class Kube:
                 job.name,
                 body,
                 _preload_content=False,
-            )
+            ))
         except _API_ERRORS as err:
             raise _wrap(f"patch status of {KIND} {job.namespace}/{job.name}", err) from err
 
@@ -454,10 +464,10 @@ class Kube:
 
     def _delete_job(self, job: JobRef) -> None:
         try:
-            self.custom.delete_namespaced_custom_object(
+            _discard(self.custom.delete_namespaced_custom_object(
                 API_GROUP, API_VERSION, job.namespace, PLURAL, job.name,
                 propagation_policy="Background", _preload_content=False,
-            )
+            ))
         except _API_ERRORS as err:
             wrapped = _wrap(f"delete {KIND} {job.namespace}/{job.name}", err)
             if not isinstance(wrapped, NotFound):
@@ -487,6 +497,7 @@ class Kube:
             "count": 1,
         }
         try:
-            self.core.create_namespaced_event(job.namespace, body, _preload_content=False)
+            _discard(self.core.create_namespaced_event(job.namespace, body,
+                                                       _preload_content=False))
         except _API_ERRORS as err:
             log.warning("%s", _wrap(f"emit event {reason} on {job.namespace}/{job.name}", err))

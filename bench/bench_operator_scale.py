@@ -327,6 +327,7 @@ def main() -> None:
                 "HLAT_OPERATOR_RESYNC_SECONDS": str(defaults.resync_seconds),
                 "HLAT_OPERATOR_STATUS_INTERVAL_SECONDS": str(defaults.status_interval_seconds),
                 "HLAT_OPERATOR_WATCH_NODES": watch_nodes,
+                "MALLOC_ARENA_MAX": "2",  # as the operator image sets it
             }, metrics_port=port).start()
             if i == 0:
                 began = time.time()

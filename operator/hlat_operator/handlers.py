@@ -3,7 +3,8 @@
 A pass is `observe -> decide -> k8s.execute -> metrics` (`reconcile_once`). Each job has one
 asyncio task (`_job_loop`) that runs a pass, then sleeps until the Decision's requeue time or
 until a watch event about the job (the job itself, or one of its worker pods) wakes it. Passes
-of one job never overlap; the blocking Kubernetes client runs in a worker thread.
+of one job never overlap; the blocking Kubernetes client runs in a worker thread, admitted by
+`passgate` (jobs a watch event woke before jobs whose timer came round).
 
 Why `kopf.on.event` and own tasks rather than kopf's create/update handlers, timers or daemons:
 those persist handler progress on the object (annotations that bump its resourceVersion and
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -29,12 +31,14 @@ from kubernetes import config as kube_config
 from hlat_api.apitimeouts import bound_requests
 from hlat_api.labels import COMPONENT, JOB, TRAINER_EXITED, WORKER, Reason
 from hlat_api.manifest import API_GROUP, API_VERSION
+from hlat_api.status import PretrainJobStatus
 from hlat_operator import observe
 from hlat_operator.builders import JobRef
 from hlat_operator.config import OperatorSettings
 from hlat_operator.k8s import PLURAL, Conflict, K8sError, Kube, Rejected
 from hlat_operator.metrics import OperatorMetrics
-from hlat_operator.reconcile import decide, reject
+from hlat_operator.passgate import PassGate
+from hlat_operator.reconcile import Decision, EmitEvent, PatchState, PatchStatus, decide, reject
 
 log = logging.getLogger("hlat_operator")
 
@@ -61,6 +65,16 @@ class Runtime:
     wakes: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     woken_at: dict[tuple[str, str], float] = field(default_factory=dict)
     """When a watch event first woke a job's loop since its last pass began (monotonic)."""
+    quiet: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Jobs whose last pass only refreshed their status (no phase change, nothing done to pods
+    or Leases), with the generation it saw: that write's own watch event needs no pass."""
+    passing: set[tuple[str, str]] = field(default_factory=set)
+    """Jobs whose pass is running: a modification of the job seen meanwhile (most likely the
+    pass's own write) is held in `deferred` until the pass says whether it was quiet."""
+    deferred: dict[tuple[str, str], set[Any]] = field(default_factory=dict)
+    """The generations of the job modifications held back during a pass."""
+    gate: PassGate = field(default_factory=PassGate)
+    """Admits passes to the worker threads, jobs a watch event woke first."""
     api_lost: bool = False
     """A pass could not reach the API server (connection refused or dropped, timeout, 5xx)."""
     api_back_at: datetime | None = None
@@ -115,6 +129,7 @@ def _observe(rt: Runtime, namespace: str, name: str) -> tuple[Any, observe.Obser
 
 def reconcile_once(rt: Runtime, namespace: str, name: str) -> float | None:
     """observe -> decide -> execute -> metrics for one job; returns the requeue delay."""
+    rt.quiet.pop((namespace, name), None)
     body, observed = _observe(rt, namespace, name)
     status = observe.status_from_raw(body.get("status"))
     now = datetime.now(UTC)
@@ -132,6 +147,8 @@ def reconcile_once(rt: Runtime, namespace: str, name: str) -> float | None:
         decision = reject(status, observed, datetime.now(UTC), rt.settings, str(err))
         rt.kube.execute(job, decision)
     rt.metrics.observe(namespace, name, decision)
+    if quiet(decision, status) and observed.generation is not None:
+        rt.quiet[(namespace, name)] = observed.generation
     if decision.status.phase != status.phase:
         log.info(
             "%s/%s: %s -> %s (attempt %d, restarts %d)",
@@ -151,35 +168,40 @@ async def _job_loop(rt: Runtime, namespace: str, name: str) -> None:
     errors = 0
     try:
         while True:
-            wake.clear()
-            woken = rt.woken_at.pop(key, None)
             began = time.monotonic()
-            try:
-                requeue = await asyncio.to_thread(reconcile_once, rt, namespace, name)
-                errors = 0
-                done = time.monotonic()
-                rt.metrics.pass_seconds.observe(done - began)
-                if woken is not None:
-                    rt.metrics.reaction_seconds.observe(done - woken)
-            except JobGone:
-                log.info("%s/%s: gone; its loop ends", namespace, name)
-                rt.metrics.forget(namespace, name)
-                return
-            except K8sError as err:
-                if err.status is None or err.status >= 500:
-                    rt.api_lost = True
-                errors += 1
-                requeue = error_backoff(errors)
-                log.warning("%s/%s: %s; retrying in %gs", namespace, name, err, requeue)
-                if errors == 1 or errors % 10 == 0:  # said once, then now and again
-                    await asyncio.to_thread(
-                        rt.kube.emit_event, JobRef(name, namespace, _uid(rt, namespace, name)),
-                        "Warning", Reason.API_ERROR,
-                        f"{err}; retrying with backoff (failure {errors} in a row)")
-            except Exception:  # a bug must not kill the loop of this job for good
-                log.exception("%s/%s: pass failed; retrying", namespace, name)
-                errors += 1
-                requeue = error_backoff(errors)
+            async with rt.gate.slot(key, woken=key in rt.woken_at):
+                wake.clear()  # what happened while waiting for a slot, this pass reads
+                woken = rt.woken_at.pop(key, None)
+                rt.passing.add(key)
+                try:
+                    requeue = await asyncio.to_thread(reconcile_once, rt, namespace, name)
+                    errors = 0
+                    done = time.monotonic()
+                    rt.metrics.pass_seconds.observe(done - began)
+                    if woken is not None:
+                        rt.metrics.reaction_seconds.observe(done - woken)
+                except JobGone:
+                    log.info("%s/%s: gone; its loop ends", namespace, name)
+                    rt.metrics.forget(namespace, name)
+                    return
+                except K8sError as err:
+                    if err.status is None or err.status >= 500:
+                        rt.api_lost = True
+                    errors += 1
+                    requeue = error_backoff(errors)
+                    log.warning("%s/%s: %s; retrying in %gs", namespace, name, err, requeue)
+                    if errors == 1 or errors % 10 == 0:  # said once, then now and again
+                        await asyncio.to_thread(
+                            rt.kube.emit_event,
+                            JobRef(name, namespace, _uid(rt, namespace, name)),
+                            "Warning", Reason.API_ERROR,
+                            f"{err}; retrying with backoff (failure {errors} in a row)")
+                except Exception:  # a bug must not kill the loop of this job for good
+                    log.exception("%s/%s: pass failed; retrying", namespace, name)
+                    errors += 1
+                    requeue = error_backoff(errors)
+                finally:
+                    _settle_deferred(rt, key)
             delay = MAX_IDLE_SECONDS if requeue is None else min(requeue, MAX_IDLE_SECONDS)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), timeout=max(0.05, delay))
@@ -187,6 +209,28 @@ async def _job_loop(rt: Runtime, namespace: str, name: str) -> None:
         rt.tasks.pop(key, None)
         rt.wakes.pop(key, None)
         rt.woken_at.pop(key, None)
+        rt.quiet.pop(key, None)
+        rt.passing.discard(key)
+        rt.deferred.pop(key, None)
+
+
+def _settle_deferred(rt: Runtime, key: tuple[str, str]) -> None:
+    """After a pass: the job modifications seen during it wake the loop again, unless the pass
+    was quiet and they were all at the generation it saw (its own writes' echoes)."""
+    rt.passing.discard(key)
+    held = rt.deferred.pop(key, None)
+    if held and held != {rt.quiet.get(key)} and key in rt.wakes:
+        rt.woken_at.setdefault(key, time.monotonic())
+        rt.wakes[key].set()
+
+
+def quiet(decision: Decision, before: PretrainJobStatus) -> bool:
+    """Whether a pass only refreshed the job's status (progress, uptime, goodput): the phase
+    stays and its actions are writes to the job and Events. The watch event of that write
+    tells the job's loop nothing it does not know; waking for it doubled the passes at 500
+    jobs. Any other pass keeps the wake, as does every change a user makes (`on_job`)."""
+    return decision.status.phase == before.phase and all(
+        isinstance(a, (PatchState, PatchStatus, EmitEvent)) for a in decision.actions)
 
 
 def error_backoff(failures: int) -> float:
@@ -210,6 +254,7 @@ def _poke(namespace: str, name: str, start: bool = False) -> None:
         rt.woken_at.setdefault(key, time.monotonic())
     if key in rt.tasks:
         rt.wakes[key].set()
+        rt.gate.promote(key)
     elif start:
         rt.wakes[key] = asyncio.Event()
         rt.tasks[key] = asyncio.get_running_loop().create_task(
@@ -274,10 +319,30 @@ def probe_jobs(**_: Any) -> int:
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
 async def on_job(event: kopf.RawEvent, name: str | None, namespace: str | None, **_: Any) -> None:
-    runtime().metrics.watch_events.labels("PretrainJob").inc()
+    rt = runtime()
+    rt.metrics.watch_events.labels("PretrainJob").inc()
     if not name or not namespace:
         return
+    if own_refresh(rt, namespace, name, event):
+        return
     _poke(namespace, name, start=event.get("type") != "DELETED")
+
+
+def own_refresh(rt: Runtime, namespace: str, name: str, event: Mapping[str, Any]) -> bool:
+    """Whether a job event needs no pass now: a modification (not a deletion, not a new job) of
+    a job whose loop runs, while a pass runs (held until it ends: `_settle_deferred`), or at the
+    generation its last, quiet, pass saw: the echo of the operator's own status write, or at
+    most a change outside the spec that the next resync reads (the operator alone writes the
+    status and its state annotation). A spec edit bumps the generation and always wakes."""
+    key = (namespace, name)
+    meta = (event.get("object") or {}).get("metadata") or {}
+    if (event.get("type") != "MODIFIED" or key not in rt.tasks
+            or meta.get("deletionTimestamp")):
+        return False
+    if key in rt.passing:
+        rt.deferred.setdefault(key, set()).add(meta.get("generation"))
+        return True
+    return meta.get("generation") == rt.quiet.get(key)
 
 
 @kopf.on.event("coordination.k8s.io", "v1", "leases",

@@ -8,6 +8,7 @@ tests pin the error handling, which a healthy cluster rarely exercises.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -438,3 +439,82 @@ def test_every_write_gives_its_connection_back() -> None:
                             DeletePod("tiny-a0-0"), EmitEvent("Normal", "Test", "x"),
                             PatchStatus({"phase": "Running"}, None)))
     assert len(answers) == 5 and all(a.released for a in answers)
+
+
+# --- waking a job's loop -----------------------------------------------------------------
+
+
+def _modified(generation: int, deleting: bool = False, type_: str = "MODIFIED") -> Any:
+    meta: dict[str, Any] = {"name": JOB.name, "namespace": JOB.namespace,
+                            "generation": generation}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-11-25T00:00:00Z"
+    return {"type": type_, "object": {"metadata": meta}}
+
+
+def test_only_the_echo_of_a_status_refresh_is_let_pass_without_waking_the_job() -> None:
+    """At 500 jobs every status refresh's own watch event woke its job for another pass (two
+    passes per refresh). A pass that only refreshed the status (same phase, only writes to the
+    job and Events) lets its echo pass; a change of phase, any action on pods or Leases, a new
+    generation (a user's edit of the spec), a deletion or a job without a loop still wake."""
+    refresh = Decision(actions=[PatchState("{}"), PatchStatus({"progress": {}}, "7"),
+                                EmitEvent("Normal", "Progress", "x")],
+                       requeue_after=10, status=PretrainJobStatus(phase="Running"))
+    assert handlers.quiet(refresh, PretrainJobStatus(phase="Running"))
+    assert not handlers.quiet(refresh, PretrainJobStatus(phase="Pending"))  # a transition
+    acting = Decision(actions=[PatchStatus({}, "7"), DeletePod("tiny-a0-0")],
+                      requeue_after=1, status=PretrainJobStatus(phase="Running"))
+    assert not handlers.quiet(acting, PretrainJobStatus(phase="Running"))
+
+    rt = runtime(FakeKube([]))
+    key = (JOB.namespace, JOB.name)
+    assert not handlers.own_refresh(rt, *key, _modified(1))  # no quiet pass on record
+    rt.quiet[key] = 1
+    assert not handlers.own_refresh(rt, *key, _modified(1))  # no loop runs: it must start
+    rt.tasks[key] = None  # type: ignore[assignment]
+    assert handlers.own_refresh(rt, *key, _modified(1))
+    assert not handlers.own_refresh(rt, *key, _modified(2))  # the spec changed
+    assert not handlers.own_refresh(rt, *key, _modified(1, deleting=True))
+    assert not handlers.own_refresh(rt, *key, _modified(1, type_="DELETED"))
+
+
+def test_a_job_modified_during_its_pass_is_woken_after_it_unless_the_pass_was_quiet() -> None:
+    """The echo of a pass's own status write usually arrives before the pass has ended: it is
+    held, and dropped if the pass turned out quiet at that generation; any other pass (or a
+    modification at another generation) wakes the loop once the pass is over."""
+    rt = runtime(FakeKube([]))
+    key = (JOB.namespace, JOB.name)
+    rt.tasks[key], rt.wakes[key] = None, asyncio.Event()  # type: ignore[assignment]
+    for quiet_at, seen, wakes in ((1, [1, 1], False), (None, [1], True), (1, [1, 2], True)):
+        rt.wakes[key].clear()
+        rt.passing.add(key)
+        assert all(handlers.own_refresh(rt, *key, _modified(g)) for g in seen)  # held
+        assert not rt.wakes[key].is_set()
+        if quiet_at is None:
+            rt.quiet.pop(key, None)
+        else:
+            rt.quiet[key] = quiet_at
+        handlers._settle_deferred(rt, key)
+        assert rt.wakes[key].is_set() == wakes, (quiet_at, seen)
+        assert key not in rt.passing and key not in rt.deferred
+
+
+def test_a_refreshing_pass_leaves_the_quiet_mark_one_that_acts_or_fails_forgets_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    k = FakeKube([])
+    rt = runtime(k)
+    key = (JOB.namespace, JOB.name)
+    refresh = Decision(actions=[PatchStatus({"progress": {}}, "1")], requeue_after=10,
+                       status=PretrainJobStatus())
+    with monkeypatch.context() as m:  # what decide returns for a running job between events
+        m.setattr(handlers, "decide", lambda *_: refresh)
+        handlers.reconcile_once(rt, *key)
+    assert rt.quiet[key] == 1  # the generation the pass saw
+    rt.quiet[key] = 1
+    handlers.reconcile_once(rt, *key)  # a new job: its pods are created
+    assert any(isinstance(a, CreateObject) for a in k.executed[-1].actions)
+    assert key not in rt.quiet
+    rt.quiet[key] = 1
+    k.fail = [Conflict("patch status: HTTP 409", 409)]
+    handlers.reconcile_once(rt, *key)
+    assert key not in rt.quiet

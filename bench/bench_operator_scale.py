@@ -265,6 +265,8 @@ def report(name: str, r: dict[str, Any], jobs: int) -> None:
     for kind in ("PretrainJob", "Pod", "Lease"):
         events = delta(before, after, "hlat_operator_watch_events_total", kind=kind)
         print(f"watch events per second, {kind}: {events / r['seconds']:.1f}")
+    print(f"passes waiting for a worker thread at the end: "
+          f"{after.get(('hlat_operator_passes_waiting', ()), float('nan')):.0f}")
     print(f"operator RSS: {r['rss']:.0f} MiB at the end, peak {r['peak']:.0f} MiB")
     print(f"(the simulated nodes and trainers made {r['sim']:.1f} requests/s of their own)")
 

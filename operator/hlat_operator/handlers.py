@@ -291,6 +291,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     if ours.watch_nodes:
         kube.start_node_watch()
     rt = Runtime(ours, kube, metrics, api_back_at=datetime.now(UTC))
+    metrics.passes_waiting.set_function(lambda: rt.gate.queued)
     port = ours.metrics_port if _metrics_port is None else _metrics_port
     if port:
         rt.metrics.serve(port)

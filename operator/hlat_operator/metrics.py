@@ -151,7 +151,7 @@ class OperatorMetrics:
         self.pass_seconds = Histogram(
             "hlat_operator_pass_seconds", "Duration of one reconcile pass of one job "
             "(read the job, its pods, Leases and nodes; decide; write), including its wait "
-            "for a free worker thread.",
+            "for a free worker thread (hlat_operator_passes_waiting).",
             buckets=PASS_BUCKETS, registry=r)
         self.reaction_seconds = Histogram(
             "hlat_operator_reaction_seconds", "From a watch event about a job (the job, one of "
@@ -163,6 +163,10 @@ class OperatorMetrics:
         self.watch_events = Counter(
             "hlat_operator_watch_events", "Watch events received, by kind of object.",
             ("kind",), registry=r)
+        self.passes_waiting = Gauge(
+            "hlat_operator_passes_waiting", "Passes due and waiting for a worker thread: above "
+            "zero for long, the operator is saturated (passes a watch event woke go first).",
+            registry=r)
 
     def observe(self, namespace: str, job: str, decision: Decision) -> None:
         """Record one pass's outcome for one job."""

@@ -99,3 +99,4 @@ def _the_operator_reports_its_own_load(port: int) -> None:
     assert value("hlat_operator_api_requests_total", verb="POST") >= 2  # pods of two attempts
     assert value("hlat_operator_watch_events_total", kind="Pod") >= 4
     assert value("hlat_operator_watch_events_total", kind="PretrainJob") >= 1
+    assert ("hlat_operator_passes_waiting", ()) in samples, text  # one job: none wait

@@ -107,3 +107,30 @@ def test_renewals_refused_for_good_fence_the_trainer(status: int) -> None:
     with pytest.raises(SystemExit) as stopped:
         beat({"step": 1, "tokens": 1, "loss": 1.0, "tokens_per_second": 1, "step_seconds": 1})
     assert stopped.value.code == ExitCode.FENCED
+
+
+class Accepting:
+    """A CoordinationV1Api that accepts every renewal."""
+
+    def patch_namespaced_lease(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def test_a_trainer_cut_off_from_the_api_server_for_longer_than_its_lease_commits_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A node cut off from the API server but not from the checkpoint storage: once its Lease
+    has gone unrenewed for its duration the operator may have started another attempt, so this
+    trainer must not mark a checkpoint complete; it is not fenced for good (it may be the live
+    one, behind an outage of the API server): accepted again, it commits again."""
+    beat = LeaseHeartbeat(Unreachable(ConnectionResetError()), "ns", "w-0", "w-0", period=0.2,
+                          attempt=0)
+    assert beat.lease_seconds == 1
+    assert beat.fenced_now() is False  # just started: its Lease is fresh
+    beat._accepted_at -= 1.5  # no renewal accepted for longer than the Lease's duration
+    with caplog.at_level(logging.WARNING):
+        assert beat.fenced_now() is True
+    assert "not committing" in caplog.text
+    assert beat.fenced is False
+    beat({"step": 1, "tokens": 1, "loss": 1.0, "tokens_per_second": 1.0, "step_seconds": 1.0})
+    beat.api = Accepting()  # the API server reachable again
+    assert beat.fenced_now() is False

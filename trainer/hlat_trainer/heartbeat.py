@@ -20,7 +20,9 @@ it to detect hangs (a stale `renewTime`) and to report progress. Design choices:
   must not stop a healthy trainer. While refused, renewals are retried every
   `REFUSED_RETRY_SECONDS`. `fenced` then stays True; the checkpointer commits nothing
   (`fenced_now` asks again, and waits out a refusal, before each commit) and the next step's
-  report stops the trainer (`ExitCode.FENCED`).
+  report stops the trainer (`ExitCode.FENCED`). A trainer whose renewals have not been
+  accepted for longer than the Lease's duration (cut off from the API server) commits no
+  checkpoint either until one is accepted again, but trains on: it may be the live one.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class LeaseHeartbeat:
         self._stop = threading.Event()
         self._errors: set[str] = set()
         self._refused_since: float | None = None
+        self._accepted_at = time.monotonic()
+        """When a renewal was last accepted (at first: the operator has just created this
+        attempt's Lease and started it)."""
         self.fenced = False
         """A renewal was refused for good: this trainer's attempt is over."""
         self._thread = threading.Thread(target=self._loop, name="hlat-heartbeat", daemon=True)
@@ -105,7 +110,7 @@ class LeaseHeartbeat:
         body = {
             "metadata": {"annotations": beat.to_annotations()},
             "spec": {"holderIdentity": self.holder, "renewTime": now.isoformat(),
-                     "leaseDurationSeconds": max(1, round(self.period * EXPIRY_PERIODS))},
+                     "leaseDurationSeconds": self.lease_seconds},
         }
         try:
             self.api.patch_namespaced_lease(self.lease, self.namespace, body)
@@ -120,6 +125,7 @@ class LeaseHeartbeat:
             return False
         with self._lock:
             self._refused_since = None
+            self._accepted_at = time.monotonic()
         return True
 
     def _refused(self) -> None:
@@ -137,10 +143,21 @@ class LeaseHeartbeat:
         refused = self._refused_since is not None and not self.fenced
         return min(self.period, REFUSED_RETRY_SECONDS) if refused else self.period
 
+    @property
+    def lease_seconds(self) -> int:
+        """The Lease's duration: not renewed for this long, its holder counts as gone."""
+        return max(1, round(self.period * EXPIRY_PERIODS))
+
     def fenced_now(self) -> bool:
-        """Renew now and say whether this trainer's attempt is over (before a commit). A
-        refusal is retried until accepted or confirmed (`REFUSAL_CONFIRM_SECONDS` at most);
-        one still unsettled then (other errors in between) counts as over: no commit."""
+        """Renew now and say whether this trainer may not commit a checkpoint: its attempt is
+        over, or it cannot show that it is not. A refusal is retried until accepted or
+        confirmed (`REFUSAL_CONFIRM_SECONDS` at most); one still unsettled then (other errors in
+        between) counts as over. And no renewal accepted for longer than the Lease's duration
+        (a node cut off from the API server but not from the checkpoint storage): the operator
+        may already have declared this trainer gone and started another attempt, whose
+        checkpoints this one must not race; this commit is skipped, training goes on, and a
+        later one commits once a renewal is accepted again (an outage of the API server alone
+        costs the checkpoints taken during it, never a restart)."""
         if self.fenced:
             return True
         deadline = time.monotonic() + REFUSAL_CONFIRM_SECONDS + 1
@@ -148,7 +165,15 @@ class LeaseHeartbeat:
             if time.monotonic() >= deadline:
                 return True
             time.sleep(REFUSED_RETRY_SECONDS)
-        return self.fenced
+        if self.fenced:
+            return True
+        silent = time.monotonic() - self._accepted_at
+        if silent > self.lease_seconds:
+            log.warning("Lease %s/%s: no renewal accepted for %.0fs (its duration is %ds): "
+                        "another attempt may hold this rank now; not committing", self.namespace,
+                        self.lease, silent, self.lease_seconds)
+            return True
+        return False
 
     def _loop(self) -> None:
         while not self._stop.is_set():

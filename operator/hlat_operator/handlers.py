@@ -32,7 +32,7 @@ from hlat_api.apitimeouts import bound_requests
 from hlat_api.labels import COMPONENT, JOB, TRAINER_EXITED, WORKER, Reason
 from hlat_api.manifest import API_GROUP, API_VERSION
 from hlat_api.status import PretrainJobStatus
-from hlat_operator import observe
+from hlat_operator import heap, observe
 from hlat_operator.builders import JobRef
 from hlat_operator.config import OperatorSettings
 from hlat_operator.k8s import PLURAL, Conflict, K8sError, Kube, Rejected
@@ -292,6 +292,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         kube.start_node_watch()
     rt = Runtime(ours, kube, metrics, api_back_at=datetime.now(UTC))
     metrics.passes_waiting.set_function(lambda: rt.gate.queued)
+    heap.start()
     port = ours.metrics_port if _metrics_port is None else _metrics_port
     if port:
         rt.metrics.serve(port)

@@ -32,7 +32,8 @@ def test_freed_memory_goes_back_to_the_kernel_and_cycles_are_collected() -> None
         before = _rss_kib()
         assert heap.give_back() is True  # glibc here
         after = _rss_kib()
-        assert not any(isinstance(o, Node) for o in gc.get_objects())
+        assert not any(type(o) is Node for o in gc.get_objects())  # no isinstance: it wakes
+        # deprecated module attributes of whatever else is alive (torch warns)
     finally:
         gc.enable()
     assert after < before - 40_000, (before, after)  # most of the ~80 MB freed

@@ -41,6 +41,7 @@ from hlat_api import labels
 from hlat_api.manifest import API_GROUP, API_VERSION, KIND
 from hlat_operator.builders import JobRef
 from hlat_operator.nodewatch import NodeWatch
+from hlat_operator.observe import node_ready
 from hlat_operator.reconcile import (
     Action,
     CreateObject,
@@ -100,11 +101,6 @@ def permanent(err: K8sError, kind: str | None = None) -> bool:
     if err.status not in _PERMANENT:
         return False
     return not any(hint in str(err) for hint in _QUOTA_HINTS)
-
-
-def _ready(node: Mapping[str, Any]) -> bool:
-    conditions = (node.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 class Rejected(K8sError):
@@ -253,7 +249,7 @@ class Kube:
         if self.node_watch is not None:
             items = self.node_watch.snapshot()
             if items is not None:
-                ready = {(n.get("metadata") or {}).get("name") for n in items if _ready(n)}
+                ready = {(n.get("metadata") or {}).get("name") for n in items if node_ready(n)}
                 if all(w in ready for w in wanted):
                     return items
         try:

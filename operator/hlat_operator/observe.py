@@ -260,11 +260,20 @@ def _latest(*times: datetime | None) -> datetime | None:
     return max((t for t in times if t is not None), default=None)
 
 
+def _ready_condition(raw: Mapping[str, Any]) -> dict[str, Any]:
+    conditions = (raw.get("status") or {}).get("conditions") or []
+    found: dict[str, Any] = next((c for c in conditions if c.get("type") == "Ready"), {})
+    return found
+
+
+def node_ready(raw: Mapping[str, Any]) -> bool:
+    """Whether a raw Node's Ready condition is True."""
+    return _ready_condition(raw).get("status") == "True"
+
+
 def node_from_raw(raw: Mapping[str, Any]) -> ObservedNode:
-    meta, status = raw.get("metadata") or {}, raw.get("status") or {}
-    ready: dict[str, Any] = next(
-        (c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {}
-    )
+    meta = raw.get("metadata") or {}
+    ready = _ready_condition(raw)
     is_ready = ready.get("status") == "True"
     taints = (raw.get("spec") or {}).get("taints") or []
     return ObservedNode(

@@ -128,8 +128,6 @@ class OperatorState(BaseModel):
 
     accounted_at: str | None = None
     """Where earlier versions kept status.accountedAt (read when the status has none)."""
-    status_written_at: str | None = None
-    """Last time progress/uptime were written (they are written at a bounded rate)."""
     checkpoint_at_attempt_start: int | None = None
     """Latest complete checkpoint step when the current attempt was created."""
     no_progress_streak: int = 0

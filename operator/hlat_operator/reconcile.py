@@ -248,17 +248,17 @@ class _Pass:
         self.status.observed_generation = self.observed.generation
         write = _should_write(self)
         head: list[Action] = []
+        # the state annotation only when the state changed (a fault, a new attempt): a
+        # status refresh is one write, so one watch event for every client of the job
+        if _state_moved(self):
+            head.append(PatchState(self.state.to_annotation()))
         if write:
-            new_state = self.state.model_copy(update={"status_written_at": self.stamp})
-            head.append(PatchState(new_state.to_annotation()))
             head.append(
                 PatchStatus(
                     merge_patch(_dump(self.old), _dump(self.status)),
                     self.observed.resource_version,
                 )
             )
-        elif self.state != self.observed.state:
-            head.append(PatchState(self.state.to_annotation()))
         ages = heartbeat_ages(self.observed, self.status.attempt, self.now) if spec else {}
         return Decision(
             actions=[*head, *self.events, *self.actions],
@@ -1063,6 +1063,19 @@ def _account_goodput(p: _Pass) -> None:
         p.settings.heartbeat_period_seconds * EXPIRY_PERIODS)
 
 
+def _state_moved(p: _Pass) -> bool:
+    """Whether the pass must write the state annotation. `high_step` alone does not count
+    while the attempt runs: every pass takes it again from rank 0's heartbeat, which lives as
+    long as the attempt, so it is written with the pass that ends the attempt (its phase or
+    attempt moves) or with any other change of state. Otherwise rank 0's every step would
+    cost one more write, and one more watch event to every client, per pass."""
+    new, old = p.state, p.observed.state
+    if new.model_copy(update={"high_step": old.high_step}) != old:
+        return True
+    return new.high_step != old.high_step and (
+        p.status.phase != p.old.phase or p.status.attempt != p.old.attempt)
+
+
 def _should_write(p: _Pass) -> bool:
     volatile = {"progress", "uptime", "goodput", "accounted_at", "observed_generation"}
     if p.force_write or _accounted_at(p) is None:
@@ -1071,7 +1084,7 @@ def _should_write(p: _Pass) -> bool:
         return True
     if p.status.observed_generation != p.old.observed_generation:
         return True
-    written = parse_time(p.observed.state.status_written_at)
+    written = _accounted_at(p)  # every status write moves it, and only those do
     due = written is None or p.now - written >= timedelta(
         seconds=p.settings.status_interval_seconds
     )

@@ -50,7 +50,25 @@ def test_status_is_written_before_any_object_is_created() -> None:
     d = World().decide()
     kinds = [type(a).__name__ for a in d.actions]
     assert kinds.index("PatchStatus") < kinds.index("CreateObject")
-    assert kinds.index("PatchState") < kinds.index("PatchStatus")
+
+
+def test_a_periodic_refresh_is_one_write_and_the_state_only_moves_with_a_fault() -> None:
+    """Every write to the job is a watch event for every client watching it (the operator's
+    own watch among them): a status refresh writes the status alone, paced by the status's
+    accountedAt; the state annotation is written only when it changes, before the status."""
+    w = World()
+    w.run(30, step=10)
+    assert w.status.phase == "Running"
+    w.advance(w.settings.status_interval_seconds)
+    w.beat(11)  # rank 0 moved on: the highest step reported moves with it
+    kinds = [type(a).__name__ for a in w.step().actions]
+    assert kinds == ["PatchStatus"]
+    w.beat(12)
+    assert [type(a).__name__ for a in w.step().actions] == []  # not due again yet
+    w.fail(1)
+    kinds = [type(a).__name__ for a in w.step().actions]
+    assert "PatchState" in kinds and kinds.index("PatchState") < kinds.index("PatchStatus")
+    assert w.state.high_step == 12  # written by the pass that ended the attempt
 
 
 def test_running_once_every_pod_runs_then_succeeded_when_all_exit_zero() -> None:
@@ -125,6 +143,8 @@ def test_ready_condition_once_every_worker_trains() -> None:
 def test_suspend_deletes_the_pods_keeps_progress_and_resume_starts_a_new_attempt() -> None:
     w = World()
     w.until("Running")
+    w.beat(20, checkpoint_step=20)
+    w.step()
     w.beat(30, checkpoint_step=20)
     w.step()
     w.spec["suspend"] = True
@@ -134,9 +154,14 @@ def test_suspend_deletes_the_pods_keeps_progress_and_resume_starts_a_new_attempt
     w.run(50)
     assert w.status.phase == "Suspended" and w.status.restarts.total == 0
     w.spec["suspend"] = False
-    w.step()
+    created = [a.obj for a in w.step().actions
+               if isinstance(a, CreateObject) and a.obj["kind"] == "Pod"]
     assert w.status.phase == "Pending" and w.status.attempt == 1
     assert sorted(w.pods) == ["tiny-a1-0", "tiny-a1-1"]
+    # the steps trained before the suspension are the new gang's recomputed work (the
+    # highest step is written by the suspending pass: no fault moved the state)
+    env = {e["name"]: e.get("value") for e in created[0]["spec"]["containers"][0]["env"]}
+    assert env["HLAT_STEPS_DONE"] == "30"
     assert w.status.restarts.total == 0
     assert Reason.RESUMED in w.reasons()
 

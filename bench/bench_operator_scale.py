@@ -30,7 +30,7 @@ import contextlib
 import datetime
 import math
 import random
-import statistics
+import sys
 import threading
 import time
 import urllib.request
@@ -40,6 +40,7 @@ from typing import Any
 from kubernetes import client, watch
 from prometheus_client.parser import text_string_to_metric_families
 
+import report as report_md
 from hlat_api import Heartbeat, labels
 from hlat_operator.config import OperatorSettings
 from hlat_testbed import simnodes
@@ -207,8 +208,21 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
 
 
-CONFIGS = {"every pass lists the nodes (watch off)": "false", "nodes watched (default)": "true"}
-"""Operators measured one after the other on the same jobs: HLAT_OPERATOR_WATCH_NODES."""
+CONFIGS: dict[str, dict[str, str]] = {
+    "every pass lists the nodes (watch off)": {"HLAT_OPERATOR_WATCH_NODES": "false"},
+    "nodes watched (default)": {},
+}
+"""Operators measured one after the other on the same jobs, by the environment each adds to
+the defaults (`--also NAME:KEY=VALUE,...` adds more, to compare a setting side by side)."""
+
+
+def config(text: str) -> tuple[str, dict[str, str]]:
+    """`NAME:KEY=VALUE,KEY=VALUE` -> (NAME, {KEY: VALUE})."""
+    name, _, pairs = text.partition(":")
+    env = dict(pair.split("=", 1) for pair in pairs.split(",") if pair)
+    if not name or not all(env):
+        raise argparse.ArgumentTypeError(f"--also {text!r}: expected NAME:KEY=VALUE,...")
+    return name, env
 
 
 def window(a: argparse.Namespace, rng: random.Random, port: int, pid: int, nodes: Any,
@@ -244,31 +258,117 @@ def window(a: argparse.Namespace, rng: random.Random, port: int, pid: int, nodes
             "sim": sim / seconds}
 
 
-def report(name: str, r: dict[str, Any], jobs: int) -> None:
+VERBS = ("GET", "PATCH", "POST", "DELETE", "PUT")
+KINDS = ("PretrainJob", "Pod", "Lease")
+
+
+def figures(r: dict[str, Any], jobs: int) -> dict[str, Any]:
+    """One operator configuration's figures over its window."""
     before, after, minutes = r["before"], r["after"], r["seconds"] / 60
     reactions = r["reactions"]
+    f: dict[str, Any] = {
+        "faults": r["faults"], "seen": len(reactions), "missed": r["missed"],
+        "reaction": (pct(reactions, .5), pct(reactions, .99),
+                     max(reactions) if reactions else math.nan),
+        "passes_per_job_minute":
+            delta(before, after, "hlat_operator_pass_seconds_count") / jobs / minutes,
+        "requests": {v: delta(before, after, "hlat_operator_api_requests_total", verb=v)
+                     / jobs / minutes for v in VERBS},
+        "events": {k: delta(before, after, "hlat_operator_watch_events_total", kind=k)
+                   / r["seconds"] for k in KINDS},
+        "waiting": after.get(("hlat_operator_passes_waiting", ()), math.nan),
+        "rss": r["rss"], "peak": r["peak"], "sim": r["sim"],
+    }
+    for metric in ("pass", "reaction"):
+        name = f"hlat_operator_{metric}_seconds"
+        f[f"{metric}_hist"] = (quantile_from_buckets(before, after, name, .5),
+                               quantile_from_buckets(before, after, name, .99),
+                               delta(before, after, name + "_count"))
+    return f
+
+
+def report(name: str, f: dict[str, Any]) -> None:
     print(f"\n-- {name}")
-    print(f"faults {r['faults']}, restarts seen {len(reactions)}, missed {r['missed']}")
-    if reactions:
-        print(f"reaction (fault -> status counts the restart): p50 {pct(reactions, .5):.3f} s"
-              f"  p99 {pct(reactions, .99):.3f} s  max {max(reactions):.3f} s"
-              f"  mean {statistics.fmean(reactions):.3f} s")
-    for metric in ("hlat_operator_pass_seconds", "hlat_operator_reaction_seconds"):
-        print(f"{metric}: p50 {quantile_from_buckets(before, after, metric, .5):.3f} s  "
-              f"p99 {quantile_from_buckets(before, after, metric, .99):.3f} s  "
-              f"(count {delta(before, after, metric + '_count'):.0f})")
-    passes = delta(before, after, "hlat_operator_pass_seconds_count")
-    print(f"passes per job per minute: {passes / jobs / minutes:.2f}")
-    for verb in ("GET", "POST", "PATCH", "PUT", "DELETE"):
-        sent = delta(before, after, "hlat_operator_api_requests_total", verb=verb)
-        print(f"API requests per job per minute, {verb}: {sent / jobs / minutes:.2f}")
-    for kind in ("PretrainJob", "Pod", "Lease"):
-        events = delta(before, after, "hlat_operator_watch_events_total", kind=kind)
-        print(f"watch events per second, {kind}: {events / r['seconds']:.1f}")
-    print(f"passes waiting for a worker thread at the end: "
-          f"{after.get(('hlat_operator_passes_waiting', ()), float('nan')):.0f}")
-    print(f"operator RSS: {r['rss']:.0f} MiB at the end, peak {r['peak']:.0f} MiB")
-    print(f"(the simulated nodes and trainers made {r['sim']:.1f} requests/s of their own)")
+    print(f"faults {f['faults']}, restarts seen {f['seen']}, missed {f['missed']}")
+    p50, p99, top = f["reaction"]
+    print(f"reaction (fault -> status counts the restart): p50 {p50:.3f} s  p99 {p99:.3f} s"
+          f"  max {top:.3f} s")
+    for metric in ("pass", "reaction"):
+        q50, q99, count = f[f"{metric}_hist"]
+        print(f"hlat_operator_{metric}_seconds: p50 {q50:.3f} s  p99 {q99:.3f} s  "
+              f"(count {count:.0f})")
+    print(f"passes per job per minute: {f['passes_per_job_minute']:.2f}")
+    for verb, rate in f["requests"].items():
+        print(f"API requests per job per minute, {verb}: {rate:.2f}")
+    for kind, rate in f["events"].items():
+        print(f"watch events per second, {kind}: {rate:.1f}")
+    print(f"passes waiting for a worker thread at the end: {f['waiting']:.0f}")
+    print(f"operator RSS: {f['rss']:.0f} MiB at the end, peak {f['peak']:.0f} MiB")
+    print(f"(the simulated nodes and trainers made {f['sim']:.1f} requests/s of their own)")
+
+
+DEFAULT = "nodes watched (default)"
+
+
+def section(a: argparse.Namespace, argv: list[str], setup: dict[str, Any],
+            results: dict[str, dict[str, Any]]) -> report_md.Section:
+    """docs/benchmarks.md's section: one column per operator configuration."""
+    names = list(results)
+
+    def row(label: str, cell: Any) -> list[str]:
+        return [label, *(cell(results[n]) for n in names)]
+
+    def triple(t: tuple[float, ...]) -> str:
+        return " / ".join(f"{v:.2f}" for v in t[:3])
+
+    rows = [
+        row("reaction, fault -> status counts the restart, p50 / p99 / max (s)",
+            lambda f: triple(f["reaction"])),
+        row("restarts seen within 30 s of the window's end",
+            lambda f: f"{f['seen']} of {f['faults']}"),
+        row("watch event -> end of the pass it woke (operator histogram), p50 / p99 (s)",
+            lambda f: triple(f["reaction_hist"][:2])),
+        row("one pass, including its wait for a worker thread, p50 / p99 (s)",
+            lambda f: triple(f["pass_hist"][:2])),
+        row("passes per job per minute", lambda f: f"{f['passes_per_job_minute']:.2f}"),
+        row("API requests per job per minute (" + " / ".join(VERBS) + ")",
+            lambda f: " / ".join(f"{v:.1f}" for v in f["requests"].values())),
+        row("watch events per second (" + " / ".join(KINDS[:2]) + ")",
+            lambda f: " / ".join(f"{f['events'][k]:.1f}" for k in KINDS[:2])),
+        row("passes waiting for a worker thread at the end", lambda f: f"{f['waiting']:.0f}"),
+        row("operator RSS at the end / peak (MiB)",
+            lambda f: f"{f['rss']:.0f} / {f['peak']:.0f}"),
+    ]
+    body = (
+        f"{a.jobs} PretrainJobs of 1 to 64 workers ({setup['pods']:,} worker pods) in "
+        f"{a.namespaces} namespaces, created at {a.rate:g}/s, on {setup['nodes']} simulated "
+        f"nodes (`hlat_testbed.simnodes`: Nodes registered through the real API server, the "
+        f"real scheduler binds the pods, a simulator reports them Running, renews the node "
+        f"Leases and writes one training heartbeat per pod and attempt; no processes). The "
+        f"operator runs as in production: its own process, the Helm chart's ServiceAccount, its "
+        f"default intervals, `MALLOC_ARENA_MAX=2` as its image sets. Then a fault every "
+        f"{a.fault_every:g} s for {a.seconds:g} s (a job drawn at random, one of its pods "
+        f"reported terminated with 137), once per operator configuration, one after the other "
+        f"on the same jobs. Start-up: {a.jobs} jobs created in {setup['created']:.0f} s, every "
+        f"pod Running {setup['running']:.0f} s after the first. The API server, etcd, the "
+        f"scheduler, the controller manager, the simulator and the operator share the "
+        f"machine.\n\n"
+        + report_md.table(["", *names], rows)
+        + f"\n\nJobs by phase at the end: {setup['phases']}."
+    )
+    goals = []
+    if DEFAULT in results:
+        f = results[DEFAULT]
+        goals = [
+            report_md.verdict(f"reaction p99 < 1 s at {a.jobs} jobs ({DEFAULT})",
+                              {"s p99": f["reaction"][1]}, lambda v: v < 1.0),
+            report_md.verdict(f"operator RSS <= 256 MiB at {a.jobs} jobs ({DEFAULT})",
+                              {"MiB at the end": f["rss"], "MiB peak": f["peak"]},
+                              lambda v: v <= 256, fmt="{:.0f}"),
+        ]
+    return report_md.Section(
+        "operator_scale", f"The operator at {a.jobs} jobs (`bench/bench_operator_scale.py`)",
+        " ".join([".venv/bin/python bench/bench_operator_scale.py", *argv]), body, goals)
 
 
 def cleanup(core: client.CoreV1Api, namespaces: list[str], timeout: float = 300) -> None:
@@ -298,6 +398,8 @@ def main() -> None:
                    help="steady window with faults, per operator configuration")
     p.add_argument("--fault-every", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--also", type=config, action="append", default=[],
+                   help="another operator configuration, NAME:KEY=VALUE,... (its environment)")
     a = p.parse_args()
     rng = random.Random(a.seed)
     sizes = [SIZES[i % len(SIZES)] for i in range(a.jobs)]
@@ -321,15 +423,17 @@ def main() -> None:
     work = REPO / "runs" / "bench-operator-scale"
     jobs = Jobs(custom)
     results: dict[str, dict[str, Any]] = {}
+    created = running = math.nan
     operator: OperatorProcess | None = None
     try:
-        for i, (name, watch_nodes) in enumerate(CONFIGS.items()):
+        for i, (name, env) in enumerate([*CONFIGS.items(), *a.also]):
             port = free_port()
             operator = OperatorProcess(cluster, work / "operator.log", ["scale-*"], {
                 "HLAT_OPERATOR_RESYNC_SECONDS": str(defaults.resync_seconds),
                 "HLAT_OPERATOR_STATUS_INTERVAL_SECONDS": str(defaults.status_interval_seconds),
-                "HLAT_OPERATOR_WATCH_NODES": watch_nodes,
+                "HLAT_OPERATOR_WATCH_NODES": "true",
                 "MALLOC_ARENA_MAX": "2",  # as the operator image sets it
+                **env,
             }, metrics_port=port).start()
             if i == 0:
                 began = time.time()
@@ -343,8 +447,9 @@ def main() -> None:
                 deadline = time.time() + 900
                 while len(nodes.running) < pods and time.time() < deadline:
                     time.sleep(1)
+                running = time.time() - began
                 print(f"[{name}] created in {created:.0f} s; every pod running after "
-                      f"{time.time() - began:.0f} s ({len(nodes.running)}/{pods})", flush=True)
+                      f"{running:.0f} s ({len(nodes.running)}/{pods})", flush=True)
             time.sleep(20)  # the operator's first passes over every job settle
             results[name] = window(a, rng, port, operator.pid or 0, nodes, trainers, jobs)
             print(f"[{name}] window done", flush=True)
@@ -357,11 +462,16 @@ def main() -> None:
         cleanup(core, namespaces)
         nodes.stop()
         nodes.remove()
+    phases = dict(collections.Counter(jobs.phases.values()))
     print(f"\n== operator at scale: {a.jobs} jobs, {pods} worker pods, {len(nodes.names)} "
           f"simulated nodes; {a.seconds:.0f} s with a fault every {a.fault_every:g} s per "
-          f"operator; jobs by phase at the end: {dict(collections.Counter(jobs.phases.values()))}")
-    for name, r in results.items():
-        report(name, r, a.jobs)
+          f"operator; jobs by phase at the end: {phases}")
+    measured = {name: figures(r, a.jobs) for name, r in results.items()}
+    for name, f in measured.items():
+        report(name, f)
+    report_md.emit(section(a, sys.argv[1:], {
+        "pods": pods, "nodes": len(nodes.names), "created": created, "running": running,
+        "phases": phases}, measured))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+import report
 from hlat_testbed import faults
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.demo import (
@@ -182,6 +183,75 @@ CASES = [(kind, strategy) for kind in ("kill", "hang", "node-down")
          for strategy in ("RecreateGang", "InPlace")] + [("node-down", "InPlace+spare")]
 
 
+FAULTS = {
+    ("kill", "RecreateGang"): "worker SIGKILLed",
+    ("kill", "InPlace"): "trainer SIGKILLed",
+    ("hang", "RecreateGang"): f"worker hung, timeout {HANG_TIMEOUT} s",
+    ("hang", "InPlace"): f"trainer hung, timeout {HANG_TIMEOUT} s",
+    ("node-down", "RecreateGang"): "node down",
+    ("node-down", "InPlace"): "node down",
+    ("node-down", "InPlace+spare"): "node down, a warm spare",
+}
+KILL_GOAL, HANG_GOAL, SPARE_GOAL = 0.35, 0.35, 0.5
+"""Issue 15's goals, in cold starts: SIGKILL (InPlace) -> next step; hang (InPlace) -> next
+step beyond the hang timeout; a lost node with a spare -> next step beyond its detection."""
+
+
+def section(baseline: float, rows: dict[tuple[str, str], dict[str, Any]], when: str,
+            command: str) -> report.Section:
+    """The report's section from this run's cold start and cases (pure: figures in, text out).
+    `rows`: (fault, strategy) -> {"detect": s, "recover": s, "lost": steps, "reason": str}."""
+    table = []
+    for (kind, strategy), r in rows.items():
+        table.append([FAULTS.get((kind, strategy), kind), strategy, str(r["reason"]),
+                      f"{r['detect']:.1f} s", f"{r['recover']:.1f} s",
+                      f"{r['recover'] / baseline:.2f}",
+                      f"{(r['recover'] - r['detect']) / baseline:.2f}", f"{r['lost']:.0f}"])
+
+    def goal(case: tuple[str, str], text: str, figure: Callable[[dict[str, Any]], float],
+             unit: str, holds: Callable[[float], bool]) -> report.Goal:
+        if case not in rows:
+            return report.Goal(text, "not run: --only left this case out", False)
+        return report.verdict(text, {unit: figure(rows[case])}, holds,
+                              "{:.2f} s" if unit == "fault -> next step" else "{:.2f}x")
+
+    hang_limit = HANG_TIMEOUT + HANG_GOAL * baseline
+    goals = [
+        goal(("kill", "InPlace"), f"SIGKILL (InPlace): fault -> next step <= {KILL_GOAL}x cold "
+             "start", lambda r: r["recover"] / baseline, "cold start",
+             lambda v: v <= KILL_GOAL),
+        goal(("hang", "InPlace"), f"hang (InPlace): fault -> next step <= hang timeout + "
+             f"{HANG_GOAL}x cold start ({HANG_TIMEOUT} + {HANG_GOAL} x {baseline:.1f} = "
+             f"{hang_limit:.2f} s)", lambda r: r["recover"], "fault -> next step",
+             lambda v: v <= hang_limit),
+        goal(("node-down", "InPlace+spare"), "node lost with a spare (InPlace+spare): fault -> "
+             f"next step <= detection + {SPARE_GOAL}x cold start",
+             lambda r: (r["recover"] - r["detect"]) / baseline, "cold start after detection",
+             lambda v: v <= SPARE_GOAL),
+    ]
+    body = f"""Run {when} on the local cluster (`hlat-cluster`, 3 nodes), the operator as a
+subprocess with the rig's short intervals (resync 2 s, backoff 1 s). Each fault hits a fresh
+tiny 2-node CPU job {STEADY_SECONDS} s after its first complete checkpoint (steady training);
+"fault -> next step" runs until the attempt's rank 0 logs its first training step. Baseline,
+measured in the same run: a cold start, apply -> first training step of a fresh job:
+**{baseline:.1f} s**. Under InPlace "kill" SIGKILLs the trainer process (the launcher survives)
+and "hang" SIGSTOPs the trainer only (a stuck collective); under RecreateGang they hit the
+container's main process. InPlace+spare: `spareNodes: 1` on the rig's third node. Node-down
+jobs use a 60 s hang timeout so the node is found lost first. One run per case: no rounds, so
+no spread; the cold start is itself one sample.
+
+{report.table(["fault", "strategy", "detected as", "detection", "fault -> next step",
+               f"x cold start ({baseline:.1f} s)", "after detection, x cold start",
+               "steps lost"], table)}
+
+What an in-place restart does after detection: the spec's backoff, then rendezvous, the
+engine, the checkpoint load and the first step, in a trainer a warm standby prepared ahead
+(torch imported, DCP and the tokenizer loaded). Without a spare a lost node's new pod waits
+for the dead one to be force-deleted, whichever the strategy."""
+    return report.Section("recovery", "Time from a fault to the next training step, per fault "
+                          "kind and restart strategy (local cluster)", command, body, goals)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated FAULT:STRATEGY cases "
@@ -190,6 +260,7 @@ def main() -> None:
     unknown = [":".join(c) for c in only if c not in CASES]
     if unknown:
         parser.error(f"--only: unknown case(s) {', '.join(unknown)}")
+    when = report.now()
     cluster = Cluster()
     cluster.up(nodes=3, progress=lambda line: print(f"[cluster] {line}", flush=True))
     api = cluster.admin_api()
@@ -214,6 +285,10 @@ def main() -> None:
               f"{r['recover']:>16.1f}{r['recover'] / baseline:>14.2f}{beyond:>23.2f}"
               f"{r['lost']:>12.0f}")
     print(f"(hang timeout set to {HANG_TIMEOUT} s; operator resync 2 s; backoff 1 s)")
+    sec = section(baseline, rows, when, report.command())
+    for g in sec.goals:
+        print(f"goal {g.line().replace('**', '')}")
+    report.emit(sec)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ without automatic recovery, and the checkpoint interval that maximises goodput.
 Why it exists: the paper's Table 1 (98.81% uptime with automatic fault recovery, 77.83% without,
 64 trn1.32xlarge) is one pair of figures from two runs. This module turns fault rates, detection
 and recovery times and checkpoint costs into such figures, so that each input can be questioned
-and varied (`hlat-fleet-sim --help`; docs/benchmarks.md section 6 lists the defaults' sources).
+and varied (`hlat-fleet-sim --help`; docs/benchmarks.md, the fleet simulator's section, lists the defaults' sources).
 
 The model (Monte Carlo over independent runs; numpy only; seeded, so deterministic):
 - Faults arrive while the gang runs: independent Poisson processes per kind whose rates add up
@@ -78,8 +78,9 @@ LLAMA3_SHARES: dict[FaultKind, float] = {
 
 SYNC_SAVE_7B_S, ASYNC_SAVE_7B_S = 148.8, 6.3
 """Seconds a 7B checkpoint blocks training, synchronous vs asynchronous DCP save (PyTorch blog
-"Reducing checkpointing times", via shared/reference/performance-anchors.md; docs/benchmarks.md
-section 4 measures the same mechanism locally: 8.12 s vs 2.27 s for 1.5 GiB)."""
+"Reducing checkpointing times", via shared/reference/performance-anchors.md; docs/benchmarks.md's
+checkpoint section measures the same mechanism locally; the earlier figures these defaults
+were checked against, 8.12 s vs 2.27 s for 1.5 GiB, are in docs/benchmark-history.md)."""
 
 HLAT_STEP_S = 1024 * 4096 / (64 * 25_000)
 """Derived: the paper's step (1,024 sequences of 4,096 tokens) at about 25k tokens/s per
@@ -107,8 +108,9 @@ class FaultCost:
 @dataclass(frozen=True)
 class ClusterTimes:
     """The parts of a fault's cost on EKS with trn1.32xlarge nodes; `fault_costs` adds them up.
-    Defaults: the operator's own defaults where it sets the time, docs/benchmarks.md section 5
-    where the local cluster measures the same mechanism, named assumptions elsewhere."""
+    Defaults: the operator's own defaults where it sets the time, the recovery figures of
+    docs/benchmark-history.md section 5 where the local cluster measured the same mechanism,
+    named assumptions elsewhere."""
 
     step_s: float = HLAT_STEP_S
     """Seconds per training step: the learned heartbeat timeout is a multiple of it."""

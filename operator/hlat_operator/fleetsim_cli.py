@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hlat-fleet-sim", description="Simulate uptime and goodput of a pretraining job "
         "under faults, with vs without automatic recovery and sync vs async saves, and the "
         "checkpoint interval that maximises goodput (sweep vs Young/Daly).",
-        epilog="Defaults and their sources: docs/benchmarks.md section 6.")
+        epilog="Defaults and their sources: docs/benchmarks.md, the fleet simulator's section.")
     p.add_argument("--nodes", type=_number(int, 0, True), default=64, help="gang size (64)")
     p.add_argument("--days", type=pos, default=28.0, help="job duration (28)")
     p.add_argument("--rate", choices=["hlat", "llama3", "llama3-hw"], default="hlat",

@@ -8,7 +8,11 @@
 - ``node down`` / ``node up``: the node's kubelet goes silent, its pods drop off the network
   and then their processes die, so peers get no FIN or RST (a lost instance), or it comes
   back; ``node delete`` also removes the Node object, as the cluster
-  autoscaler does when it replaces an instance.
+  autoscaler does when it replaces an instance;
+- ``partition`` / ``heal``: one pod cut off the network (the host end of its veth down: what it
+  sends is lost, nothing reaches it, no FIN or RST) while its node, kubelet, processes and
+  files stay: a trainer that can reach neither the API server nor its peers but still writes
+  to the shared checkpoint volume (a filesystem mount here).
 
 Processes are found through the pid files the kubelet writes, never by name.
 """
@@ -21,8 +25,9 @@ import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hlat_testbed import netns
 from hlat_testbed.config import ClusterConfig
-from hlat_testbed.podfiles import container_pid
+from hlat_testbed.podfiles import container_pid, pod_dir
 from hlat_testbed.procs import ProcessTable
 
 if TYPE_CHECKING:
@@ -142,3 +147,21 @@ def hang_trainer(config: ClusterConfig, namespace: str, pod: str) -> list[int]:
     for pid in pids:
         _signal_tree(pid, signal.SIGSTOP)
     return pids
+
+
+def _pod_uid(config: ClusterConfig, namespace: str, pod: str) -> str:
+    """The uid of the pod's newest run on this cluster's kubelets (from its state directory,
+    `<namespace>_<pod>_<uid>`)."""
+    return pod_dir(config, namespace, pod).name.rsplit("_", 1)[1]
+
+
+def partition(config: ClusterConfig, namespace: str, pod: str) -> str:
+    """Cut the pod off the network, its processes and files untouched; returns its uid."""
+    uid = _pod_uid(config, namespace, pod)
+    netns.set_pod_link(config.bridge, uid, up=False)
+    return uid
+
+
+def heal(config: ClusterConfig, namespace: str, pod: str) -> None:
+    """Undo `partition` (connections whose packets were only lost carry on)."""
+    netns.set_pod_link(config.bridge, _pod_uid(config, namespace, pod), up=True)

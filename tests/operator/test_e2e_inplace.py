@@ -10,12 +10,15 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
-from e2e_env import JOB, Env, report_recovery_log
+from e2e_env import JOB, Env, attempt_log, report_recovery_log, resumed_from
 from e2e_spec import tiny_spec
 from kubernetes import client
 
+from hlat_api import labels
+from hlat_api.layout import list_checkpoints
 from hlat_testbed import faults
 from hlat_testbed.podfiles import PodNotFound
 
@@ -35,6 +38,7 @@ class TrainerCensus:
     def __init__(self, env: Env) -> None:
         self.env, self.most, self.most_pods = env, 0, 0
         self.names: set[str] = set()  # every pod seen while the job ran
+        self.last_seen: dict[int, float] = {}  # trainer pid -> when last seen running
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -55,6 +59,7 @@ class TrainerCensus:
                 except (PodNotFound, OSError, ValueError):
                     continue
                 self.most = max(self.most, len(pids))
+                self.last_seen.update(dict.fromkeys(pids, time.time()))
             self._stop.wait(0.1)
 
     def __enter__(self) -> TrainerCensus:
@@ -251,3 +256,93 @@ def test_a_lost_node_s_rank_moves_to_a_warm_spare(job_env: Env) -> None:
     assert max(seen) == 40
     report_recovery_log(job_env, "node lost, its rank taken by a warm spare", log, 1,
                         float(r["fault_at"]))  # type: ignore[arg-type]
+
+
+class CommitWatch:
+    """When each checkpoint of the job became complete (its `done` marker first seen, sampled
+    every 0.05 s: `keep` purges old ones, so the end state would not show them)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.first_seen: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            now = time.time()
+            for entry in list_checkpoints(self.root, JOB):
+                if entry.step not in self.first_seen and entry.complete:
+                    self.first_seen[entry.step] = now
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> CommitWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+FENCED = "not committing"
+"""The trainer's warning when it skips a commit: no renewal accepted for the Lease's duration."""
+
+
+def test_a_trainer_cut_off_from_the_api_server_commits_nothing_once_its_lease_ran_out(
+        job_env: Env) -> None:
+    """A 1-node job's pod cut off the network (the API server and any peer) but not from the
+    shared checkpoint volume: its trainer trains on alone and keeps saving, but once no renewal
+    was accepted for the Lease's duration no checkpoint of it is marked complete, while the
+    operator, which sees the heartbeat stop, restarts in place (a new attempt that may hold
+    the rank at any moment). The partition heals: the launcher replaces the fenced trainer, the
+    new attempt resumes from a checkpoint made before the cut, and the steps it trains again
+    give the same losses; never two trainers at once."""
+    steps, timeout = 400, 8
+    spec = tiny_spec(steps=steps, restartStrategy="InPlace",
+                     heartbeat={"startupTimeoutSeconds": 120, "timeoutSeconds": timeout})
+    spec["nodes"] = 1
+    spec["checkpoint"]["interval"] = 10
+    job_env.create(spec)
+    pod, config = f"{JOB}-a0-0", job_env.cluster.config
+    coordination = client.CoordinationV1Api(job_env.cluster.admin_api())
+    with TrainerCensus(job_env) as census, CommitWatch(job_env.fsx / "checkpoints") as commits:
+        job_env.wait("a checkpoint", lambda s: s.get("phase") == "Running"
+                     and (s.get("latestCheckpoint") or {}).get("step", 0) >= 10, 180)
+        lease = coordination.read_namespaced_lease(labels.worker_lease_name(JOB, 0, 0),
+                                                   job_env.ns)
+        assert lease.spec is not None and lease.spec.lease_duration_seconds
+        duration = float(lease.spec.lease_duration_seconds)
+        stale = faults.trainer_pids(config, job_env.ns, pod)
+        assert len(stale) == 1
+        cut_at = time.time()
+        faults.partition(config, job_env.ns, pod)
+        try:
+            restarting = job_env.wait("the restart", lambda s: s.get("attempt", 0) >= 1, 60)
+            assert restarting["lastFailure"]["reason"] == "HeartbeatTimeout"
+            # hold the cut until the stale trainer has refused to commit (its saves go on),
+            # 45 s at most
+            deadline = time.monotonic() + 45
+            while (FENCED not in job_env.cluster.pod_log(job_env.ns, pod)
+                   and time.monotonic() < deadline):
+                time.sleep(0.5)
+        finally:
+            faults.heal(config, job_env.ns, pod)
+        done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 240)
+    gone_at = census.last_seen[stale[0]]
+    late = {step: at for step, at in commits.first_seen.items()
+            if cut_at + duration + 1 < at <= gone_at}
+    assert not late, f"the cut-off trainer committed {late} after its lease ran out"
+    log = job_env.cluster.pod_log(job_env.ns, pod)
+    assert FENCED in attempt_log(log, 0), "the cut-off trainer never tried to commit"
+    assert done["restarts"]["total"] == 1 and done["restarts"]["inPlace"] == 1, done["restarts"]
+    assert census.most == 1 and census.most_pods == 1
+    resumed = resumed_from(attempt_log(log, done["attempt"]))
+    before_cut = [step for step, at in commits.first_seen.items() if at <= cut_at + duration + 1]
+    assert resumed in before_cut, (resumed, commits.first_seen, cut_at)
+    seen = losses(log)
+    assert max(seen) == steps
+    again = {step: ls for step, ls in seen.items() if len(ls) > 1}
+    assert again, "no step was trained twice: the new attempt did not resume from before the cut"
+    for step, ls in again.items():
+        assert ls[0] == ls[-1], (step, ls)

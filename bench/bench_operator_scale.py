@@ -211,9 +211,21 @@ def pct(values: list[float], q: float) -> float:
 CONFIGS: dict[str, dict[str, str]] = {
     "every pass lists the nodes (watch off)": {"HLAT_OPERATOR_WATCH_NODES": "false"},
     "nodes watched (default)": {},
+    "nodes watched, Python's own allocator": {"LD_PRELOAD": "", "PYTHONMALLOC": ""},
 }
 """Operators measured one after the other on the same jobs, by the environment each adds to
 the defaults (`--also NAME:KEY=VALUE,...` adds more, to compare a setting side by side)."""
+
+
+def image_allocator() -> dict[str, str]:
+    """The operator image's allocator settings (Dockerfile.operator): jemalloc for every
+    allocation, Python's small objects included. `make bench` installs libjemalloc2."""
+    found = sorted(Path("/usr/lib").glob("*/libjemalloc.so.2")) + sorted(
+        Path("/usr/lib").glob("libjemalloc.so.2"))
+    if not found:
+        raise SystemExit("bench_operator_scale: libjemalloc.so.2 not found; the operator image "
+                         "preloads it (Dockerfile.operator): apt-get install libjemalloc2")
+    return {"MALLOC_ARENA_MAX": "2", "LD_PRELOAD": str(found[0]), "PYTHONMALLOC": "malloc"}
 
 
 def config(text: str) -> tuple[str, dict[str, str]]:
@@ -346,7 +358,8 @@ def section(a: argparse.Namespace, argv: list[str], setup: dict[str, Any],
         f"real scheduler binds the pods, a simulator reports them Running, renews the node "
         f"Leases and writes one training heartbeat per pod and attempt; no processes). The "
         f"operator runs as in production: its own process, the Helm chart's ServiceAccount, its "
-        f"default intervals, `MALLOC_ARENA_MAX=2` as its image sets. Then a fault every "
+        f"default intervals, its image's allocator (jemalloc preloaded, `PYTHONMALLOC=malloc`, "
+        f"`MALLOC_ARENA_MAX=2`; the last column without jemalloc). Then a fault every "
         f"{a.fault_every:g} s for {a.seconds:g} s (a job drawn at random, one of its pods "
         f"reported terminated with 137), once per operator configuration, one after the other "
         f"on the same jobs. Start-up: {a.jobs} jobs created in {setup['created']:.0f} s, every "
@@ -420,6 +433,7 @@ def main() -> None:
                               pods=PODS_PER_NODE, on_running=trainers).start()
     print(f"{a.jobs} jobs, {pods} worker pods, {len(nodes.names)} simulated nodes", flush=True)
     defaults = OperatorSettings()
+    allocator = image_allocator()
     work = REPO / "runs" / "bench-operator-scale"
     jobs = Jobs(custom)
     results: dict[str, dict[str, Any]] = {}
@@ -432,7 +446,7 @@ def main() -> None:
                 "HLAT_OPERATOR_RESYNC_SECONDS": str(defaults.resync_seconds),
                 "HLAT_OPERATOR_STATUS_INTERVAL_SECONDS": str(defaults.status_interval_seconds),
                 "HLAT_OPERATOR_WATCH_NODES": "true",
-                "MALLOC_ARENA_MAX": "2",  # as the operator image sets it
+                **allocator,  # as the operator image sets it
                 **env,
             }, metrics_port=port).start()
             if i == 0:

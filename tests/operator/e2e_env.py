@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,8 +17,10 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from hlat_testbed import faults
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.demo import GROUP, PLURAL, VERSION, OperatorProcess
+from hlat_testbed.podfiles import PodNotFound
 
 JOB = "tiny"
 
@@ -191,3 +194,55 @@ def report_recovery_log(env: Env, what: str, log: str, attempt: int, fault_at: f
     assert first is not None, f"attempt {attempt} trained no step"
     print(f"[fault matrix] {what}: next training step {first - fault_at:.1f}s after the fault")
     return first - fault_at
+
+
+class TrainerCensus:
+    """Samples, every 0.1 s, the trainer processes each worker pod's launcher runs, and the live
+    pods of each node rank: the most ever seen at once for one pod must be the node's process
+    count, and for one rank 1 (the pods of an in-place restart are moved to the new attempt
+    one by one, so "one attempt label at a time" is not the rule here)."""
+
+    def __init__(self, env: Env) -> None:
+        self.env, self.most, self.most_pods = env, 0, 0
+        self.names: set[str] = set()  # every pod seen while the job ran
+        self.last_seen: dict[int, float] = {}  # trainer pid -> when last seen running
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            ranks: dict[str, int] = {}
+            for pod in self.env.pods():
+                self.names.add(pod.metadata.name)
+                if pod.metadata.deletion_timestamp is not None:
+                    continue
+                rank = pod.metadata.labels.get("hlat.dev/node-rank")
+                if pod.status.phase in ("Pending", "Running") and rank is not None:
+                    ranks[rank] = ranks.get(rank, 0) + 1
+                    self.most_pods = max(self.most_pods, ranks[rank])
+                try:
+                    pids = faults.trainer_pids(self.env.cluster.config, self.env.ns,
+                                               pod.metadata.name)
+                except (PodNotFound, OSError, ValueError):
+                    continue
+                self.most = max(self.most, len(pids))
+                self.last_seen.update(dict.fromkeys(pids, time.time()))
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> TrainerCensus:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def losses(log: str) -> dict[int, list[float]]:
+    """Every loss each step was logged with, in order (a step trained twice has two)."""
+    out: dict[int, list[float]] = {}
+    for line in log.splitlines():
+        if line.startswith("{") and '"step"' in line:
+            row = json.loads(line)
+            out.setdefault(int(row["step"]), []).append(float(row["loss"]))
+    return out

@@ -6,79 +6,33 @@ equal the first attempt's bit for bit (the same run, resumed exactly)."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from e2e_env import JOB, Env, attempt_log, report_recovery_log, resumed_from
+from e2e_env import (
+    JOB,
+    Env,
+    TrainerCensus,
+    attempt_log,
+    losses,
+    report_recovery_log,
+    resumed_from,
+)
 from e2e_spec import tiny_spec
 from kubernetes import client
 
 from hlat_api import labels
 from hlat_api.layout import list_checkpoints
 from hlat_testbed import faults
-from hlat_testbed.podfiles import PodNotFound
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 def in_place_spec(steps: int, **fault_tolerance: object) -> dict[str, object]:
     return tiny_spec(steps=steps, restartStrategy="InPlace", **fault_tolerance)
-
-
-class TrainerCensus:
-    """Samples, every 0.1 s, the trainer processes each worker pod's launcher runs, and the live
-    pods of each node rank: the most ever seen at once for one pod must be the node's process
-    count, and for one rank 1 (the pods of an in-place restart are moved to the new attempt
-    one by one, so "one attempt label at a time" is not the rule here)."""
-
-    def __init__(self, env: Env) -> None:
-        self.env, self.most, self.most_pods = env, 0, 0
-        self.names: set[str] = set()  # every pod seen while the job ran
-        self.last_seen: dict[int, float] = {}  # trainer pid -> when last seen running
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            ranks: dict[str, int] = {}
-            for pod in self.env.pods():
-                self.names.add(pod.metadata.name)
-                if pod.metadata.deletion_timestamp is not None:
-                    continue
-                rank = pod.metadata.labels.get("hlat.dev/node-rank")
-                if pod.status.phase in ("Pending", "Running") and rank is not None:
-                    ranks[rank] = ranks.get(rank, 0) + 1
-                    self.most_pods = max(self.most_pods, ranks[rank])
-                try:
-                    pids = faults.trainer_pids(self.env.cluster.config, self.env.ns,
-                                               pod.metadata.name)
-                except (PodNotFound, OSError, ValueError):
-                    continue
-                self.most = max(self.most, len(pids))
-                self.last_seen.update(dict.fromkeys(pids, time.time()))
-            self._stop.wait(0.1)
-
-    def __enter__(self) -> TrainerCensus:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-
-def losses(log: str) -> dict[int, list[float]]:
-    """Every loss each step was logged with, in order (a step trained twice has two)."""
-    out: dict[int, list[float]] = {}
-    for line in log.splitlines():
-        if line.startswith("{") and '"step"' in line:
-            row = json.loads(line)
-            out.setdefault(int(row["step"]), []).append(float(row["loss"]))
-    return out
 
 
 def run_fault(job_env: Env, inject: Callable[[], object], reason: str | set[str],

@@ -10,7 +10,7 @@ import bench_recovery as rec
 
 def case(recover: float, detect: float = 0.3) -> dict[str, Any]:
     return {"detect": detect, "recover": recover, "lost": 2, "reason": "Killed",
-            "writes": 12.0, "reads": 30.0}
+            "writes": 12.0, "reads": 30.0, "steady": 2.0}
 
 
 def goals(baselines: list[float], rows: dict[tuple[str, str], list[dict[str, Any]]]
@@ -40,4 +40,4 @@ def test_a_case_left_out_is_not_met_and_says_so() -> None:
     section = rec.section([6.0], {("kill", "InPlace"): [case(1.0)]}, "now", "cmd")
     spare = next(g for g in section.goals if g.text.startswith("node lost with a spare"))
     assert not spare.met and "not run" in spare.figures
-    assert "| 12 / 30 |" in section.body  # the restart's API requests, writes / reads
+    assert "| 12 / 30 | 2.0 |" in section.body  # API requests, writes / reads; steady rate

@@ -143,7 +143,7 @@ def api_requests(cluster: Cluster) -> dict[str, float]:
     operator, the launchers and trainers, the kubelets, the scheduler, the controllers), from
     its /metrics (`apiserver_request_total`; a watch counts when it ends)."""
     api = cluster.admin_api()
-    resp = api.call_api("GET", f"{api.configuration.host}/metrics")
+    resp = api.call_api("GET", f"{api.configuration.host}/metrics", _request_timeout=(5, 30))
     resp.read()  # type: ignore[no-untyped-call]
     counts: dict[str, float] = {}
     for family in text_string_to_metric_families((resp.data or b"").decode()):

@@ -7,12 +7,14 @@ the weight back stochastically rounded, with noise from a counter-based hash: no
 generate ahead, nothing allocated.
 
 Design choices and trade-offs:
-- Two implementations of the same math, bit for bit: a C++ loop (csrc/sr_adamw.cpp, compiled
-  with the machine's g++ at first use, cached under ~/.cache/hlat/sr_kernel/, loaded with
-  ctypes: no ninja, no torch headers, a build of about a second) and a pure-torch path. The
-  torch path runs where the C++ one cannot: no compiler (one warning), parameters off the CPU,
-  or HLAT_SR_KERNEL=torch. It is also the reference the C++ path is tested against.
-- Bit-exact across the two: every fp32 operation is one correctly rounded IEEE operation in a
+- Three implementations of the same math, bit for bit: a C++ loop for the CPU
+  (csrc/sr_adamw.cpp, compiled with the machine's g++ at first use, cached under
+  ~/.cache/hlat/sr_kernel/, loaded with ctypes: no ninja, no torch headers, a build of about a
+  second), a Triton kernel for CUDA devices (`hlat_trainer.sr_triton`, where Triton is
+  installed) and a pure-torch path. The torch path runs where neither can: no compiler (one
+  warning), other devices, or HLAT_SR_KERNEL=torch. It is also the reference the other two
+  are tested against.
+- Bit-exact across the three: every fp32 operation is one correctly rounded IEEE operation in a
   fixed order (g++ runs with -ffp-contract=off, so no FMA; torch's elementwise ops round once
   each). Division by a scalar is avoided (torch turns it into a reciprocal multiply), so the
   bias correction is a multiply by 1/sqrt(1 - beta2^t), computed in double and rounded to fp32.
@@ -51,6 +53,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from hlat_trainer import sr_triton
 
 log = logging.getLogger(__name__)
 
@@ -314,8 +318,16 @@ def load() -> Kernel | None:
     return _loaded
 
 
+def _triton(device: torch.device) -> bool:
+    return os.environ.get(ENV_BACKEND) != "torch" and sr_triton.available(device)
+
+
 def adamw_(updates: Sequence[Update]) -> None:
-    """Apply the updates in place: the C++ kernel on CPU where it loads, else pure torch."""
+    """Apply the updates in place: the C++ kernel on CPU where it loads, the Triton kernel on
+    a CUDA device where Triton is installed, else pure torch."""
+    if updates and _triton(updates[0].param.device):
+        sr_triton.adamw_(updates)
+        return
     kernel = load() if all(u.param.device.type == "cpu" for u in updates) else None
     if kernel is None:
         torch_adamw_(updates)
@@ -325,6 +337,9 @@ def adamw_(updates: Sequence[Update]) -> None:
 
 def sr_bf16_(dst: Tensor, src: Tensor, key: int) -> None:
     """Flat contiguous bf16 `dst` = SR(flat contiguous fp32 `src`) with the noise of `key`."""
+    if _triton(src.device):
+        sr_triton.sr_bf16_(dst, src, key)
+        return
     kernel = load() if src.device.type == "cpu" else None
     if kernel is None:
         torch_sr_bf16_(dst, src, key)

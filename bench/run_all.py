@@ -72,6 +72,9 @@ def benches(data: str | None) -> list[Bench]:
         # simulated: writes docs/images/fleet-goodput.png
         Bench("fleet", "Fleet simulator: uptime and goodput over four weeks vs the paper's "
               "Table 1", ("bench_fleet.py",)),
+        # needs a CUDA device; without one it shows the recorded GPU run, marked as such
+        Bench("gpu", "On a GPU: MFU of a 1B LLaMA in bf16-SR, and AdamWSR's Triton kernel",
+              ("bench_gpu.py", "--compile")),
         # the paper's precision, beta2 and spike-length findings: docs/images/fidelity-*.png
         Bench("fidelity", "The paper's precision findings at small scale",
               ("bench_fidelity.py", *with_data)),

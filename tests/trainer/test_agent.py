@@ -4,6 +4,8 @@ restarts through them, run in tests/operator/test_e2e_inplace.py)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -107,3 +109,50 @@ def test_attempts_of_one_pod_share_what_they_hand_on_and_nothing_else(
     assert first[Env.PEAK_FLOPS_FILE] == second[Env.PEAK_FLOPS_FILE]
     assert first[Env.STARTED_FILE] != second[Env.STARTED_FILE]
     assert first[Env.EXIT_FILE] != second[Env.EXIT_FILE]
+
+
+class StalledControl:
+    """An API server that stalls: every read of the record hangs (a GET held to its bound)."""
+
+    pushed = False
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.exits: list[tuple[int, int, float]] = []
+
+    def record(self, fresh: bool = False) -> None:
+        self.release.wait(10)
+
+    def report_exit(self, attempt: int, code: int) -> None:
+        self.exits.append((attempt, code, time.monotonic()))
+
+
+class Killed:
+    """A worker process that is SIGKILLed at `dies` (poll() is then -9, as Popen says)."""
+
+    pid = 0
+
+    def __init__(self, dies: float) -> None:
+        self.dies = dies
+
+    def poll(self) -> int | None:
+        return -9 if time.monotonic() >= self.dies else None
+
+
+def test_a_worker_killed_while_a_read_of_the_record_hangs_is_reported_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher reads the record on the side: a worker's SIGKILL is reported (137) within
+    a second although the read in flight hangs for 10 s."""
+    control = StalledControl()
+    layout = agent.NodeLayout(nnodes=1, nproc=1, node_rank=0, master_addr="localhost",
+                              master_port=29500)
+    run = agent.Agent(layout, [], {}, control=control, wait_bound=0.5, warm=False)
+    worker = Killed(time.monotonic() + 0.3)
+    monkeypatch.setattr(run, "_start", lambda *args: [worker])
+    monkeypatch.setattr(agent, "stop_all", lambda procs, grace: None)  # nothing real to stop
+    try:
+        assert run._loop(attempt=2, steps_done=0, started=time.monotonic()) == 137
+    finally:
+        control.release.set()
+    assert [(a, c) for a, c, _ in control.exits] == [(2, 137)]
+    assert control.exits[0][2] - worker.dies < 1.0

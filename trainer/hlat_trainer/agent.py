@@ -9,9 +9,10 @@ supervises them:
   published); while no watch is established (the API server away, or the watch refused: then
   tried again every `WATCH_REFUSED_RETRY_SECONDS`) it is polled every `POLL_SECONDS`
   (`FAILED_POLL_SECONDS` while this node's trainer has failed and the next attempt is
-  awaited). The worker processes are looked at every `CHECK_SECONDS`. When its attempt moves
-  past the running one, every
-  worker of the old attempt is stopped (SIGTERM to its process group, SIGKILL after
+  awaited), each read on a thread of its own (`RecordRead`), so that a read held up to its
+  bound by a slow API server never keeps the launcher from its workers, which are looked at
+  every `CHECK_SECONDS`. When its attempt moves past the running one, every worker of the old
+  attempt is stopped (SIGTERM to its process group, SIGKILL after
   `STOP_GRACE_SECONDS`: a worker stuck in a collective or frozen does not hold the restart),
   waited for until gone, and the new attempt's workers are started with its attempt, Lease
   name and HLAT_STEPS_DONE, on a fresh rendezvous (`RENDEZVOUS_PORTS`). Never two trainers
@@ -277,6 +278,24 @@ def stop_all(procs: Sequence[subprocess.Popen[bytes]], grace: float) -> None:
         proc.wait()
 
 
+class RecordRead:
+    """One fresh read of the restart record, on a daemon thread of its own: a read can take up
+    to its 30 s bound while the API server is slow, and the launcher must go on looking at its
+    workers every CHECK_SECONDS meanwhile (nor wait for the read when it exits)."""
+
+    def __init__(self, control: Control) -> None:
+        self.record: GangRecord | None = None
+        self.done = threading.Event()
+        threading.Thread(target=self._read, args=(control,), name="hlat-record",
+                         daemon=True).start()
+
+    def _read(self, control: Control) -> None:
+        try:
+            self.record = control.record(fresh=True)
+        finally:
+            self.done.set()
+
+
 @dataclass
 class Agent:
     layout: NodeLayout
@@ -367,17 +386,21 @@ class Agent:
         failed_at: float | None = None
         code = 0
         next_read = self.clock()
+        reading: RecordRead | None = None
         while True:
             time.sleep(CHECK_SECONDS)
             self._keep_standbys()
             record = None
-            due = self.clock() >= next_read
-            if due or self.control.pushed:
-                if due:
-                    next_read = self.clock() + (
-                        RECHECK_SECONDS if self.control.pushed
-                        else POLL_SECONDS if failed_at is None else FAILED_POLL_SECONDS)
-                record = self.control.record(fresh=due)
+            if reading is not None:
+                if reading.done.is_set():
+                    record, reading = reading.record, None
+            elif self.clock() >= next_read:
+                next_read = self.clock() + (
+                    RECHECK_SECONDS if self.control.pushed
+                    else POLL_SECONDS if failed_at is None else FAILED_POLL_SECONDS)
+                reading = RecordRead(self.control)
+            elif self.control.pushed:
+                record = self.control.record()  # the watch's latest: no request
             rank = self._rank(record) if record is not None else None
             if record is not None and record.attempt > attempt and rank is not None:
                 began = self.clock()

@@ -211,7 +211,7 @@ def pct(values: list[float], q: float) -> float:
 CONFIGS: dict[str, dict[str, str]] = {
     "every pass lists the nodes (watch off)": {"HLAT_OPERATOR_WATCH_NODES": "false"},
     "nodes watched (default)": {},
-    "nodes watched, Python's own allocator": {"LD_PRELOAD": "", "PYTHONMALLOC": ""},
+    "nodes watched, start-up listing in one piece": {"HLAT_OPERATOR_LIST_CHUNK": "0"},
 }
 """Operators measured one after the other on the same jobs, by the environment each adds to
 the defaults (`--also NAME:KEY=VALUE,...` adds more, to compare a setting side by side)."""
@@ -359,7 +359,10 @@ def section(a: argparse.Namespace, argv: list[str], setup: dict[str, Any],
         f"Leases and writes one training heartbeat per pod and attempt; no processes). The "
         f"operator runs as in production: its own process, the Helm chart's ServiceAccount, its "
         f"default intervals, its image's allocator (jemalloc preloaded, `PYTHONMALLOC=malloc`, "
-        f"`MALLOC_ARENA_MAX=2`; the last column without jemalloc). Then a fault every "
+        f"`MALLOC_ARENA_MAX=2`). The first operator starts before the jobs are created, the "
+        f"others on the jobs already there, as after a failover: their start lists every job's "
+        f"pods, by pages of 200 (`HLAT_OPERATOR_LIST_CHUNK`, the default), or in one response "
+        f"(the last column: kopf's default). Then a fault every "
         f"{a.fault_every:g} s for {a.seconds:g} s (a job drawn at random, one of its pods "
         f"reported terminated with 137), once per operator configuration, one after the other "
         f"on the same jobs. Start-up: {a.jobs} jobs created in {setup['created']:.0f} s, every "

@@ -56,6 +56,11 @@ class OperatorSettings(BaseModel):
     node per pass (false: the old way, kept for the side-by-side bench). A pass whose pods sit
     on a node the watch lacks or shows not Ready, or that runs while the watch is broken,
     still lists them afresh."""
+    list_chunk: int = Field(200, ge=0)
+    """Objects per page of the initial listing of jobs, worker pods and Leases (kopf's
+    `watching.chunk_size`; 0: all in one response, kopf's default). At start-up and after a
+    failover the operator lists every worker pod of every job: in one piece that is one
+    response parsed whole (~3,000 pods at 500 jobs), the operator's memory peak."""
     resync_seconds: float = 10.0
     """Requeue delay while a job is alive, so timeouts fire without a watch event."""
     fast_requeue_seconds: float = 1.0

@@ -265,13 +265,14 @@ def _poke(namespace: str, name: str, start: bool = False) -> None:
 # --- kopf handlers -------------------------------------------------------------------------
 
 
-def configure_kopf(settings: kopf.OperatorSettings) -> None:
+def configure_kopf(settings: kopf.OperatorSettings, list_chunk: int) -> None:
     settings.posting.enabled = False  # our Events are the transitions, written by k8s.py
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 60
     settings.networking.connect_timeout = 10
     settings.watching.connect_timeout = 10
+    settings.watching.chunk_size = list_chunk or None  # the initial listings, paged
     # server-side: the API server sends only our workers' events (kopf's `labels=` on the
     # handler alone filters client-side, after every pod of the cluster crossed the wire)
     settings.watching.label_selectors["v1", "pods"] = POD_SELECTOR
@@ -282,8 +283,8 @@ def configure_kopf(settings: kopf.OperatorSettings) -> None:
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     global _runtime
-    configure_kopf(settings)
     ours = _settings or OperatorSettings.from_env()
+    configure_kopf(settings, ours.list_chunk)
     # it cannot have heard what went silent before it started (a leader that lost its Lease in
     # an outage of the API server and was restarted, a standby taking over): from now on
     metrics = OperatorMetrics()

@@ -253,7 +253,7 @@ def test_the_operator_asks_the_api_server_for_worker_pods_only() -> None:
     from hlat_operator import handlers
 
     settings = kopf.OperatorSettings()
-    handlers.configure_kopf(settings)
+    handlers.configure_kopf(settings, 200)
     pods = Resource("", "v1", "pods", kind="Pod", namespaced=True, preferred=True,
                     verbs=["list", "watch"])
     jobs = Resource("hlat.dev", "v1alpha1", "pretrainjobs", kind="PretrainJob",
@@ -261,6 +261,50 @@ def test_the_operator_asks_the_api_server_for_worker_pods_only() -> None:
     assert list(settings.watching.label_selectors.collect(pods)) == [
         "hlat.dev/job,app.kubernetes.io/component=worker"]
     assert not list(settings.watching.label_selectors.collect(jobs))
+
+
+@pytest.mark.parametrize(("chunk", "pages"), [(200, ["200", "200"]), (0, [None])])
+def test_the_initial_listing_is_paged(monkeypatch: pytest.MonkeyPatch, chunk: int,
+                                      pages: list[str | None]) -> None:
+    """kopf's own listing code, with our settings, against a server of 300 pods: pages of
+    HLAT_OPERATOR_LIST_CHUNK objects (one response with all when it is 0): the memory of
+    the operator's start no longer grows with the whole fleet's pods at once."""
+    import asyncio
+    import logging
+    import urllib.parse
+
+    import kopf
+    from kopf._cogs.clients import api, fetching
+    from kopf._cogs.structs.references import Resource
+
+    from hlat_operator import handlers
+
+    pods = [{"metadata": {"name": f"w-{i}"}} for i in range(300)]
+    limits: list[str | None] = []
+
+    async def get(url: str, **_: Any) -> dict[str, Any]:
+        query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
+        limits.append(query.get("limit"))
+        start = int(query.get("continue", 0))
+        end = start + int(query["limit"]) if "limit" in query else len(pods)
+        more = str(end) if end < len(pods) else ""
+        return {"kind": "PodList", "apiVersion": "v1", "items": pods[start:end],
+                "metadata": {"resourceVersion": "7", "continue": more}}
+
+    monkeypatch.setattr(api, "get", get)
+    settings = kopf.OperatorSettings()
+    handlers.configure_kopf(settings, chunk)
+    resource = Resource("", "v1", "pods", kind="Pod", namespaced=True, preferred=True,
+                        verbs=["list", "watch"])
+
+    async def listed() -> list[int]:
+        return [len(items) async for items, _ in fetching.fetch_objs(
+            settings=settings, resource=resource, namespace=None,
+            logger=logging.getLogger("test"))]
+
+    sizes = asyncio.run(listed())
+    assert sum(sizes) == 300 and limits == pages
+    assert max(sizes) == (200 if chunk else 300)
 
 
 def test_progress_for_kubectl_step_of_total_loss_to_4_digits_and_eta() -> None:

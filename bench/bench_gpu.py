@@ -36,7 +36,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import report
 from hlat_api import MODEL_PRESETS, ModelDims
@@ -153,18 +152,11 @@ def models(dims: ModelDims) -> dict[str, torch.nn.Module]:
 
 
 def train_step(model: torch.nn.Module, hf: bool) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    from bench_model import step_fn
     from hlat_trainer.optim import AdamWSR
 
-    opt = AdamWSR(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, seed=0)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        logits = model(x).logits if hf else model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+    return step_fn(model, hf, lambda ps: AdamWSR(ps, lr=3e-4, betas=(0.9, 0.95),
+                                                 weight_decay=0.1, seed=0))
 
 
 Training = tuple[dict[str, list[float]], dict[str, float]]

@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +42,13 @@ def hf_model(d: ModelDims) -> torch.nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-def step_fn(model: torch.nn.Module, hf: bool) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+def step_fn(model: torch.nn.Module, hf: bool,
+            optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+            ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """One training step of `model` (fp32 loss); `optimizer` builds the optimizer from the
+    parameters (default: torch's foreach AdamW)."""
+    opt = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True)))(
+        model.parameters())
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         logits = model(x).logits if hf else model(x)

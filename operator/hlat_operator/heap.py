@@ -8,7 +8,9 @@ collector's oldest generation runs, which at this allocation rate is rare (641 s
 39 open connections at 300 jobs, by tracemalloc). Every `TRIM_SECONDS` a daemon thread runs a
 full collection and then glibc's `malloc_trim(0)`, which returns free heap pages to the kernel.
 Not on the executor the passes use; where libc has no `malloc_trim` (musl) only the collection
-runs.
+runs. The operator image preloads jemalloc (Dockerfile.operator), which returns its free pages
+itself: there the trim has little left to do and the collection is what matters; the trim
+serves an operator run without the image (a checkout, the local rig without libjemalloc2).
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ def rss_mib(pid: int) -> tuple[float, float]:
     return (int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024)
 
 
-def pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
 
@@ -280,7 +280,7 @@ def figures(r: dict[str, Any], jobs: int) -> dict[str, Any]:
     reactions = r["reactions"]
     f: dict[str, Any] = {
         "faults": r["faults"], "seen": len(reactions), "missed": r["missed"],
-        "reaction": (pct(reactions, .5), pct(reactions, .99),
+        "reaction": (percentile(reactions, .5), percentile(reactions, .99),
                      max(reactions) if reactions else math.nan),
         "passes_per_job_minute":
             delta(before, after, "hlat_operator_pass_seconds_count") / jobs / minutes,

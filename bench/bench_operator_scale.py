@@ -203,6 +203,29 @@ def rss_mib(pid: int) -> tuple[float, float]:
     return (int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024)
 
 
+class RssTrace:
+    """The operator's resident memory every `every` seconds from its start: when its peak
+    came (start-up on jobs already there, or the fault window)."""
+
+    def __init__(self, pid: int, every: float = 0.25) -> None:
+        self.pid, self.every, self.began = pid, every, time.time()
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            with contextlib.suppress(OSError, KeyError, ValueError):
+                self.samples.append((time.time() - self.began, rss_mib(self.pid)[0]))
+
+    def stop(self) -> tuple[float, float]:
+        """(seconds after the start, MiB) of the highest sample."""
+        self._stop.set()
+        self._thread.join()
+        return max(self.samples, key=lambda s: s[1], default=(math.nan, math.nan))
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
@@ -290,6 +313,7 @@ def figures(r: dict[str, Any], jobs: int) -> dict[str, Any]:
                    / r["seconds"] for k in KINDS},
         "waiting": after.get(("hlat_operator_passes_waiting", ()), math.nan),
         "rss": r["rss"], "peak": r["peak"], "sim": r["sim"],
+        "peak_at": r.get("peak_at", math.nan), "window_at": r.get("window_at", math.nan),
     }
     for metric in ("pass", "reaction"):
         name = f"hlat_operator_{metric}_seconds"
@@ -315,7 +339,8 @@ def report(name: str, f: dict[str, Any]) -> None:
     for kind, rate in f["events"].items():
         print(f"watch events per second, {kind}: {rate:.1f}")
     print(f"passes waiting for a worker thread at the end: {f['waiting']:.0f}")
-    print(f"operator RSS: {f['rss']:.0f} MiB at the end, peak {f['peak']:.0f} MiB")
+    print(f"operator RSS: {f['rss']:.0f} MiB at the end, peak {f['peak']:.0f} MiB, reached "
+          f"{f['peak_at']:.0f} s after its start (the window began at {f['window_at']:.0f} s)")
     print(f"(the simulated nodes and trainers made {f['sim']:.1f} requests/s of their own)")
 
 
@@ -350,6 +375,8 @@ def section(a: argparse.Namespace, argv: list[str], setup: dict[str, Any],
         row("passes waiting for a worker thread at the end", lambda f: f"{f['waiting']:.0f}"),
         row("operator RSS at the end / peak (MiB)",
             lambda f: f"{f['rss']:.0f} / {f['peak']:.0f}"),
+        row("RSS peak reached, s after the operator's start (the fault window began at)",
+            lambda f: f"{f['peak_at']:.0f} ({f['window_at']:.0f})"),
     ]
     body = (
         f"{a.jobs} PretrainJobs of 1 to 64 workers ({setup['pods']:,} worker pods) in "
@@ -452,6 +479,7 @@ def main() -> None:
                 **allocator,  # as the operator image sets it
                 **env,
             }, metrics_port=port).start()
+            trace = RssTrace(operator.pid or 0)
             if i == 0:
                 began = time.time()
                 for j, size in enumerate(sizes):
@@ -468,7 +496,9 @@ def main() -> None:
                 print(f"[{name}] created in {created:.0f} s; every pod running after "
                       f"{running:.0f} s ({len(nodes.running)}/{pods})", flush=True)
             time.sleep(20)  # the operator's first passes over every job settle
+            window_at = time.time() - trace.began
             results[name] = window(a, rng, port, operator.pid or 0, nodes, trainers, jobs)
+            results[name]["peak_at"], results[name]["window_at"] = trace.stop()[0], window_at
             print(f"[{name}] window done", flush=True)
             operator.stop()
             operator = None

@@ -43,7 +43,12 @@ _M32 = 0xFFFFFFFF
 
 def available(device: torch.device) -> bool:
     """Whether the Triton kernels can run for tensors on `device` (a CUDA device and Triton)."""
-    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    return device.type == "cuda" and _triton_installed()
+
+
+@functools.cache
+def _triton_installed() -> bool:  # asked every optimizer step: look once
+    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache

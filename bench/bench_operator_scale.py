@@ -235,6 +235,7 @@ CONFIGS: dict[str, dict[str, str]] = {
     "every pass lists the nodes (watch off)": {"HLAT_OPERATOR_WATCH_NODES": "false"},
     "nodes watched (default)": {},
     "nodes watched, start-up listing in one piece": {"HLAT_OPERATOR_LIST_CHUNK": "0"},
+    "nodes watched, kopf's 5 s worker idle": {"HLAT_OPERATOR_EVENT_IDLE_SECONDS": "5"},
 }
 """Operators measured one after the other on the same jobs, by the environment each adds to
 the defaults (`--also NAME:KEY=VALUE,...` adds more, to compare a setting side by side)."""
@@ -389,6 +390,8 @@ def section(a: argparse.Namespace, argv: list[str], setup: dict[str, Any],
         f"`MALLOC_ARENA_MAX=2`). The first operator starts before the jobs are created, the "
         f"others on the jobs already there, as after a failover: their start lists every job's "
         f"pods, by pages of 200 (`HLAT_OPERATOR_LIST_CHUNK`, the default), or in one response "
+        f"(kopf's default), and kopf lets an object's event worker, which holds the object's "
+        f"last event, idle 0.5 s (`HLAT_OPERATOR_EVENT_IDLE_SECONDS`, the default) or 5 s "
         f"(the last column: kopf's default). Then a fault every "
         f"{a.fault_every:g} s for {a.seconds:g} s (a job drawn at random, one of its pods "
         f"reported terminated with 137), once per operator configuration, one after the other "

@@ -265,14 +265,15 @@ def _poke(namespace: str, name: str, start: bool = False) -> None:
 # --- kopf handlers -------------------------------------------------------------------------
 
 
-def configure_kopf(settings: kopf.OperatorSettings, list_chunk: int) -> None:
+def configure_kopf(settings: kopf.OperatorSettings, ours: OperatorSettings) -> None:
     settings.posting.enabled = False  # our Events are the transitions, written by k8s.py
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.networking.request_timeout = 60
     settings.networking.connect_timeout = 10
     settings.watching.connect_timeout = 10
-    settings.watching.chunk_size = list_chunk or None  # the initial listings, paged
+    settings.watching.chunk_size = ours.list_chunk or None  # the initial listings, paged
+    settings.queueing.idle_timeout = ours.event_idle_seconds
     # server-side: the API server sends only our workers' events (kopf's `labels=` on the
     # handler alone filters client-side, after every pod of the cluster crossed the wire)
     settings.watching.label_selectors["v1", "pods"] = POD_SELECTOR
@@ -284,7 +285,7 @@ def configure_kopf(settings: kopf.OperatorSettings, list_chunk: int) -> None:
 async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     global _runtime
     ours = _settings or OperatorSettings.from_env()
-    configure_kopf(settings, ours.list_chunk)
+    configure_kopf(settings, ours)
     # it cannot have heard what went silent before it started (a leader that lost its Lease in
     # an outage of the API server and was restarted, a standby taking over): from now on
     metrics = OperatorMetrics()

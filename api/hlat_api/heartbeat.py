@@ -81,6 +81,10 @@ class Heartbeat(BaseModel):
     exit_code: int | None = None
     """Set by the launcher when the trainer of this attempt exited and the pod stays (an
     in-place restart): the exit code, read by the operator as it reads a failed container's."""
+    exit_reason: str | None = None
+    """With `exit_code`, where the launcher can tell: `OOMKilled` when the kernel OOM-killed a
+    process of the container's memory cgroup since the attempt began (the reason a container
+    runtime gives a container)."""
     activity: Activity | None = None
     """Seconds per activity since the attempt began, up to `progress_time` (one annotation,
     JSON)."""

@@ -107,7 +107,8 @@ def trainer_exited(pod: ObservedPod, observed: Observed) -> Fault | None:
         return None
     if beat.attempt is not None and beat.attempt != pod.attempt:
         return None
-    return classify_failed(replace(pod, phase="Failed", exit_code=beat.exit_code, reason=None,
+    reason = beat.exit_reason if beat.exit_reason == "OOMKilled" else None  # the one it gives
+    return classify_failed(replace(pod, phase="Failed", exit_code=beat.exit_code, reason=reason,
                                    message="the trainer exited; the pod stays"))
 
 

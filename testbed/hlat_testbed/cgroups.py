@@ -10,6 +10,13 @@ remounts /sys, so it cannot be done from inside), so everything the container st
 
 Machines without a writable cgroup v2 hierarchy get ``None`` from ``for_container`` and the
 kubelet falls back to process groups (the limitation above then applies).
+
+A container with a memory limit (``resources.limits.memory``) gets it enforced by the kernel,
+as a runtime does: in its own v2 group (``memory.max``) where the v2 hierarchy has the memory
+controller, else, on a hybrid host (the memory controller in cgroup v1), in a v1 memory group
+of its own under this process's (``memory.limit_in_bytes``), which the container's first
+process joins too. When the container ends having had an OOM kill in its group, its reason is
+``OOMKilled``. (This machine is a hybrid one: the v1 path is the one its tests exercise.)
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import os
 import subprocess
 import time
 from pathlib import Path
+
+from hlat_trainer import oom
 
 JOIN = 'echo $$ > "$0" && exec "$@"'
 """``sh -c JOIN <cgroup.procs> ARGV...``: move this shell into the group, then exec ARGV."""
@@ -52,11 +61,84 @@ def _usable(base: Path) -> bool:
             probe.rmdir()
 
 
+@functools.cache
+def memory_base() -> Path | None:
+    """Where the containers' v1 memory groups go on a hybrid host: under this process's own
+    memory group; None where the memory controller is not in cgroup v1 or cannot be written."""
+    group = oom.memory_cgroup()
+    if group is None or not (group / "memory.limit_in_bytes").exists():
+        return None
+    probe = group / f"hlat-probe-{os.getpid()}"
+    try:
+        probe.mkdir(exist_ok=True)
+        return group / "hlat"
+    except OSError:
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.rmdir()
+
+
+def can_limit_memory() -> bool:
+    """Whether containers' memory limits are enforced here (see the module's docstring)."""
+    root = hierarchy()
+    if root is None:
+        return False
+    if memory_base() is not None:
+        return True
+    with contextlib.suppress(OSError):
+        return "memory" in (root / "cgroup.controllers").read_text().split()
+    return False
+
+
 class ContainerGroup:
     """The cgroup of one container (created empty; the container's first process joins it)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, memory: Path | None = None) -> None:
         self.path = path
+        self.memory = memory
+        """Its v1 memory group (a hybrid host), made by `limit_memory`."""
+        self.memory_limited = False
+        self.oom_mark: int | None = None
+
+    def limit_memory(self, limit: int) -> bool:
+        """Have the kernel hold the container to `limit` bytes; False where it cannot."""
+        try:
+            if self.memory is not None:
+                self.memory.mkdir(parents=True, exist_ok=True)
+                (self.memory / "memory.limit_in_bytes").write_text(str(limit))
+            else:
+                root = hierarchy()
+                if root is None or "memory" not in (root / "cgroup.controllers").read_text():
+                    return False
+                self.create()
+                for parent in reversed(self.path.relative_to(root).parents):
+                    (root / parent / "cgroup.subtree_control").write_text("+memory")
+                (self.path / "memory.max").write_text(str(limit))
+        except OSError:
+            return False
+        self.memory_limited = True
+        return True
+
+    def join_files(self) -> list[Path]:
+        """The ``cgroup.procs`` files the container's first process writes its pid to."""
+        if self.memory_limited and self.memory is not None:
+            return [self.procs, self.memory / "cgroup.procs"]
+        return [self.procs]
+
+    def mark_oom(self) -> None:
+        """The container (re)starts: OOM kills from here on are its own."""
+        self.oom_mark = self._oom_kills()
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel OOM-killed a process of the container since `mark_oom`."""
+        now, mark = self._oom_kills(), self.oom_mark
+        return now is not None and mark is not None and now > mark
+
+    def _oom_kills(self) -> int | None:
+        if not self.memory_limited:
+            return None
+        return oom.kills(self.memory if self.memory is not None else self.path)
 
     @property
     def procs(self) -> Path:
@@ -85,16 +167,29 @@ class ContainerGroup:
     def remove(self) -> None:
         """Kill what is left, then remove the group and its pod's group once that is empty."""
         self.kill()
-        for path in (self.path, self.path.parent):
+        for path in (self.path, self.path.parent, *self._memory_dirs()):
             with contextlib.suppress(OSError):
                 path.rmdir()
+
+    def _memory_dirs(self) -> list[Path]:
+        if self.memory is None:
+            return []
+        deadline = time.monotonic() + 5  # the kernel empties a v1 group a moment after a kill
+        while self.memory.exists() and time.monotonic() < deadline:
+            try:
+                self.memory.rmdir()
+            except OSError:
+                time.sleep(0.05)
+        return [self.memory.parent]
 
 
 def for_container(bridge: str, pod_uid: str, container: str) -> ContainerGroup | None:
     root = hierarchy()
     if root is None:
         return None
-    return ContainerGroup(root / "hlat" / bridge / pod_uid / container)
+    base = memory_base()
+    memory = base / bridge / pod_uid / container if base is not None else None
+    return ContainerGroup(root / "hlat" / bridge / pod_uid / container, memory)
 
 
 def clear_leftovers(bridge: str) -> None:
@@ -105,8 +200,13 @@ def clear_leftovers(bridge: str) -> None:
     base = root / "hlat" / bridge
     if not base.exists():
         return
+    memory = memory_base()
     for pod in sorted(p for p in base.iterdir() if p.is_dir()):
         for container in sorted(c for c in pod.iterdir() if c.is_dir()):
-            ContainerGroup(container).remove()
+            mem = memory / bridge / pod.name / container.name if memory is not None else None
+            ContainerGroup(container, mem if mem is not None and mem.exists() else None).remove()
     with contextlib.suppress(OSError):
         base.rmdir()
+    if memory is not None:
+        with contextlib.suppress(OSError):
+            (memory / bridge).rmdir()

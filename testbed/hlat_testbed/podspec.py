@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from kubernetes.utils import parse_quantity
 
 from hlat_testbed.kube import Obj, Pod
 
@@ -270,3 +271,10 @@ def container_argv(container: Obj, env: dict[str, str]) -> list[str]:
             f"container {container.name}: the process kubelet runs host commands and needs "
             "`command` (there is no image entrypoint)")
     return [expand(a, env) for a in argv]
+
+
+def memory_limit(container: Obj) -> int | None:
+    """The container's `resources.limits.memory` in bytes, or None."""
+    limits = (container.resources.limits if container.resources is not None else None) or {}
+    raw = limits.get("memory")
+    return int(parse_quantity(raw)) if raw else None

@@ -6,7 +6,8 @@ as local processes (each the leader of its own process group and, where cgroup v
 written, alone in its own cgroup with everything it starts, as under a container runtime), applies
 the restart policy, and reports status after every change: Pending, then Running with podIP and
 Ready, then Succeeded or Failed with each container's exit code and reason (a signal ``n`` is
-exit code ``128+n``, as container runtimes report it).
+exit code ``128+n``, as container runtimes report it; ``OOMKilled`` when the kernel OOM-killed a
+process of the container, whose memory limit it enforces: `cgroups`).
 
 Deletion follows the kubelet's contract: SIGTERM to each main process, SIGKILL to the whole
 container (its cgroup and process group) after the grace period, a final status, then the pod
@@ -197,6 +198,10 @@ class PodWorker:
         base = podspec.base_env(hostname, host, API_PORT)
         for run in [*self.init_runs, *self.runs]:
             run.group = cgroups.for_container(self.agent.config.bridge, self.uid, run.spec.name)
+            limit = podspec.memory_limit(run.spec)
+            if limit is not None and (run.group is None or not run.group.limit_memory(limit)):
+                self.agent.log(f"pod {self.key}: container {run.spec.name}: memory limit "
+                               f"{limit} bytes not enforced (no writable memory cgroup)")
             env = podspec.container_env(resolver, run.spec, base)
             self._write_launch_spec(run, env, hostname)
 
@@ -220,9 +225,11 @@ class PodWorker:
         argv = ["ip", "netns", "exec", netns.pod_netns_name(self.agent.config.bridge, self.uid),
                 "unshare", "--mount", "--uts", "--propagation", "private",
                 sys.executable, podrun.__file__, str(self.dir / f"{name}.json")]
-        if run.group is not None:  # join the cgroup first, so everything started is in it
+        if run.group is not None:  # join the cgroups first, so everything started is in them
             run.group.create()
-            argv = ["sh", "-c", cgroups.JOIN, str(run.group.procs), *argv]
+            run.group.mark_oom()
+            for procs in run.group.join_files():
+                argv = ["sh", "-c", cgroups.JOIN, str(procs), *argv]
         with (self.dir / f"{name}.log").open("ab") as log:
             run.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
@@ -236,7 +243,8 @@ class PodWorker:
         run.kill_all()  # whatever the main process left behind
         code = exit_code_of(run.proc.returncode)
         run.exit_code, run.finished_at = code, now()
-        run.reason = "Completed" if code == 0 else "Error"
+        oom_killed = run.group is not None and run.group.oom_killed()
+        run.reason = "Completed" if code == 0 else "OOMKilled" if oom_killed else "Error"
         with contextlib.suppress(FileNotFoundError):
             (self.dir / f"{run.spec.name}.pid").unlink()
         return True

@@ -266,12 +266,12 @@ class World:
             name = labels.worker_lease_name(JOB.name, pod.attempt or 0, pod.rank or 0)
             self.leases[name] = ObservedLease(name, self.now, hb)
 
-    def trainer_exit(self, rank: int, exit_code: int = 137) -> None:
+    def trainer_exit(self, rank: int, exit_code: int = 137, reason: str | None = None) -> None:
         """An in-place launcher reports that the trainer of rank `rank` exited (the pod stays)."""
         pod = self.pod_of(rank)
         name = labels.worker_lease_name(JOB.name, pod.attempt or 0, rank)
         old = self.leases.get(name)
-        hb = Heartbeat(attempt=pod.attempt, exit_code=exit_code)
+        hb = Heartbeat(attempt=pod.attempt, exit_code=exit_code, exit_reason=reason)
         self.leases[name] = ObservedLease(name, old.renew_time if old else None, hb)
 
     def pod_of(self, rank: int) -> ObservedPod:

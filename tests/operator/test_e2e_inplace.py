@@ -26,7 +26,7 @@ from kubernetes import client
 
 from hlat_api import labels
 from hlat_api.layout import list_checkpoints
-from hlat_testbed import faults
+from hlat_testbed import cgroups, faults
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -36,8 +36,12 @@ def in_place_spec(steps: int, **fault_tolerance: object) -> dict[str, object]:
 
 
 def run_fault(job_env: Env, inject: Callable[[], object], reason: str | set[str],
-              steps: int = 40, **ft: object) -> Iterator[dict[str, object]]:
-    job_env.create(in_place_spec(steps, **ft))
+              steps: int = 40, template: dict[str, object] | None = None, **ft: object
+              ) -> Iterator[dict[str, object]]:
+    spec = in_place_spec(steps, **ft)
+    if template is not None:
+        spec["template"] = template
+    job_env.create(spec)
     with TrainerCensus(job_env) as census:
         job_env.wait("a checkpoint", lambda s: s.get("phase") == "Running"
                      and (s.get("latestCheckpoint") or {}).get("step", 0) >= 2, 180)
@@ -77,6 +81,28 @@ def test_a_killed_trainer_restarts_in_place(job_env: Env) -> None:
         job_env.cluster.config, job_env.ns, victim), "Killed"))
     check_in_place(job_env, r, kept=2)
     report_recovery_log(job_env, "trainer SIGKILLed, in place",
+                        job_env.cluster.pod_log(job_env.ns, f"{JOB}-a0-0"), 1,
+                        float(r["fault_at"]))  # type: ignore[arg-type]
+
+
+def test_a_trainer_out_of_memory_is_reported_and_restarted_in_place(job_env: Env) -> None:
+    """The trainer that takes /fsx/leak (HLAT_FAULT_LEAK_ONCE) allocates without bound until
+    the kernel kills it at its container's 3Gi limit (the rig enforces it in a memory cgroup,
+    as a runtime does): its launcher reports OOMKilled (the group counted the kill), not a
+    plain SIGKILL; the trainers restart in place, the pods kept."""
+    if not cgroups.can_limit_memory():
+        pytest.skip("no writable memory cgroup on this machine: limits are not enforced")
+    template = {"spec": {"containers": [{
+        "name": "trainer", "resources": {"limits": {"memory": "3Gi"}},
+        "env": [{"name": "HLAT_FAULT_LEAK_ONCE", "value": "/fsx/leak"}]}]}}
+    r = next(run_fault(job_env, lambda: (job_env.fsx / "leak").write_text("x"), "OOMKilled",
+                       template=template))
+    check_in_place(job_env, r, kept=2)
+    done = r["done"]
+    assert isinstance(done, dict)
+    assert "ran out of memory" in done["lastFailure"]["message"], done["lastFailure"]
+    assert "OOMKilled" in set(job_env.events())
+    report_recovery_log(job_env, "trainer out of memory (container limit), in place",
                         job_env.cluster.pod_log(job_env.ns, f"{JOB}-a0-0"), 1,
                         float(r["fault_at"]))  # type: ignore[arg-type]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from opfakes import World, raw_spec
 
 from hlat_api import labels
@@ -79,6 +80,21 @@ def test_a_trainer_exit_restarts_every_trainer_in_the_pods_it_has() -> None:
     w.beat(6)
     w.step()
     assert w.status.phase == "Running"
+
+
+@pytest.mark.parametrize(("reason", "expected"), [("OOMKilled", "OOMKilled"),
+                                                  (None, "Killed"), ("Evicted", "Killed")])
+def test_a_trainer_the_kernel_killed_for_memory_is_reported_oomkilled(
+        reason: str | None, expected: str) -> None:
+    """The launcher's word for a SIGKILL (the container's memory cgroup counted an OOM kill)
+    names the fault, as a container's OOMKilled would; it cannot claim anything else."""
+    w = in_place_world()
+    w.trainer_exit(0, 137, reason)
+    w.step()
+    failure = w.status.last_failure
+    assert failure is not None and failure.reason == expected
+    assert ("ran out of memory" in failure.message) == (expected == "OOMKilled")
+    assert w.status.phase == "Restarting"
 
 
 def test_the_restart_record_is_written_last() -> None:

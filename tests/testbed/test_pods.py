@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from hlat_testbed import faults
+from hlat_testbed import cgroups, faults
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.procs import is_alive
 from hlat_testbed.testing import (
@@ -60,6 +60,35 @@ def test_sigkilled_pod_shows_failed_137(
     pod = wait_pod_phase(core, namespace, "victim", TERMINAL)
     assert pod.status.phase == "Failed"
     assert terminated(pod).exit_code == 137
+
+
+GREEDY = """
+hoard = []
+for _ in range(64):
+    hoard.append(bytearray(16 << 20))  # zero-filled: every page touched
+print("holding", 16 * len(hoard), "MiB")
+"""
+
+
+def test_a_container_over_its_memory_limit_is_oomkilled(
+        cluster: Cluster, core: client.CoreV1Api, namespace: str) -> None:
+    """The kernel holds a container to `resources.limits.memory` (its memory cgroup), as a
+    runtime does: 1 GiB wanted under a 128Mi limit is OOM-killed and reported so; under no
+    limit, or a limit above it, it runs to its end."""
+    if not cgroups.can_limit_memory():
+        pytest.skip("no writable memory cgroup on this machine: limits are not enforced")
+
+    def sized(limit: str) -> dict[str, object]:
+        return {"container": {"resources": {"limits": {"memory": limit}}}}
+
+    core.create_namespaced_pod(namespace, python_pod("over", GREEDY, **sized("128Mi")))  # type: ignore[arg-type]
+    core.create_namespaced_pod(namespace, python_pod("under", GREEDY, **sized("2Gi")))  # type: ignore[arg-type]
+    over = wait_pod_phase(core, namespace, "over", TERMINAL)
+    under = wait_pod_phase(core, namespace, "under", TERMINAL)
+    assert over.status.phase == "Failed"
+    assert (terminated(over).exit_code, terminated(over).reason) == (137, "OOMKilled")
+    assert under.status.phase == "Succeeded"
+    assert "holding 1024 MiB" in cluster.pod_log(namespace, "under")
 
 
 def test_cli_fault_kill_with_a_signal(

@@ -123,7 +123,7 @@ class StalledControl:
     def record(self, fresh: bool = False) -> None:
         self.release.wait(10)
 
-    def report_exit(self, attempt: int, code: int) -> None:
+    def report_exit(self, attempt: int, code: int, reason: str | None = None) -> None:
         self.exits.append((attempt, code, time.monotonic()))
 
 

@@ -19,7 +19,9 @@ supervises them:
   for one rank: the new ones start only after the old ones are reaped.
 - A worker that exits non-zero: its local peers are stopped (as torchrun does), the exit code
   is written to this node's Lease of that attempt (`Heartbeat.exit_code`, and the
-  `labels.TRAINER_EXITED` label the operator watches), and the launcher waits for the next
+  `labels.TRAINER_EXITED` label the operator watches; `Heartbeat.exit_reason` `OOMKilled` when
+  it died by SIGKILL and the container's memory cgroup counted an OOM kill since the attempt
+  began, `hlat_trainer.oom`), and the launcher waits for the next
   attempt, at most `backoff.maxSeconds` + `WAIT_MARGIN_SECONDS`; then it exits with the code and
   the pod fails, which the operator handles by recreating it. `ExitCode.CONFIG_ERROR` exits at
   once (permanent). All workers exiting 0 ends the pod successfully.
@@ -58,6 +60,7 @@ from typing import Any, Protocol
 from hlat_api import Env, ExitCode, Heartbeat, labels
 from hlat_api.gang import GangRecord
 from hlat_trainer.errors import first_line
+from hlat_trainer.oom import OOM_KILLED, OomCounter
 
 log = logging.getLogger("hlat_launch")
 
@@ -99,8 +102,9 @@ class Control(Protocol):
         """The job's restart record now (None: unreadable for the moment); `fresh`: read from
         the API server even while watching."""
 
-    def report_exit(self, attempt: int, code: int) -> None:
-        """Tell the operator the trainer of `attempt` on this node exited with `code`."""
+    def report_exit(self, attempt: int, code: int, reason: str | None = None) -> None:
+        """Tell the operator the trainer of `attempt` on this node exited with `code`, for
+        `reason` where the launcher knows it (`oom.OOM_KILLED`)."""
 
 
 class LeaseControl:
@@ -185,12 +189,13 @@ class LeaseControl:
             return None
         return GangRecord.from_annotations(lease.metadata.annotations)
 
-    def report_exit(self, attempt: int, code: int) -> None:
+    def report_exit(self, attempt: int, code: int, reason: str | None = None) -> None:
         name = labels.worker_lease_name(self.job, attempt, self.node_rank)
-        beat = Heartbeat(attempt=attempt, exit_code=code)
+        beat = Heartbeat(attempt=attempt, exit_code=code, exit_reason=reason)
         body = {"metadata": {"labels": {labels.TRAINER_EXITED: str(code)},
                              "annotations": {k: v for k, v in beat.to_annotations().items()
-                                             if k.endswith(("exit_code", "attempt"))}}}
+                                             if k.endswith(("exit_code", "exit_reason",
+                                                            "attempt"))}}}
         for _ in range(3):
             try:
                 self.api.patch_namespaced_lease(name, self.namespace, body)
@@ -319,6 +324,8 @@ class Agent:
     scratch: Path | None = None
     exit_file: Path | None = None
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    oom: OomCounter = field(default_factory=OomCounter)
+    """The container's OOM kills, marked at each attempt's start."""
 
     def _attempt_env(self, attempt: int, steps_done: int, started: float) -> dict[str, str]:
         job = self.env.get(Env.JOB_NAME, "")
@@ -338,6 +345,7 @@ class Agent:
         port = (_free_port() if self.layout.nnodes == 1
                 else self.layout.master_port + attempt % RENDEZVOUS_PORTS)
         common = self._attempt_env(attempt, steps_done, started)
+        self.oom.mark()
         self.exit_file = Path(common[Env.EXIT_FILE])
         self.started_file = Path(common[Env.STARTED_FILE])
         procs = []
@@ -428,12 +436,14 @@ class Agent:
             if not bad:
                 continue
             code = _exit_code(bad, self.exit_file)
+            reason = OOM_KILLED if code == 128 + signal.SIGKILL and self.oom.since_mark() else None
             stop_all(procs, STOP_GRACE_SECONDS)
             if code == ExitCode.CONFIG_ERROR:
                 return code
-            print(f"hlat-launch: attempt {attempt}: a worker exited with {code}; waiting for "
+            print(f"hlat-launch: attempt {attempt}: a worker exited with {code}"
+                  f"{' (out of memory: the kernel killed it)' if reason else ''}; waiting for "
                   "the next attempt", file=sys.stderr, flush=True)
-            self.control.report_exit(attempt, code)
+            self.control.report_exit(attempt, code, reason)
             failed_at = next_read = self.clock()
 
 

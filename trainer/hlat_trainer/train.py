@@ -65,6 +65,25 @@ EXIT_ENV = "HLAT_FAULT_EXIT_WHILE_EXISTS"
 with 1 once its heartbeat began (a worker that breaks on every start)."""
 
 
+LEAK_ENV = "HLAT_FAULT_LEAK_ONCE"
+"""Fault injection for tests and drills: the trainer that removes this path (one, when several
+look at once) allocates memory without bound from then on, as a runaway leak would, until the
+kernel kills it at its container's memory limit (without a limit, it exits 1 at 8 GiB)."""
+
+
+def _leak_for_drills(path: str | None) -> None:
+    if not path:
+        return
+    try:
+        os.unlink(path)  # the claim: only one trainer leaks
+    except OSError:
+        return
+    log.error("%s taken: allocating memory until killed (drill)", path)
+    hoard = [bytearray(64 << 20) for _ in range(128)]  # zero-filled: every page touched
+    log.error("%d MiB allocated and not killed: no memory limit (drill)", 64 * len(hoard))
+    raise SystemExit(1)
+
+
 def _exit_for_drills() -> None:
     path = os.environ.get(EXIT_ENV)
     if path and os.path.exists(path):
@@ -204,6 +223,7 @@ class Trainer:
         self._unobserved: list[Tensor] = []  # grad norms not yet fed to the spike monitor
         self.extracting_graphs = extracting_graphs_only(os.environ)
         self.longest_save = 0.0
+        self.leak_path = os.environ.get(LEAK_ENV)
         self._window = (time.perf_counter(), 0, 0.0)  # last report: when, at which step, saves
         self.peak_flops = self._peak_flops()
         self.steps_done = steps_done(os.environ)
@@ -388,6 +408,7 @@ class Trainer:
                         sink(stats)
                 compiled = self._charge_step(step, wait, compiled, staged)
                 self._beat(phase="training")
+                _leak_for_drills(self.leak_path)
             # the final asynchronous write: say so, or a long one looks like a hang and gets a
             # finished job restarted; the operator allows the longest write seen x its safety
             # factor (none seen yet: its startup bound)

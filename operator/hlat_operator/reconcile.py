@@ -970,7 +970,12 @@ def _ensure_spares(p: _Pass, spec: PretrainJobSpec) -> None:
         p.actions.append(DeletePod(pod.name))
     live = min(len(healthy), wanted)
     serial = p.state.spare_serial
-    for _ in range(max(0, wanted - live)):
+    # a spare asks for a node only once every rank has one: a scheduler must never give a
+    # spare the node a rank waits for (Volcano orders one PodGroup's pods by priority, then
+    # by creation time in seconds, then by UID: a spare created in the ranks' second could
+    # go first and leave a rank Pending)
+    ranks_placed = all(pod.node for pod in p.observed.pods_of(p.status.attempt))
+    for _ in range(max(0, wanted - live) if ranks_placed else 0):
         p.actions.append(CreateObject(builders.build_spare_pod(
             p.observed.job, spec, serial, p.status.attempt, p.settings,
             _avoided_nodes(p, spec))))

@@ -205,8 +205,8 @@ def volcano_scheduler(cluster: Cluster) -> Iterator[None]:
     volcano.stop(cluster)
 
 
-def _gang_spec(steps: int) -> dict[str, Any]:
-    spec = tiny_spec(steps=steps)
+def _gang_spec(steps: int, **fault_tolerance: Any) -> dict[str, Any]:
+    spec = tiny_spec(steps=steps, **fault_tolerance)
     spec["scheduling"] = {"schedulerName": "volcano"}
     # one worker per node: 100 of a node's 128 CPUs (what stands in for a Trainium node's
     # accelerators, which a cpu job does not request)
@@ -247,3 +247,32 @@ def test_volcano_admits_a_gang_whole_or_not_at_all(job_env: Env, volcano_schedul
     assert _condition(done, "Schedulable")["status"] == "True"
     first.delete()
     second.delete()
+
+
+def test_with_volcano_a_spare_never_takes_the_node_a_rank_needs(job_env: Env,
+                                                                 volcano_scheduler: None) -> None:
+    """Two ranks and a spare, one worker per node, with only two nodes schedulable: both ranks
+    run and the spare waits, unplaced (it asks for a node only once every rank has one); once
+    the third node is back the spare runs there, warm, and the job ends with it stopped."""
+    core = client.CoreV1Api(job_env.cluster.admin_api())
+    third = sorted(n.metadata.name for n in core.list_node().items)[-1]
+    core.patch_node(third, {"spec": {"unschedulable": True}})
+    try:
+        job_env.create(_gang_spec(steps=300, restartStrategy="InPlace", spareNodes=1))
+        job_env.wait("both ranks running", lambda s: s.get("phase") == "Running", 120)
+        spare = f"{job_env.name}-s0"
+        wait_for(lambda: spare in {p.metadata.name for p in job_env.pods()}, 30, "the spare")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the ranks keep their nodes; the spare gets none
+            pods = {p.metadata.name: p for p in job_env.pods()}
+            assert pods[spare].spec.node_name is None, "the spare was placed on a rank's node"
+            assert all(p.status.phase == "Running" for n, p in pods.items() if n != spare)
+            time.sleep(0.5)
+    finally:
+        core.patch_node(third, {"spec": {"unschedulable": False}})
+    ready = job_env.wait("the spare ready",
+                         lambda s: (s.get("spares") or {}).get("ready") == 1, 90)
+    assert ready["phase"] == "Running" and ready["restarts"]["total"] == 0
+    placed = core.read_namespaced_pod(f"{job_env.name}-s0", job_env.ns)
+    assert placed.spec.node_name == third
+    job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)

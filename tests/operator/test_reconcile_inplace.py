@@ -215,6 +215,21 @@ def test_a_spare_that_takes_rank_0_becomes_the_rendezvous_master() -> None:
     assert record.master_addr == "tiny-s0.tiny"
 
 
+def test_a_spare_asks_for_a_node_only_once_every_rank_has_one() -> None:
+    """So that no scheduler (Volcano orders one group's pods by creation second, then UID)
+    gives a spare the node a rank waits for."""
+    w = World(raw_spec(**{"faultTolerance.restartStrategy": "InPlace",
+                          "faultTolerance.spareNodes": 1}))
+    for _ in range(5):  # the gang's pods created, none placed yet
+        w.step()
+        w.advance(1)
+    assert sorted(w.pods) == ["tiny-a0-0", "tiny-a0-1"]
+    assert not any(pod.node for pod in w.pods.values())
+    w.until("Running")
+    w.step()
+    assert "tiny-s0" in w.pods
+
+
 def test_a_spare_still_starting_is_not_replaced() -> None:
     w = World(raw_spec(**{"faultTolerance.restartStrategy": "InPlace",
                           "faultTolerance.spareNodes": 1}))

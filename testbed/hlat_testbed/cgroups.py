@@ -91,6 +91,32 @@ def can_limit_memory() -> bool:
     return False
 
 
+def container_mounts() -> list[dict[str, str]]:
+    """The cgroup file systems a container sees at /sys/fs/cgroup, read-only, as a runtime
+    mounts them in the container's own cgroup namespace (each hierarchy's root is then the
+    container's group): the v2 hierarchy on a unified host; on a hybrid one a tmpfs holding
+    the v1 memory hierarchy and the v2 one (``unified``), the two the trainer reads."""
+    found: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) < 4:
+                continue
+            if fields[2] == "cgroup2":
+                found.setdefault("cgroup2", fields[1])
+            elif fields[2] == "cgroup" and "memory" in fields[3].split(","):
+                found.setdefault("memory", fields[1])
+    if found.get("cgroup2") == "/sys/fs/cgroup":
+        return [{"fstype": "cgroup2", "options": "ro", "target": "/sys/fs/cgroup"}]
+    if "memory" not in found:
+        return []
+    out = [{"fstype": "tmpfs", "options": "mode=755", "target": "/sys/fs/cgroup"},
+           {"fstype": "cgroup", "options": "ro,memory", "target": "/sys/fs/cgroup/memory"}]
+    if "cgroup2" in found:
+        out.append({"fstype": "cgroup2", "options": "ro", "target": "/sys/fs/cgroup/unified"})
+    return out
+
+
 class ContainerGroup:
     """The cgroup of one container (created empty; the container's first process joins it)."""
 

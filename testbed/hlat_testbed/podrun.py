@@ -3,7 +3,8 @@
 The kubelet starts ``ip netns exec <pod-ns> unshare --mount --uts --propagation private
 python podrun.py <spec.json>``: by the time this runs it is inside the pod's network namespace
 (with the pod's resolv.conf and hosts bound over /etc by ``ip netns exec``) and in private mount
-and UTS namespaces. It bind-mounts each volume at its ``mountPath`` (so paths match what the
+and UTS namespaces (and its own cgroup namespace, whose cgroups it mounts at /sys/fs/cgroup
+read-only, as a runtime does). It bind-mounts each volume at its ``mountPath`` (so paths match what the
 pod would see on EKS), sets the pod's hostname, and ``exec``s the command, so the pid the kubelet
 holds is the container's main process and its exit status is the container's.
 
@@ -34,8 +35,24 @@ def _mount(source: str, target: str, read_only: bool) -> None:
         subprocess.run(["mount", "-o", "remount,bind,ro", target], check=True)
 
 
+def _mount_cgroups(mounts: list[dict[str, str]]) -> None:
+    """The container's view of its cgroups at /sys/fs/cgroup (``ip netns exec`` remounted /sys
+    without them), in the cgroup namespace ``unshare --cgroup`` gave it. Best effort: a
+    container that cannot see its cgroups still runs (it cannot tell an OOM kill, say so)."""
+    for m in mounts:
+        try:
+            Path(m["target"]).mkdir(parents=True, exist_ok=True)
+            subprocess.run(["mount", "-t", m["fstype"], "-o", m["options"], m["fstype"],
+                            m["target"]], check=True, capture_output=True)
+        except (OSError, subprocess.CalledProcessError) as err:
+            print(f"hlat podrun: {m['target']} not mounted ({err}); the container cannot "
+                  "read its cgroups", file=sys.stderr)
+            return
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    _mount_cgroups(spec.get("cgroupMounts", []))
     for mount in spec["mounts"]:
         _mount(mount["source"], mount["target"], mount["readOnly"])
     socket.sethostname(spec["hostname"])

@@ -216,7 +216,8 @@ class PodWorker:
             mounts.append({"source": str(source), "target": m.mount_path,
                            "readOnly": bool(m.read_only)})
         launch = {"argv": podspec.container_argv(run.spec, env), "env": env, "mounts": mounts,
-                  "hostname": hostname, "workingDir": run.spec.working_dir or "/"}
+                  "hostname": hostname, "workingDir": run.spec.working_dir or "/",
+                  "cgroupMounts": cgroups.container_mounts() if run.group is not None else []}
         (self.dir / f"{run.spec.name}.json").write_text(json.dumps(launch))
 
     # --- processes -----------------------------------------------------------------------
@@ -224,6 +225,7 @@ class PodWorker:
         name = run.spec.name
         argv = ["ip", "netns", "exec", netns.pod_netns_name(self.agent.config.bridge, self.uid),
                 "unshare", "--mount", "--uts", "--propagation", "private",
+                *(["--cgroup"] if run.group is not None else []),  # after the group is joined
                 sys.executable, podrun.__file__, str(self.dir / f"{name}.json")]
         if run.group is not None:  # join the cgroups first, so everything started is in them
             run.group.create()

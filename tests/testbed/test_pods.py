@@ -63,6 +63,10 @@ def test_sigkilled_pod_shows_failed_137(
 
 
 GREEDY = """
+from hlat_trainer import oom
+group = oom.memory_cgroup()  # the container's own, as its cgroup namespace shows it
+names = [n for n in ("memory.max", "memory.limit_in_bytes") if (group / n).exists()]
+print("limit seen", (group / names[0]).read_text().strip(), "in", group)
 hoard = []
 for _ in range(64):
     hoard.append(bytearray(16 << 20))  # zero-filled: every page touched
@@ -73,8 +77,9 @@ print("holding", 16 * len(hoard), "MiB")
 def test_a_container_over_its_memory_limit_is_oomkilled(
         cluster: Cluster, core: client.CoreV1Api, namespace: str) -> None:
     """The kernel holds a container to `resources.limits.memory` (its memory cgroup), as a
-    runtime does: 1 GiB wanted under a 128Mi limit is OOM-killed and reported so; under no
-    limit, or a limit above it, it runs to its end."""
+    runtime does: 1 GiB wanted under a 128Mi limit is OOM-killed and reported so; under a
+    limit above it, it runs to its end, and it sees its own memory cgroup, with that limit, at
+    /sys/fs/cgroup (its cgroup namespace, as under a runtime)."""
     if not cgroups.can_limit_memory():
         pytest.skip("no writable memory cgroup on this machine: limits are not enforced")
 
@@ -88,7 +93,9 @@ def test_a_container_over_its_memory_limit_is_oomkilled(
     assert over.status.phase == "Failed"
     assert (terminated(over).exit_code, terminated(over).reason) == (137, "OOMKilled")
     assert under.status.phase == "Succeeded"
-    assert "holding 1024 MiB" in cluster.pod_log(namespace, "under")
+    log = cluster.pod_log(namespace, "under")
+    assert "holding 1024 MiB" in log
+    assert f"limit seen {2 << 30} in /sys/fs/cgroup/" in log, log
 
 
 def test_cli_fault_kill_with_a_signal(

@@ -46,6 +46,7 @@ def locate(proc_cgroup: str, mountinfo: str) -> Path | None:
         after = line.split(" - ", 1)[1].split()
         if len(after) >= 3:
             mounts.append((after[0], after[2], fields[3], _unescape(fields[4])))
+    mounts.reverse()  # of mounts stacked on one point, the last one is the one seen
     if v1 is not None:
         for fstype, options, root, point in mounts:
             if fstype == "cgroup" and "memory" in options.split(","):

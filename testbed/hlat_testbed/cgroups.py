@@ -93,9 +93,10 @@ def can_limit_memory() -> bool:
 
 def container_mounts() -> list[dict[str, str]]:
     """The cgroup file systems a container sees at /sys/fs/cgroup, read-only, as a runtime
-    mounts them in the container's own cgroup namespace (each hierarchy's root is then the
-    container's group): the v2 hierarchy on a unified host; on a hybrid one a tmpfs holding
-    the v1 memory hierarchy and the v2 one (``unified``), the two the trainer reads."""
+    mounts them: the v2 hierarchy on a unified host; on a hybrid one a tmpfs holding the v1
+    memory hierarchy and the v2 one (``unified``), the two the trainer reads. In the host's
+    cgroup namespace (a runtime's default on a v1 or hybrid host): /proc/self/cgroup then
+    names the container's groups by their full paths, which these mounts resolve."""
     found: dict[str, str] = {}
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/mounts").read_text().splitlines():

@@ -225,7 +225,6 @@ class PodWorker:
         name = run.spec.name
         argv = ["ip", "netns", "exec", netns.pod_netns_name(self.agent.config.bridge, self.uid),
                 "unshare", "--mount", "--uts", "--propagation", "private",
-                *(["--cgroup"] if run.group is not None else []),  # after the group is joined
                 sys.executable, podrun.__file__, str(self.dir / f"{name}.json")]
         if run.group is not None:  # join the cgroups first, so everything started is in them
             run.group.create()

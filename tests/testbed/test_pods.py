@@ -64,7 +64,7 @@ def test_sigkilled_pod_shows_failed_137(
 
 GREEDY = """
 from hlat_trainer import oom
-group = oom.memory_cgroup()  # the container's own, as its cgroup namespace shows it
+group = oom.memory_cgroup()  # the container's own, as /proc and its mounts show it
 names = [n for n in ("memory.max", "memory.limit_in_bytes") if (group / n).exists()]
 print("limit seen", (group / names[0]).read_text().strip(), "in", group)
 hoard = []
@@ -79,7 +79,7 @@ def test_a_container_over_its_memory_limit_is_oomkilled(
     """The kernel holds a container to `resources.limits.memory` (its memory cgroup), as a
     runtime does: 1 GiB wanted under a 128Mi limit is OOM-killed and reported so; under a
     limit above it, it runs to its end, and it sees its own memory cgroup, with that limit, at
-    /sys/fs/cgroup (its cgroup namespace, as under a runtime)."""
+    /sys/fs/cgroup (mounted read-only, as under a runtime)."""
     if not cgroups.can_limit_memory():
         pytest.skip("no writable memory cgroup on this machine: limits are not enforced")
 

@@ -16,7 +16,15 @@ from collections import Counter
 
 import pytest
 from e2e_env import Env, TrainerCensus, losses
-from test_e2e_soak import FAULTS, SEED, STEPS, _losses, _restart_operator, _spec
+from test_e2e_soak import (
+    FAULTS,
+    REFERENCE_SECONDS,
+    SEED,
+    STEPS,
+    _losses,
+    _restart_operator,
+    _spec,
+)
 
 from hlat_testbed import faults
 
@@ -57,7 +65,7 @@ def test_thirty_random_faults_restarted_in_place_end_with_an_uninterrupted_run_s
         job_env: Env) -> None:
     reference = job_env.other("reference")
     reference.create(_spec())
-    reference.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    reference.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", REFERENCE_SECONDS)
     expected = _losses(reference.pod_log(0, 0))
     assert sorted(expected) == list(range(1, STEPS + 1))
     reference.delete()

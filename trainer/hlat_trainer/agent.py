@@ -54,6 +54,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -357,8 +358,8 @@ class Agent:
         self.standbys = []
         self.standbys_due = self.clock() + STANDBY_DELAY_SECONDS if self.warm else None
         self.procs = procs
-        print(f"hlat-launch: attempt {attempt}: started {len(procs)} worker(s) "
-              f"(pids {', '.join(str(p.pid) for p in procs)})", file=sys.stderr, flush=True)
+        _say(f"attempt {attempt}: started {len(procs)} worker(s) "
+             f"(pids {', '.join(str(p.pid) for p in procs)})")
         return procs
 
     def run(self, attempt: int, steps_done: int, started: float) -> int:
@@ -388,8 +389,8 @@ class Agent:
     def _loop(self, attempt: int, steps_done: int, started: float) -> int:
         procs = [] if self.spare else self._start(attempt, steps_done, started)
         if self.spare:
-            print(f"hlat-launch: spare pod {self.pod}: waiting with "
-                  f"{len(self.standbys)} warm standby worker(s)", file=sys.stderr, flush=True)
+            _say(f"spare pod {self.pod}: waiting with "
+                 f"{len(self.standbys)} warm standby worker(s)")
         master = self.layout.master_addr
         failed_at: float | None = None
         code = 0
@@ -412,9 +413,11 @@ class Agent:
             rank = self._rank(record) if record is not None else None
             if record is not None and record.attempt > attempt and rank is not None:
                 began = self.clock()
-                print(f"hlat-launch: attempt {record.attempt} published (node rank {rank}): "
-                      f"stopping attempt {attempt}", file=sys.stderr, flush=True)
+                _say(f"attempt {record.attempt} published (node rank {rank}): "
+                     f"stopping attempt {attempt}")
                 stop_all(procs, STOP_GRACE_SECONDS)
+                if procs:
+                    _say(f"attempt {attempt} stopped in {self.clock() - began:.2f}s")
                 self.spare = False
                 self.layout = replace(self.layout, node_rank=rank,
                                       master_addr=record.master_addr or master)
@@ -425,8 +428,8 @@ class Agent:
                 continue
             if failed_at is not None:
                 if self.clock() - failed_at > self.wait_bound:
-                    print(f"hlat-launch: no new attempt within {self.wait_bound:.0f}s of the "
-                          f"trainer's exit ({code}): exiting", file=sys.stderr, flush=True)
+                    _say(f"no new attempt within {self.wait_bound:.0f}s of the "
+                         f"trainer's exit ({code}): exiting")
                     return code
                 continue
             codes = [p.poll() for p in procs]
@@ -440,11 +443,18 @@ class Agent:
             stop_all(procs, STOP_GRACE_SECONDS)
             if code == ExitCode.CONFIG_ERROR:
                 return code
-            print(f"hlat-launch: attempt {attempt}: a worker exited with {code}"
-                  f"{' (out of memory: the kernel killed it)' if reason else ''}; waiting for "
-                  "the next attempt", file=sys.stderr, flush=True)
+            _say(f"attempt {attempt}: a worker exited with {code}"
+                 f"{' (out of memory: the kernel killed it)' if reason else ''}; waiting for "
+                 "the next attempt")
             self.control.report_exit(attempt, code, reason)
             failed_at = next_read = self.clock()
+
+
+def _say(message: str) -> None:
+    """One line of the launcher's on stderr, timed as the trainer's log lines are."""
+    now = datetime.now()
+    print(f"{now:%Y-%m-%d %H:%M:%S},{now.microsecond // 1000:03d} hlat-launch: {message}",
+          file=sys.stderr, flush=True)
 
 
 def _exit_code(codes: Sequence[int | None], exit_file: Path | None) -> int:

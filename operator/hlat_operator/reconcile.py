@@ -786,12 +786,16 @@ def _active(p: _Pass, spec: PretrainJobSpec) -> None:
     p.after(p.settings.resync_seconds)
 
 
-def _update_ready(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) -> None:
+def _all_training(p: _Pass, pods: list[ObservedPod]) -> bool:
+    """Every pod's worker reports training (past its start and compilation)."""
     beats = [_beat_of(p, pod) for pod in pods]
-    training = all(
+    return all(
         b is not None and b.phase != "starting" and b.phase != "compiling" for b in beats
     )
-    if not training:
+
+
+def _update_ready(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) -> None:
+    if not _all_training(p, pods):
         return
     p.condition("Ready", True, Reason.TRAINING, f"all {spec.nodes} workers report training")
     attempt = p.status.attempt
@@ -970,12 +974,14 @@ def _ensure_spares(p: _Pass, spec: PretrainJobSpec) -> None:
         p.actions.append(DeletePod(pod.name))
     live = min(len(healthy), wanted)
     serial = p.state.spare_serial
-    # a spare asks for a node only once every rank has one: a scheduler must never give a
-    # spare the node a rank waits for (Volcano orders one PodGroup's pods by priority, then
-    # by creation time in seconds, then by UID: a spare created in the ranks' second could
-    # go first and leave a rank Pending)
-    ranks_placed = all(pod.node for pod in p.observed.pods_of(p.status.attempt))
-    for _ in range(max(0, wanted - live) if ranks_placed else 0):
+    # a spare is requested only once the attempt trains (every rank placed and past its
+    # start): a scheduler must never give a spare the node a rank waits for (Volcano orders one
+    # PodGroup's pods by priority, then by creation time in seconds, then by UID: a spare
+    # created in the ranks' second could go first and leave a rank Pending for good), and a
+    # replacement spare's start (its image, its standby's imports) must not compete with the
+    # restart it follows
+    trains = _all_training(p, p.observed.pods_of(p.status.attempt))
+    for _ in range(max(0, wanted - live) if trains else 0):
         p.actions.append(CreateObject(builders.build_spare_pod(
             p.observed.job, spec, serial, p.status.attempt, p.settings,
             _avoided_nodes(p, spec))))

@@ -215,9 +215,10 @@ def test_a_spare_that_takes_rank_0_becomes_the_rendezvous_master() -> None:
     assert record.master_addr == "tiny-s0.tiny"
 
 
-def test_a_spare_asks_for_a_node_only_once_every_rank_has_one() -> None:
-    """So that no scheduler (Volcano orders one group's pods by creation second, then UID)
-    gives a spare the node a rank waits for."""
+def test_a_spare_is_requested_only_once_the_attempt_trains() -> None:
+    """Not while a rank waits for a node (no scheduler may give the spare that node: Volcano
+    orders one group's pods by creation second, then UID), nor while the ranks start (a
+    replacement spare's start must not compete with the restart it follows)."""
     w = World(raw_spec(**{"faultTolerance.restartStrategy": "InPlace",
                           "faultTolerance.spareNodes": 1}))
     for _ in range(5):  # the gang's pods created, none placed yet
@@ -225,7 +226,13 @@ def test_a_spare_asks_for_a_node_only_once_every_rank_has_one() -> None:
         w.advance(1)
     assert sorted(w.pods) == ["tiny-a0-0", "tiny-a0-1"]
     assert not any(pod.node for pod in w.pods.values())
-    w.until("Running")
+    w.schedule()
+    w.beat(0, phase="starting")
+    for _ in range(3):  # placed and running, not yet training
+        w.step()
+        w.advance(1)
+    assert w.status.phase == "Running" and "tiny-s0" not in w.pods
+    w.beat(1)
     w.step()
     assert "tiny-s0" in w.pods
 
@@ -234,6 +241,7 @@ def test_a_spare_still_starting_is_not_replaced() -> None:
     w = World(raw_spec(**{"faultTolerance.restartStrategy": "InPlace",
                           "faultTolerance.spareNodes": 1}))
     w.until("Running")
+    w.beat(1)
     w.step()
     assert "tiny-s0" in w.pods
     w.pods["tiny-s0"] = replace(w.pods["tiny-s0"], node="node-c", phase="Pending")  # pulling

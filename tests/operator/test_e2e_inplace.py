@@ -197,11 +197,13 @@ def test_a_lost_node_s_rank_moves_to_a_warm_spare(job_env: Env) -> None:
     1's node goes down; the spare takes rank 1 at once (no pod scheduled, no force-delete
     waited for); rank 0's pod is kept."""
     victim = f"{JOB}-a0-1"
-    node = ""
+    node = spare_uid = ""
 
     def node_down() -> None:
-        nonlocal node
+        nonlocal node, spare_uid
+        # the spare comes once the attempt trains: after run_fault's snapshot of the pods
         job_env.wait("the spare ready", lambda s: (s.get("spares") or {}).get("ready") == 1, 60)
+        spare_uid = job_env.core.read_namespaced_pod(f"{JOB}-s0", job_env.ns).metadata.uid
         node = job_env.core.read_namespaced_pod(victim, job_env.ns).spec.node_name
         faults.node_down(job_env.cluster.config, node)
 
@@ -217,7 +219,7 @@ def test_a_lost_node_s_rank_moves_to_a_warm_spare(job_env: Env) -> None:
     assert done["spares"]["promoted"] == 1, done["spares"]
     pods = {p.metadata.name: p for p in job_env.pods()}
     spare = pods[f"{JOB}-s0"]
-    assert spare.metadata.uid == before[f"{JOB}-s0"]  # the same pod, now rank 1
+    assert spare.metadata.uid == spare_uid  # the same pod, now rank 1
     assert spare.metadata.labels["hlat.dev/node-rank"] == "1"
     assert "hlat.dev/spare" not in spare.metadata.labels
     assert pods[f"{JOB}-a0-0"].metadata.uid == before[f"{JOB}-a0-0"]

@@ -20,6 +20,7 @@ from test_e2e_soak import (
     FAULTS,
     REFERENCE_SECONDS,
     SEED,
+    SOAK_SECONDS,
     STEPS,
     _losses,
     _restart_operator,
@@ -28,7 +29,7 @@ from test_e2e_soak import (
 
 from hlat_testbed import faults
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(SOAK_SECONDS)]
 
 
 IN_PLACE_KINDS = {"kill": 5, "hang": 1, "delete": 2, "launcher": 2, "operator": 2}

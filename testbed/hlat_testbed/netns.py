@@ -38,10 +38,27 @@ def link_exists(name: str) -> bool:
     return Path(f"/sys/class/net/{name}").exists()
 
 
+def bridge_mac(bridge: str) -> str:
+    """The bridge's own MAC address: fixed, locally administered, derived from its name."""
+    digest = hashlib.sha1(bridge.encode()).hexdigest()[:10]
+    return ":".join(["02", *(digest[i:i + 2] for i in range(0, 10, 2))])
+
+
+def link_mac(name: str) -> str:
+    return Path(f"/sys/class/net/{name}/address").read_text().strip()
+
+
 def ensure_bridge(bridge: str, host_cidr: str) -> None:
-    """Create the bridge with the host's address (e.g. ``10.244.0.1/16``) if missing."""
+    """Create the bridge with the host's address (e.g. ``10.244.0.1/16``) if missing.
+
+    The bridge gets a MAC address of its own. Left to itself Linux gives a bridge the lowest MAC
+    among its ports, so it changed as pods came and went, and every pod that had the old one in
+    its ARP cache lost what it sent the host (DNS, the API server) until that entry expired:
+    seen as 10 to 40 s of DNS timeouts at a trainer's rendezvous."""
     if not link_exists(bridge):
         ip("link", "add", bridge, "type", "bridge")
+    if link_mac(bridge) != bridge_mac(bridge):
+        ip("link", "set", "dev", bridge, "address", bridge_mac(bridge))
     if host_cidr.split("/")[0] not in ip("-4", "addr", "show", "dev", bridge):
         ip("addr", "add", host_cidr, "dev", bridge)
     ip("link", "set", bridge, "up")
@@ -51,7 +68,8 @@ def pod_netns_name(bridge: str, pod_uid: str) -> str:
     return f"{bridge}-{pod_uid}"
 
 
-def _veth_names(bridge: str, pod_uid: str) -> tuple[str, str]:
+def veth_names(bridge: str, pod_uid: str) -> tuple[str, str]:
+    """The pod veth's host end (on the bridge) and its peer's name before it becomes eth0."""
     digest = hashlib.sha1(pod_uid.encode()).hexdigest()[:8]
     return f"{bridge[:6]}{digest}", f"tmp{digest}"
 
@@ -60,7 +78,7 @@ def create_pod_network(bridge: str, pod_uid: str, pod_cidr: str, gateway: str,
                        resolv_conf: str, hosts: str) -> str:
     """Create the pod's netns with ``eth0`` at ``pod_cidr`` (e.g. ``10.244.1.5/16``)."""
     ns = pod_netns_name(bridge, pod_uid)
-    host_end, peer = _veth_names(bridge, pod_uid)
+    host_end, peer = veth_names(bridge, pod_uid)
     delete_pod_network(bridge, pod_uid)
     etc = NETNS_ETC / ns
     etc.mkdir(parents=True, exist_ok=True)
@@ -81,7 +99,7 @@ def create_pod_network(bridge: str, pod_uid: str, pod_cidr: str, gateway: str,
 def delete_pod_network(bridge: str, pod_uid: str) -> None:
     """Remove the pod's netns, veth and /etc/netns files; absent parts are fine."""
     ns = pod_netns_name(bridge, pod_uid)
-    host_end, _ = _veth_names(bridge, pod_uid)
+    host_end, _ = veth_names(bridge, pod_uid)
     _delete_netns(ns)
     if link_exists(host_end):
         ip("link", "del", host_end, check=False)
@@ -90,7 +108,7 @@ def delete_pod_network(bridge: str, pod_uid: str) -> None:
 def set_pod_link(bridge: str, pod_uid: str, up: bool) -> None:
     """Bring the host end of the pod's veth down (the pod is cut off the network: what it sends
     is lost, nothing reaches it) or up again; absent links are fine."""
-    host_end, _ = _veth_names(bridge, pod_uid)
+    host_end, _ = veth_names(bridge, pod_uid)
     if link_exists(host_end):
         ip("link", "set", host_end, "up" if up else "down", check=False)
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -79,12 +82,49 @@ def collective_timeout() -> datetime.timedelta:
     )
 
 
+STORE_WAIT_SECONDS = 60.0
+"""How long a rank polls for rank 0's store before leaving the wait to c10d's own retries."""
+STORE_POLL_FIRST, STORE_POLL_MAX = 0.01, 0.25
+
+
+def await_store(env: Mapping[str, str] = os.environ, bound: float = STORE_WAIT_SECONDS) -> bool:
+    """Wait until rank 0's store (MASTER_ADDR:MASTER_PORT) accepts connections; True once it
+    does (or when there is nothing to wait for: rank 0, or torchrun's agent holds the store).
+
+    c10d's client retries a refused connection only after about half a second. In an in-place
+    restart every rank's trainer starts at once but rank 0's, which hosts the attempt's store,
+    starts a moment later (its launcher first stops the old one), so the others were refused
+    and lost that half second. Here they poll at 10 ms, backing off to 250 ms (an address
+    resolved once, again only after a failed lookup: no DNS storm at scale). Nothing is sent:
+    the probe connection closes before the store's handshake."""
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if (env.get("RANK", "0") == "0" or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            or not addr or not port):
+        return True
+    deadline, pause = time.monotonic() + bound, STORE_POLL_FIRST
+    host: str | None = None
+    while True:
+        try:
+            if host is None:
+                host = str(socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)[0][4][0])
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return True
+        except OSError:  # not resolvable yet (host stays None) or not listening yet
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 1.5, STORE_POLL_MAX)
+
+
 def join(spec: PretrainJobSpec, backend: str) -> None:
     """Join the job's process group (alone: create a one-rank group), checking its size."""
     timeout = collective_timeout()
     if not dist.is_initialized():
         if launched_by_torchrun():
             check_world(spec, int(os.environ["WORLD_SIZE"]))
+            await_store()
             dist.init_process_group(backend, timeout=timeout)
         else:
             check_world(spec, 1)

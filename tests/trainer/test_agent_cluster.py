@@ -16,18 +16,20 @@ from hlat_operator.builders import JobRef, build_role
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.kube import api_client
 from hlat_testbed.testing import wait_for
-from hlat_trainer.agent import LeaseControl
+from hlat_trainer.agent import REPORT_TRIES, LeaseControl
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pretrainjob-tiny.yaml"
 
 
-def workers_with_the_operator_s_role(cluster: Cluster, namespace: str) -> client.ApiClient:
-    """A client with the token of a service account bound to `build_role` of job `tiny`."""
+def workers_with_the_operator_s_role(cluster: Cluster, namespace: str, attempt: int = 0
+                                     ) -> client.ApiClient:
+    """A client with the token of a service account bound to `build_role` of job `tiny` at
+    `attempt`."""
     api = cluster.admin_api()
     rbac = client.RbacAuthorizationV1Api(api)
-    role = build_role(JobRef("tiny", namespace, "uid"), load_job(EXAMPLE).spec, attempt=0)
+    role = build_role(JobRef("tiny", namespace, "uid"), load_job(EXAMPLE).spec, attempt=attempt)
     role["metadata"] = {"name": "workers"}  # no owner: there is no job to own it here
     rbac.create_namespaced_role(namespace, role)
     client.CoreV1Api(api).create_namespaced_service_account(
@@ -78,3 +80,36 @@ def _sees_new_attempts_through_its_watch(control: LeaseControl, admin: client.Co
     assert control.pushed, "seen by a poll, not the watch"
     print(f"new attempt seen {seen * 1000:.0f} ms after it was published")
     assert control.record(fresh=True) == second  # and a read of its own agrees
+
+
+class CountedPatches(client.CoordinationV1Api):
+    """The API server's Lease API, counting the launcher's patches (its exit reports)."""
+
+    patches = 0
+
+    def patch_namespaced_lease(self, *args: object, **kwargs: object) -> object:
+        self.patches += 1
+        return super().patch_namespaced_lease(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_an_exit_report_refused_once_the_next_attempt_began_is_dropped_at_once(
+        cluster: Cluster, namespace: str) -> None:
+    """The operator moved on: the workers' Role names attempt 1's Leases only and the record
+    attempt 1. The launcher's report of attempt 0's exit is refused, and it does not retry
+    (which kept it from starting attempt 1's trainer for a second and a half); while the
+    record has not moved on, a refusal is retried (the authorizer may lag a moment)."""
+    admin = client.CoordinationV1Api(cluster.admin_api())
+    gang = labels.gang_lease_name("tiny")
+    admin.create_namespaced_lease(namespace, {"metadata": {
+        "name": gang, "annotations": GangRecord(attempt=1).to_annotations()}, "spec": {}})
+    admin.create_namespaced_lease(namespace, {
+        "metadata": {"name": labels.worker_lease_name("tiny", 0, 0)}, "spec": {}})
+    worker = CountedPatches(workers_with_the_operator_s_role(cluster, namespace, attempt=1))
+    control = LeaseControl(worker, namespace, gang, "tiny", node_rank=0)
+    control.report_exit(0, 1)
+    assert worker.patches == 1
+
+    admin.patch_namespaced_lease(gang, namespace, {"metadata": {
+        "annotations": GangRecord(attempt=0).to_annotations()}})
+    control.report_exit(0, 1)
+    assert worker.patches == 1 + REPORT_TRIES

@@ -76,6 +76,8 @@ RECHECK_SECONDS = 10.0
 """While watching, the record is still read this often: a watch whose connection died
 silently would otherwise hide a new attempt until its read timeout."""
 CONNECT_SECONDS = 5.0
+REPORT_TRIES = 3
+"""Tries at reporting a trainer's exit on its Lease, POLL_SECONDS apart."""
 WATCH_REFUSED_RETRY_SECONDS = 30.0
 """A watch refused (403) is tried again this much later; the record is polled meanwhile."""
 CHECK_SECONDS = 0.05
@@ -197,15 +199,37 @@ class LeaseControl:
                              "annotations": {k: v for k, v in beat.to_annotations().items()
                                              if k.endswith(("exit_code", "exit_reason",
                                                             "attempt"))}}}
-        for _ in range(3):
+        for tries in range(REPORT_TRIES):
             try:
                 self.api.patch_namespaced_lease(name, self.namespace, body)
                 return
             except Exception as err:
-                self._failed(f"reporting the exit on Lease {name}", err)
-                if getattr(err, "status", None) == 404:
+                status = getattr(err, "status", None)
+                if status == 404:
                     return  # the attempt is over (its Lease deleted): nobody needs the report
-                time.sleep(POLL_SECONDS)
+                # refused: the Role names only the next attempt's Leases once that attempt
+                # began (or, a moment, the API server's authorizer lags): nobody needs the
+                # report once the record has moved on, and waiting for it here would keep
+                # this launcher from starting the next attempt's trainer
+                if status == 403 and self._moved_past(attempt):
+                    return
+                self._failed(f"reporting the exit on Lease {name}", err)
+                if tries + 1 < REPORT_TRIES and self._wait_moved_past(attempt, POLL_SECONDS):
+                    return
+
+    def _moved_past(self, attempt: int) -> bool:
+        record = self.record()
+        return record is not None and record.attempt > attempt
+
+    def _wait_moved_past(self, attempt: int, seconds: float) -> bool:
+        """Wait up to `seconds`, looking at the record every FAILED_POLL_SECONDS; True as soon
+        as it names a later attempt than `attempt`."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            time.sleep(FAILED_POLL_SECONDS)
+            if self._moved_past(attempt):
+                return True
+        return False
 
 
 @dataclass(frozen=True)

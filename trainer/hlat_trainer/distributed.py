@@ -15,6 +15,7 @@ whose tp dimension DTensor shards the model over; a backend that lays out ranks 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 import time
@@ -27,6 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hlat_api import PretrainJobSpec
 from hlat_trainer.errors import UserError
+
+log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_ENV = "HLAT_COLLECTIVE_TIMEOUT_SECONDS"
 DEFAULT_COLLECTIVE_TIMEOUT = 600.0  # a hung peer surfaces as an error, not an endless wait
@@ -124,7 +127,11 @@ def join(spec: PretrainJobSpec, backend: str) -> None:
     if not dist.is_initialized():
         if launched_by_torchrun():
             check_world(spec, int(os.environ["WORLD_SIZE"]))
-            await_store()
+            if not await_store():
+                log.warning("rank 0's store at %s:%s not reachable after %.0fs; c10d retries on "
+                            "(up to the collective timeout, %.0fs)", os.environ.get("MASTER_ADDR"),
+                            os.environ.get("MASTER_PORT"), STORE_WAIT_SECONDS,
+                            timeout.total_seconds())
             dist.init_process_group(backend, timeout=timeout)
         else:
             check_world(spec, 1)

@@ -53,7 +53,7 @@ def test_rank_0_and_torchruns_agent_store_need_no_wait() -> None:
     assert await_store({"RANK": "1"}, bound=0.3)  # one process: no rendezvous
 
 
-def test_a_name_that_does_not_resolve_yet_is_looked_up_again() -> None:
+def test_a_name_that_never_resolves_gives_up_at_the_bound() -> None:
     port = _free_port()
     env = {**_env(port), "MASTER_ADDR": "rank-0.not-yet.invalid"}
     assert not await_store(env, bound=0.3)

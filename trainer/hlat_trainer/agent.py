@@ -1,9 +1,13 @@
 """The in-place restart agent: `hlat-launch` under `faultTolerance.restartStrategy: InPlace`.
 
-The pod outlives its trainers. The launcher starts the node's worker processes itself (the
-environment torchrun would give them: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-GROUP_RANK, MASTER_ADDR, MASTER_PORT; static rendezvous at node rank 0's stable hostname) and
-supervises them:
+The pod outlives its trainers. The launcher starts the node's worker processes itself, each
+with every variable torchrun gives a worker (`NodeLayout.worker_env`: the ranks and world
+sizes, MASTER_ADDR/PORT, and the TORCHELASTIC_* ones; tests/trainer/test_worker_env_torchrun.py
+diffs them against the real torchrun's), static rendezvous at node rank 0's stable hostname,
+and supervises them. TORCHELASTIC_RUN_ID matters most: `torch.distributed.
+is_torchelastic_launched()` tests only for it, and torch-xla's Neuron set-up gives each process
+its own NeuronCore (NEURON_RT_VISIBLE_CORES=LOCAL_RANK) and its PJRT process index only when it
+is true; without it the first worker reserves every core of the node and the others fail.
 - The job's restart record (`hlat_api.gang`, a Lease the operator writes, read-only for
   workers) is watched (one long request per launcher; a new attempt is seen as soon as it is
   published); while no watch is established (the API server away, or the watch refused: then
@@ -242,20 +246,59 @@ class NodeLayout:
     master_addr: str
     master_port: int
 
-    def worker_env(self, local_rank: int, master_port: int) -> dict[str, str]:
-        """What torchrun would set for one worker process."""
+    def worker_env(self, local_rank: int, master_port: int, run_id: str) -> dict[str, str]:
+        """What torchrun sets for one worker process (torch 2.9, the Neuron image's:
+        torch/distributed/elastic/agent/server/local_elastic_agent.py:305-326), for the
+        equivalent line `hlat-launch` prints: `torchrun --max-restarts 0`, static rendezvous.
+        `run_id`: the same in every worker of the attempt, on every node.
+
+        The values that differ from torchrun's differ because no torchrun agent is there:
+        - TORCHELASTIC_USE_AGENT_STORE is "False": under torchrun the agent hosts the
+          rendezvous store and every worker is its client; here nobody else does, so rank 0
+          must host it (torch/distributed/rendezvous.py:157-206 and torch-xla v2.9.0
+          torch_xla/_internal/rendezvous.py:50-60 read it that way). "True" would leave
+          every rank waiting for a store nobody serves.
+        - TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS are "0", as the non-InPlace
+          path's `torchrun --max-restarts 0` gives every attempt: each attempt is a new run
+          the operator starts from the restart record (its number is HLAT_ATTEMPT), not a
+          retry by an agent of its own; a count above the maximum would be a state torchrun
+          never shows. torch-xla reads the count only for the agent store's key prefix
+          (rendezvous.py:51-54), not used here.
+        """
         world = self.nnodes * self.nproc
+        rank = self.node_rank * self.nproc + local_rank
         return {
-            "RANK": str(self.node_rank * self.nproc + local_rank),
+            "RANK": str(rank),
             "LOCAL_RANK": str(local_rank),
             "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(self.nproc),
             "GROUP_RANK": str(self.node_rank),
-            "ROLE_RANK": str(self.node_rank * self.nproc + local_rank),
+            "GROUP_WORLD_SIZE": str(self.nnodes),
+            "ROLE_NAME": "default",  # torchrun's `--role` default
+            "ROLE_RANK": str(rank),
             "ROLE_WORLD_SIZE": str(world),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(master_port),
+            # what `torch.distributed.is_torchelastic_launched()` tests (torch 2.9,
+            # torch/distributed/distributed_c10d.py:1279-1289), on which torch-xla v2.9.0's
+            # Neuron set-up gives each worker its NeuronCore and PJRT process index
+            # (torch_xla/_internal/neuron.py:49-89, run at `import torch_xla`,
+            # torch_xla/__init__.py:119-140) and its "xla" rendezvous initialises the
+            # process's PJRT client (torch_xla/_internal/rendezvous.py:26-32)
+            "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
         }
+
+
+def run_id_of(job: str, attempt: int) -> str:
+    """TORCHELASTIC_RUN_ID of an attempt: the id of its rendezvous, the same on every node (as
+    torchrun's `--rdzv-id`, which every node of a job is given alike), and new with each
+    attempt, as each attempt's rendezvous is (a fresh port, RENDEZVOUS_PORTS) and as
+    `torchrun --standalone` draws a new one per run (torch/distributed/run.py:913).
+    Never empty: an empty value would still count as launched, but names nothing."""
+    return f"{job or 'hlat'}-attempt-{attempt}"
 
 
 def _free_port() -> int:
@@ -342,6 +385,9 @@ class Agent:
     spare: bool = False
     """A spare pod: no trainer until the restart record names this pod with a node rank."""
     clock: Callable[[], float] = time.monotonic
+    attempt_env: Callable[[str, int], Mapping[str, str]] | None = None
+    """Variables of one attempt, from node rank 0's address and the attempt number (hlat-launch:
+    the Neuron runtime's NEURON_RT_ROOT_COMM_ID, an IP resolved when the attempt starts)."""
     standbys: list[Standby] = field(default_factory=list)
     standbys_due: float | None = None
     """When to start the next standbys at the latest (None: they run, or none are kept)."""
@@ -358,6 +404,10 @@ class Agent:
         if self.scratch is None:  # lives as long as the pod: what attempts hand on
             self.scratch = Path(tempfile.mkdtemp(prefix="hlat-pod-"))
         return {Env.ATTEMPT: str(attempt), Env.STEPS_DONE: str(steps_done),
+                # torchrun passes the agent's own value on, else sets 1
+                # (local_elastic_agent.py:321-323)
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": self.env.get(
+                    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
                 Env.STARTED_FILE: str(exit_dir / "started"),
                 Env.PEAK_FLOPS_FILE: str(self.scratch / "peak-flops.json"),
                 Env.HEARTBEAT_LEASE: labels.worker_lease_name(job, attempt,
@@ -370,12 +420,19 @@ class Agent:
         port = (_free_port() if self.layout.nnodes == 1
                 else self.layout.master_port + attempt % RENDEZVOUS_PORTS)
         common = self._attempt_env(attempt, steps_done, started)
+        if self.attempt_env is not None:
+            common.update(self.attempt_env(self.layout.master_addr, attempt))
         self.oom.mark()
-        self.exit_file = Path(common[Env.EXIT_FILE])
+        self.exit_file = exit_file = Path(common[Env.EXIT_FILE])
         self.started_file = Path(common[Env.STARTED_FILE])
         procs = []
+        run_id = run_id_of(self.env.get(Env.JOB_NAME, ""), attempt)
         for local in range(self.layout.nproc):
-            env = {**common, **self.layout.worker_env(local, port)}
+            env = {**common, **self.layout.worker_env(local, port, run_id),
+                   # torchrun's is <log dir>/attempt_<n>/<local rank>/error.json
+                   # (elastic/multiprocessing/api.py:386), where an `@record` entry point
+                   # writes its exception: one per worker, the attempt's own
+                   "TORCHELASTIC_ERROR_FILE": str(exit_file.parent / f"error-{local}.json")}
             ready = self.warm and len(self.standbys) == self.layout.nproc
             standby = self.standbys[local] if ready else Standby(self.env, self.argv)
             procs.append(standby.go(env, self.argv))

@@ -11,14 +11,23 @@ aws-neuron/neuronx-distributed at release 2.29, file named beside each call):
   first").
 - Model: `nxd.neuronx_distributed_config(tensor_parallel_size, optimizer_config={
   zero_one_enabled, grad_clipping, max_grad_norm}, sequence_parallel, activation_checkpoint_config,
-  mixed_precision_config)` then `nxd.initialize_parallel_model(cfg, model_fn, ...)`
-  (trainer/trainer.py); the model is `nxd_model.NxDTransformer` (NxD parallel layers).
-- Precision: pure BF16 with stochastic rounding as the paper, the current way: parameters cast
-  to bf16 (`model.to(torch.bfloat16)`; the deprecated XLA_USE_BF16 is not set) and
-  `NEURON_RT_STOCHASTIC_ROUNDING_EN=1` in the environment (neuron_env.py), per
-  migration-from-xla-downcast-bf16.rst. NxD's master-weight / fp32-grad-accumulation options are
-  turned off explicitly: by default NxD enables them whenever ZeRO-1 is on (trainer.py), which
-  would be mixed precision, not the paper's recipe. `mixed` autocasts on device type "xla".
+  model_init_config, mixed_precision_config)` then `nxd.initialize_parallel_model(cfg, model_fn,
+  ...)` (trainer/trainer.py); the model is `nxd_model.NxDTransformer` (NxD parallel layers),
+  built on the meta device and materialised one module at a time by `nxd_model.init_module`
+  (model_init_config `meta_device_init`, as NxD's LLaMA examples): built on the CPU, NxD's
+  parallel layers make every full weight in every process (layers.py
+  `_initialize_parameter_cpu`), 32 copies of the 70B per node at once.
+- Precision, per `precision` (`nxd_precision`; the paper's scripts: awslabs/HLAT 7b/ and 70b/
+  tp_zero1_llama2_*_hf_pretrain.sh): `bf16-sr` is the 7B's pure BF16 with the runtime's
+  stochastic rounding (`NEURON_RT_STOCHASTIC_ROUNDING_EN=1`, neuron_env.py), parameters cast with
+  `model.to(bfloat16)` as migration-from-xla-downcast-bf16.rst says (XLA_USE_BF16 is deprecated);
+  `mixed` is the 70B's: bf16 parameters, fp32 master weights and moments in the ZeRO-1 shards,
+  fp32 gradient accumulation (the scripts' USE_GRAD_ACC_HOOK=1), autocast on device type "xla",
+  SR off; NxD calls this "Standard Mixed Precision" (standard_mixed_precision.rst). Under ZeRO-1
+  the optimizer state is fp32 in every precision: NxD computes and all-reduces the gradient norm
+  in the shards' dtype (parallel_layers/grads.py get_grad_norm, `dtype = params[0].dtype`), which
+  in bf16 keeps 3 significant digits. Without ZeRO-1 NxD has no master weights (it refuses them:
+  trainer/trainer.py 304-309) and its clip_grad_norm takes the parameters' dtype.
 - Optimizer: `nxd.initialize_parallel_optimizer(cfg, torch.optim.AdamW, params, lr, betas, eps,
   weight_decay)`: NeuronZero1Optimizer when zero1 (shards over DP groups, grad norm over TP
   groups), which also clips to `max_grad_norm` and exposes `grad_norm`; the trainer must not
@@ -26,8 +35,10 @@ aws-neuron/neuronx-distributed at release 2.29, file named beside each call):
 - Loss: `parallel_cross_entropy` over the vocab-parallel logits
   (parallel_layers/loss_functions.py, as the LLaMA example).
 - Checkpoints: `nxd.save_checkpoint(dir, tag="step_<N>", model, optimizer, user_content,
-  use_xser=True, num_kept_ckpts, async_save)`, `nxd.load_checkpoint(dir, tag=None, ...)` (newest
-  complete), `nxd.has_checkpoint(dir)`, `nxd.finalize_checkpoint()` (trainer/checkpoint.py).
+  use_xser=True, num_kept_ckpts, async_save)`; `nxd.load_checkpoint(dir, tag, model=...)` then
+  `nxd.load_checkpoint(dir, tag, optimizer=...)`: the model first, in a call of its own
+  (`load_checkpoint`'s comment says why), `nxd.has_checkpoint(dir)`,
+  `nxd.finalize_checkpoint()` (trainer/checkpoint.py).
   NxD writes `<tag>/done` last (rank 0, after a rendezvous) and deletes `done` first when
   purging: the same completeness rule as hlat_api's layout, with `<dir>` = `<root>/<job>`.
   NxD's checkpoint format is its own: a checkpoint from one backend kind does not load in the
@@ -40,6 +51,7 @@ the backend without them raises `UserError` naming the package and the image to 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from hlat_trainer.backends.base import Backend, BackendName
@@ -55,6 +67,39 @@ if TYPE_CHECKING:
     from hlat_trainer.distributed import World
 
 _NO_CLIP = 1e30
+
+
+@dataclass(frozen=True)
+class NxDPrecision:
+    """What a `precision` asks of NxD (see the module doc); dtypes as torch attribute names."""
+
+    param_dtype: str
+    """The parameters' dtype on the device (and of the gradients NxD reduces)."""
+    optimizer_dtype: str | None
+    """ZeRO-1's shards (master weights, moments, gradient shards, the norm); None without."""
+    mixed_precision_config: dict[str, bool]
+
+
+def nxd_precision(precision: str, zero1: bool) -> NxDPrecision:
+    """The paper's recipes (awslabs/HLAT: 7b/ pure BF16 + SR; 70b/ ZeRO-1 with master weights,
+    USE_GRAD_ACC_HOOK=1, AMP_ENABLED=1, SR off) in today's NxD terms (trainer/trainer.py
+    243-315 at fbac349: `use_fp32_grad_acc` -> use_grad_acc_hook + higher_cc_precision,
+    `use_master_weights_in_ckpt` -> save_master_weights; `use_master_weights` itself changes
+    nothing unless XLA_DOWNCAST_BF16 is set: the master weights are ZeRO-1's shards in
+    `optimizer_dtype`, torch-xla's default fp32, zero_redundancy_optimizer.py 101, 255-258)."""
+    half = precision in ("bf16", "bf16-sr") or (precision == "mixed" and zero1)
+    param = "bfloat16" if half else "float32"
+    if not zero1:  # NxD refuses master weights and fp32 accumulation without ZeRO-1
+        return NxDPrecision(param, None, {"use_master_weights": False, "use_fp32_grad_acc": False,
+                                          "use_master_weights_in_ckpt": False})
+    # fp32 master weights are wider than bf16 parameters: re-sharded from the loaded parameters
+    # at a resume (torch-xla's load_state_dict -> init_zero) they would lose their low bits,
+    # so the checkpoint carries them (NxD then skips the model's tensors: checkpoint.py 917-919)
+    return NxDPrecision(param, "float32", {
+        "use_master_weights": True, "use_fp32_grad_acc": precision == "mixed",
+        "use_master_weights_in_ckpt": half})
+
+
 class NeuronXlaBackend(Backend):
     name: BackendName = "neuron-xla"
     dist_backend = "xla"
@@ -131,6 +176,10 @@ class NeuronXlaBackend(Backend):
 
     # --- model and optimizer --------------------------------------------------------------
 
+    def nxd(self) -> Any:
+        """The `neuronx_distributed` package (the xla tier hands in its stand-in here)."""
+        return require_neuron("neuronx_distributed")
+
     def _max_norm(self) -> float:
         # clipping stays on so that the optimizer always computes the norm the loop logs;
         # gradClip 0 (off) becomes a bound no gradient reaches
@@ -141,7 +190,7 @@ class NeuronXlaBackend(Backend):
         """One NxD config shared by the model and the optimizer (it also initialises the TP/DP
         groups: parallel_state.initialize_model_parallel)."""
         if self._nxd_config is None:
-            nxd = require_neuron("neuronx_distributed")
+            nxd = self.nxd()
             p = self.spec.parallelism
             self._nxd_config = nxd.neuronx_distributed_config(
                 tensor_parallel_size=p.tensor,
@@ -150,13 +199,30 @@ class NeuronXlaBackend(Backend):
                                   "max_grad_norm": self._max_norm()},
                 sequence_parallel=p.sequence_parallel,
                 activation_checkpoint_config=self._activation_checkpoint_config(),
-                mixed_precision_config={"use_master_weights": False, "use_fp32_grad_acc": False,
-                                        "use_master_weights_in_ckpt": False},
+                model_init_config=self._model_init_config(),
+                mixed_precision_config=dict(self.precision().mixed_precision_config),
                 # trn2 runs 2 physical cores per logical one by default (LNC=2); NxD does not
                 # infer it and needs it to lay out replica groups (parallel_state.py)
                 lnc_size=logical_nc_size(self.spec.instance_type),
             )
         return self._nxd_config
+
+    def precision(self) -> NxDPrecision:
+        return nxd_precision(self.spec.precision, self.spec.parallelism.zero1)
+
+    def param_dtype(self) -> torch.dtype:
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.precision().param_dtype)
+        return dtype
+
+    def _model_init_config(self) -> dict[str, Any]:
+        from hlat_trainer.backends.nxd_model import init_module
+
+        # meta_device_init needs a param_init_fn (trainer.py 113-115); NxD calls it as
+        # fn(module, cpu) for every module after emptying its parameters on the CPU
+        # (utils/model_utils.py reinit_model, 220-229), then moves the model to the device
+        return {"meta_device_init": True, "param_init_fn": init_module}
 
     def _activation_checkpoint_config(self) -> type[nn.Module] | None:
         from hlat_trainer.backends.nxd_model import CoreAttention, NxDDecoderLayer
@@ -167,37 +233,38 @@ class NeuronXlaBackend(Backend):
 
     def build_model(self, device: torch.device) -> nn.Module:
         from hlat_trainer.backends.nxd_model import build_nxd_model
-        from hlat_trainer.precision import precision_policy
+        from hlat_trainer.precision import PrecisionPolicy
 
-        nxd = require_neuron("neuronx_distributed")
+        nxd = self.nxd()
         s = self.spec
-        dtype = precision_policy(s.precision).param_dtype
+        dtype = self.param_dtype()
         # initialize_parallel_model(nxd_config, model_fn, include_buffers, *model_args): the
-        # third positional is include_buffers (meta-device init only), then the model's args.
+        # third positional is include_buffers, then the model's args. False: the RoPE tables
+        # (buffers NxD's reinit does not rebuild) are computed for real, not left on meta.
         # The layers are built in the parameter dtype: NxD's ParallelEmbedding picks its output
         # dtype from that argument, not from its weight (layers.py), so a cast afterwards would
         # leave the residual stream fp32 under tensor parallelism.
         model: nn.Module = nxd.initialize_parallel_model(
             self.nxd_config(), build_nxd_model, False, s.model.dims(),
             s.parallelism.sequence_parallel, s.train.seed, dtype)
-        # bf16 / bf16-sr: parameters in bf16, rounding done by the runtime (env), not XLA_USE_BF16
-        return precision_policy(s.precision).apply(model)
+        # the norms' weights too (the layers are built in it): bf16 parameters under bf16,
+        # bf16-sr and ZeRO-1 mixed, the rounding done by the runtime (env), not XLA_USE_BF16
+        return PrecisionPolicy(s.precision, dtype, None).apply(model)
 
     def build_optimizer(self, params: Iterable[Tensor]) -> torch.optim.Optimizer:
         import torch
 
-        from hlat_trainer.precision import precision_policy
-
-        nxd = require_neuron("neuronx_distributed")
+        nxd = self.nxd()
         o = self.spec.optimizer
         extra: dict[str, Any] = {}
-        if self.spec.parallelism.zero1:
-            # NeuronZero1Optimizer (torch-xla's ZeroRedundancyOptimizer) takes neither the
-            # config's max_grad_norm (it clips at 1.0 unless given max_norm) nor the parameter
-            # dtype (it keeps master weights and moments in optimizer_dtype, fp32 by default):
-            # both are passed here, where they reach it and not plain AdamW, which refuses them
+        optimizer_dtype = self.precision().optimizer_dtype
+        if optimizer_dtype is not None:
+            # NeuronZero1Optimizer (torch-xla's ZeroRedundancyOptimizer) does not take the
+            # config's max_grad_norm (it clips at 1.0 unless given max_norm), and keeps master
+            # weights, moments and the gradient norm in optimizer_dtype: both are passed here,
+            # where they reach it and not plain AdamW, which refuses them
             extra = {"max_norm": self._max_norm(),
-                     "optimizer_dtype": precision_policy(self.spec.precision).param_dtype}
+                     "optimizer_dtype": getattr(torch, optimizer_dtype)}
         opt: torch.optim.Optimizer = nxd.initialize_parallel_optimizer(
             self.nxd_config(), torch.optim.AdamW, params, lr=o.lr, betas=o.betas,
             eps=o.eps, weight_decay=o.weight_decay, **extra)
@@ -212,7 +279,7 @@ class NeuronXlaBackend(Backend):
 
     def save_checkpoint(self, directory: str, step: int, model: nn.Module,
                         optimizer: torch.optim.Optimizer, user_content: dict[str, int]) -> None:
-        nxd = require_neuron("neuronx_distributed")
+        nxd = self.nxd()
         self.step_end()  # materialise pending device work before the host copies
         c = self.spec.checkpoint
         nxd.save_checkpoint(directory, tag=f"step_{step}", model=model, optimizer=optimizer,
@@ -222,9 +289,20 @@ class NeuronXlaBackend(Backend):
     def load_checkpoint(self, directory: str, step: int, model: nn.Module,
                         optimizer: torch.optim.Optimizer) -> None:
         # an explicit tag: the engine picks the checkpoint (newest complete, older ones when it
-        # does not load) and reads its own per-rank loop state from the same directory
-        nxd = require_neuron("neuronx_distributed")
-        nxd.load_checkpoint(directory, tag=f"step_{step}", model=model, optimizer=optimizer)
+        # does not load) and reads its own per-rank loop state from the same directory.
+        # Two calls, the model first: one call loads the optimizer first (trainer/checkpoint.py
+        # 894-937, then the model 939-951), and ZeRO-1's load_state_dict re-shards the
+        # parameters as they are then (torch-xla zero_redundancy_optimizer.py 518 init_zero,
+        # 255 `param.data`): the fresh initialisation, which its first step all-gathers over
+        # the loaded model. Loaded first, the model is what gets sharded. (Master weights in
+        # the checkpoint, nxd_precision, are copied over those shards: 524-548.)
+        nxd = self.nxd()
+        nxd.load_checkpoint(directory, tag=f"step_{step}", model=model)
+        # the loaded weights as device data before init_zero's `xm.unlazy` reads them: left
+        # pending, torch-xla 2.9 (PJRT CPU, the xla tier) fails the next sync on a donated
+        # buffer ("buffer ... is deleted")
+        self.step_end()
+        nxd.load_checkpoint(directory, tag=f"step_{step}", optimizer=optimizer)
 
     def finalize_checkpoint(self) -> None:
-        require_neuron("neuronx_distributed").finalize_checkpoint()
+        self.nxd().finalize_checkpoint()

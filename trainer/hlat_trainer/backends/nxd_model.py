@@ -186,6 +186,8 @@ class NxDTransformer(nn.Module):
 
     rope_cos: Tensor
     rope_sin: Tensor
+    init_seed: int = 0
+    """The seed `init_module` restarts from (build_nxd_model sets it)."""
 
     def __init__(self, dims: ModelDims, *, sequence_parallel: bool,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -222,4 +224,24 @@ def build_nxd_model(dims: ModelDims, sequence_parallel: bool, seed: int,
     """The model function handed to `nxd.initialize_parallel_model` (which moves it to XLA);
     the parallel layers are built in `dtype`, as NxD's LLaMA passes `config.torch_dtype`."""
     torch.manual_seed(seed)
-    return NxDTransformer(dims, sequence_parallel=sequence_parallel, dtype=dtype)
+    model = NxDTransformer(dims, sequence_parallel=sequence_parallel, dtype=dtype)
+    model.init_seed = seed
+    return model
+
+
+def init_module(module: nn.Module, device: torch.device) -> None:
+    """NxD's `param_init_fn` under meta-device init: called for every module (the root first)
+    once its own parameters are empty on `device` (utils/model_utils.py reinit_model 220-229).
+
+    NxD's parallel layers draw each weight whole and keep their slice (layers.py
+    `init_weight_cpu`, GQA: qkv_linear.py `initialize_weight_biases`), so reseeding at the root
+    and visiting the modules in the order they were built draws what a CPU build draws: the
+    same weights at every tp degree, as NxD's LLaMA `init_weights` (modeling_llama_nxd.py 870)."""
+    if isinstance(module, NxDTransformer):
+        torch.manual_seed(module.init_seed)
+    if isinstance(module, RMSNorm):
+        module.weight.data.fill_(1.0)
+    elif hasattr(module, "init_weight_cpu"):
+        module.init_weight_cpu()
+    elif hasattr(module, "initialize_weight_biases"):
+        module.initialize_weight_biases()

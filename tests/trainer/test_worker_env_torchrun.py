@@ -38,6 +38,11 @@ DUMP = textwrap.dedent("""
     if "--ask-torch" in sys.argv:
         import torch.distributed
         seen["torchelastic"] = torch.distributed.is_torchelastic_launched()
+    if "--neuron" in sys.argv:  # what torch-xla's Neuron set-up makes of this environment
+        from torch_xla._internal import neuron
+        neuron.configure_pjrt_environment()
+        seen["neuron"] = {k: v for k, v in os.environ.items() if k.startswith(
+            ("NEURON_RT_VISIBLE_CORES", "NEURON_PJRT_", "PJRT_LOCAL_PROCESS_"))}
     with open(os.path.join(sys.argv[1], "rank-" + os.environ["RANK"] + ".json"), "w") as f:
         json.dump(seen, f)
 """)
@@ -131,9 +136,9 @@ def handlers() -> Iterator[None]:
 
 
 def inplace_workers(tmp_path: Path, script: Path, pods: Sequence[Mapping[str, str]],
-                    monkeypatch: pytest.MonkeyPatch) -> dict[int, dict[str, Any]]:
+                    monkeypatch: pytest.MonkeyPatch, *asks: str) -> dict[int, dict[str, Any]]:
     """`launch.main` in each pod's environment (a node after the other: nothing here meets
-    at a rendezvous); what each worker saw, by rank."""
+    at a rendezvous); what each worker saw, by rank. `asks`: flags of DUMP's."""
     out = tmp_path / "inplace"
     out.mkdir()
 
@@ -142,7 +147,8 @@ def inplace_workers(tmp_path: Path, script: Path, pods: Sequence[Mapping[str, st
             self.env = dict(env)
 
         def go(self, env: Mapping[str, str], argv: Sequence[str]) -> subprocess.Popen[bytes]:
-            return subprocess.Popen([sys.executable, str(script), str(out), "--ask-torch"],
+            return subprocess.Popen([sys.executable, str(script), str(out), "--ask-torch",
+                                     *asks],
                                     env={**self.env, **env}, start_new_session=True)
 
         def discard(self) -> None:
@@ -158,15 +164,15 @@ def inplace_workers(tmp_path: Path, script: Path, pods: Sequence[Mapping[str, st
     return _read(out, len(pods) * int(pods[0][Env.NPROC_PER_NODE]))
 
 
-@pytest.mark.parametrize(("nnodes", "nproc"), [(1, 2), (2, 2)])
-def test_inplace_workers_get_every_variable_torchrun_gives_its_workers(
-        nnodes: int, nproc: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        handlers: None) -> None:
+def side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nnodes: int, nproc: int,
+                 *asks: str) -> tuple[dict[int, dict[str, Any]], dict[int, dict[str, Any]]]:
+    """The same job launched by torchrun and in place; what each side's workers saw, by rank,
+    once the in-place ones are checked against torchrun's."""
     script = tmp_path / "dump.py"
     script.write_text(DUMP)
     pods = _pods(_spec_file(tmp_path, nnodes), nnodes, nproc)
     given, ref = torchrun_workers(tmp_path, script, pods)
-    ours = inplace_workers(tmp_path, script, pods, monkeypatch)
+    ours = inplace_workers(tmp_path, script, pods, monkeypatch, *asks)
 
     for rank in ref:
         theirs, mine = ref[rank]["env"], ours[rank]["env"]
@@ -190,6 +196,14 @@ def test_inplace_workers_get_every_variable_torchrun_gives_its_workers(
         assert all(w["env"]["TORCHELASTIC_RUN_ID"] for w in side.values())
         assert len({w["env"]["TORCHELASTIC_ERROR_FILE"] for w in side.values()}) == len(side)
         assert len({w["env"]["MASTER_PORT"] for w in side.values()}) == 1
+    return ref, ours
+
+
+@pytest.mark.parametrize(("nnodes", "nproc"), [(1, 2), (2, 2)])
+def test_inplace_workers_get_every_variable_torchrun_gives_its_workers(
+        nnodes: int, nproc: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        handlers: None) -> None:
+    side_by_side(tmp_path, monkeypatch, nnodes, nproc)
 
 
 class Recorded:

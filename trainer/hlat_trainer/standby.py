@@ -7,6 +7,12 @@ on its stdin:
 `{"env": {...}, "argv": [...]}`, the attempt's environment (rank, rendezvous, Lease, attempt)
 and the trainer's arguments. It adds the environment and runs the trainer exactly as
 `python -m hlat_trainer` would. End of input without a line: it was not needed; it exits 0.
+
+What it imports while waiting must not read the attempt's environment at import: torch_xla
+does (on a Neuron host `import torch_xla` gives the process its NeuronCore from LOCAL_RANK, and
+only when TORCHELASTIC_RUN_ID is set: torch_xla/__init__.py:119-140 and
+torch_xla/_internal/neuron.py:49-89 at v2.9.0), so it is left to the trainer, which imports it
+once the attempt's environment is in place (tests/xla/test_worker_env_neuron.py).
 """
 
 from __future__ import annotations

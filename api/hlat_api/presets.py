@@ -61,7 +61,20 @@ MODEL_PRESETS: Final[dict[str, ModelDims]] = {
 
 PAPER_TENSOR_PARALLEL: Final[dict[str, int]] = {"7b": 8, "70b": 32}
 """The tensor-parallel degree of the HLAT paper's runs on trn1.32xlarge (section 3.5 and
-awslabs/HLAT's scripts): the default `parallelism.tensor` for these presets."""
+awslabs/HLAT's scripts): the default `parallelism.tensor` for these presets. On Neuron
+instance types these presets also default to the scripts' sequence parallelism and selective
+activation checkpointing (7b/ and 70b/tp_zero1_llama2_*_hf_pretrain.sh pass
+--sequence_parallel_enabled and --selective_checkpoint_enabled), and the 70B scripts' pipeline
+degree of 8 (70b/tp_zero1_llama2_70b_hf_pretrain.sh, PP_DEGREE=8) is the one part of their
+layout that `parallelism.pipeline` cannot take yet."""
+
+PAPER_PRECISION: Final[dict[str, str]] = {"7b": "bf16-sr", "70b": "mixed"}
+"""The precision each preset ran in (awslabs/HLAT): 7b/tp_zero1_llama2_7b_hf_pretrain.sh is
+pure BF16 with stochastic rounding (XLA_USE_BF16=1, NEURON_RT_STOCHASTIC_ROUNDING_EN=1, no
+ZeRO-1); 70b/tp_zero1_llama2_70b_hf_pretrain.sh is ZeRO-1 with fp32 master weights and
+autocast, SR off (NEURON_RT_STOCHASTIC_ROUNDING_EN=0, XLA_DOWNCAST_BF16=1, USE_ZERO_1=1,
+USE_MASTER_WEIGHTS_ZERO_1=1, USE_GRAD_ACC_HOOK=1, AMP_ENABLED=1): our `mixed`. The default
+`precision` of these presets; every other preset defaults to bf16-sr."""
 
 
 @dataclass(frozen=True)

@@ -17,15 +17,23 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from hlat_api.errors import SpecError
-from hlat_api.memory import MEMORY_HEADROOM, state_bytes_per_rank
+from hlat_api.memory import (
+    GIB,
+    Estimate,
+    Layout,
+    activation_bytes,
+    reserve_gib,
+    state_bytes_per_rank,
+)
 from hlat_api.podtemplate import PodTemplate
 from hlat_api.presets import (
     INSTANCE_TYPES,
     MODEL_PRESETS,
+    PAPER_PRECISION,
     PAPER_TENSOR_PARALLEL,
     InstanceType,
     ModelDims,
@@ -112,12 +120,13 @@ class ParallelismSpec(_Model):
     """Tensor-parallel degree within a node: divides heads; divides kvHeads or is a multiple of it (kv heads replicated). Unset: the paper's layout for the preset (7b 8, 70b 32, else 1), lowered to fit a node and the heads."""
     pipeline: PositiveInt = 1
     """Pipeline-parallel degree. Only 1 is supported for now."""
-    sequence_parallel: bool = False
-    """Shard activations along the sequence between tensor-parallel ranks (paper section 3.5)."""
+    sequence_parallel: bool = Field(default=False, json_schema_extra=_no_schema_default)
+    """Shard activations along the sequence between tensor-parallel ranks (paper section 3.5). Unset: on for the 7b and 70b presets on Neuron instance types when tensor > 1 (the paper's scripts), else off."""
     zero1: bool = True
     """Shard optimizer state over data-parallel ranks (ZeRO stage 1)."""
-    activation_checkpointing: ActivationCheckpointing = "none"
-    """Recompute activations in the backward pass: none, selective (attention core), or full."""
+    activation_checkpointing: ActivationCheckpointing = Field(
+        default="none", json_schema_extra=_no_schema_default)
+    """Recompute activations in the backward pass: none, selective (attention core), or full (whole layers). Unset: for the 7b and 70b presets on Neuron instance types, selective (the paper's scripts), or full where selective would not fit the device memory (70B without pipeline parallelism on trn1: docs/neuron.md, "Memory per rank"); else none."""
 
 
 class OptimizerSpec(_Model):
@@ -317,8 +326,8 @@ class PretrainJobSpec(_Model):
     """The decoder."""
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
     """Tensor/pipeline/sequence parallelism, ZeRO-1, activation checkpointing."""
-    precision: Precision = "bf16-sr"
-    """fp32, mixed (bf16 autocast, fp32 master), bf16 (round to nearest), bf16-sr (stochastic)."""
+    precision: Precision = Field(default="bf16-sr", json_schema_extra=_no_schema_default)
+    """fp32, mixed (bf16 autocast, fp32 master), bf16 (round to nearest), bf16-sr (stochastic). Unset: as the paper ran the preset (7b bf16-sr, 70b mixed: awslabs/HLAT's scripts), else bf16-sr."""
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     """AdamW and the learning-rate schedule."""
     data: DataSpec
@@ -377,24 +386,15 @@ class PretrainJobSpec(_Model):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_tensor(cls, raw: Any) -> Any:
-        """An unset `parallelism.tensor` becomes the paper's layout for the preset."""
+    def _default_layout(cls, raw: Any) -> Any:
+        """Unset `parallelism.tensor`, `sequenceParallel`, `activationCheckpointing` and
+        `precision` become the paper's for the preset (`_with_paper_defaults`)."""
         if not isinstance(raw, dict):
             return raw
-        par = _field(raw, "parallelism")
-        if par is None:
-            par = {}
-        if not isinstance(par, dict) or _field(par, "tensor") is not None:
-            return raw
-        try:  # a bad model or instance type is reported by the field's own validation
-            dims = ModelSpec.model_validate(_field(raw, "model") or {}).dims()
-            instance = _field(raw, "instanceType") or "trn1.32xlarge"
-            ranks = _field(raw, "processesPerNode") or INSTANCE_TYPES[instance].ranks_per_node
-            preset = (_field(raw, "model") or {}).get("preset", "7b")
-            tensor = default_tensor(dims, preset, ranks)
+        try:
+            return _with_paper_defaults(raw)
         except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
             return raw  # the field's own validation reports what is wrong
-        return {**raw, "parallelism": {**par, "tensor": tensor}}
 
     @model_validator(mode="after")
     def _check(self) -> PretrainJobSpec:
@@ -407,6 +407,37 @@ def _field(raw: dict[str, Any], camel: str) -> Any:
     """A raw field by its camelCase alias or its snake_case name."""
     snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in camel)
     return raw.get(camel, raw.get(snake))
+
+
+def _with_paper_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    par = _field(raw, "parallelism")
+    if par is None:
+        par = {}
+    if not isinstance(par, dict):
+        return raw
+    model = _field(raw, "model") or {}
+    preset = model.get("preset", "7b")
+    instance = _field(raw, "instanceType") or "trn1.32xlarge"
+    out, par = dict(raw), dict(par)
+    out["parallelism"] = par
+    if _field(par, "tensor") is None:
+        ranks = _field(raw, "processesPerNode") or INSTANCE_TYPES[instance].ranks_per_node
+        par["tensor"] = default_tensor(ModelSpec.model_validate(model).dims(), preset, ranks)
+    if _field(raw, "precision") is None:
+        out["precision"] = PAPER_PRECISION.get(preset or "", "bf16-sr")
+    if not instance.startswith("trn"):
+        return out
+    if _field(par, "sequenceParallel") is None:
+        par["sequenceParallel"] = _field(par, "tensor") > 1
+    if _field(par, "activationCheckpointing") is None:
+        # selective, as the paper; full where selective would not fit (its figures are the
+        # memory check's: a spec that fails for another reason fails the same way with full)
+        par["activationCheckpointing"] = "selective"
+        try:
+            PretrainJobSpec.model_validate(out)
+        except ValidationError:
+            par["activationCheckpointing"] = "full"
+    return out
 
 
 def default_tensor(dims: ModelDims, preset: str | None, ranks_per_node: int) -> int:
@@ -501,25 +532,86 @@ def uses_nxd(spec: PretrainJobSpec) -> bool:
 
 
 def estimate_state_bytes_per_rank(spec: PretrainJobSpec) -> float:
-    """Weights, gradients and optimizer state on one rank (hlat_api.memory; no activations)."""
+    """Weights, gradients and optimizer state on one rank (hlat_api.memory)."""
     p = spec.parallelism
     return state_bytes_per_rank(spec.model.dims(), tp=p.tensor * p.pipeline,
                                 dp=spec.data_parallel, precision=spec.precision,
-                                managed=uses_nxd(spec), zero1=p.zero1 and spec.data_parallel > 1)
+                                managed=uses_nxd(spec), zero1=p.zero1)
+
+
+def memory_layout(spec: PretrainJobSpec) -> Layout:
+    """What the activation estimate reads from the spec. Attention is eager (s x s scores
+    kept) on NxD (nxd_model.CoreAttention) and on neuron-native (counted as SDPA's math
+    path: whether TorchNeuron fuses it is not known here); fused (SDPA's flash or
+    memory-efficient kernel) on CUDA."""
+    p = spec.parallelism
+    managed = uses_nxd(spec)
+    return Layout(seq_len=spec.data.seq_len, micro_batch=spec.train.micro_batch,
+                  tp=p.tensor * p.pipeline, sequence_parallel=p.sequence_parallel,
+                  checkpointing=p.activation_checkpointing, precision=spec.precision,
+                  managed=managed, zero1=p.zero1,
+                  eager_attention=accelerator(spec.instance_type) != "p5")
+
+
+def memory_estimate(spec: PretrainJobSpec) -> Estimate | None:
+    """A rank's peak against its device memory; None where the instance type is not checked."""
+    capacity = INSTANCE_TYPES[spec.instance_type].device_memory_gib
+    if capacity is None:
+        return None
+    act = activation_bytes(spec.model.dims(), memory_layout(spec)).total
+    return Estimate(estimate_state_bytes_per_rank(spec) / GIB, act / GIB,
+                    reserve_gib(spec.instance_type), capacity)
+
+
+def _memory_advice(spec: PretrainJobSpec, est: Estimate) -> tuple[str, list[str]]:
+    """The field to name and what to change, the biggest lever first."""
+    p, advice = spec.parallelism, []
+    state_bound = est.state + est.reserve > est.capacity
+    if not state_bound and ((not p.sequence_parallel and p.tensor > 1)
+                            or p.activation_checkpointing == "none"):
+        advice.append("turn on parallelism.sequenceParallel and activationCheckpointing: "
+                      "selective")
+    elif not state_bound and p.activation_checkpointing == "selective":
+        advice.append("set parallelism.activationCheckpointing: full")
+    tensor_up = (2 * p.tensor <= spec.ranks_per_node
+                 and spec.model.dims().heads % (2 * p.tensor) == 0)
+    if tensor_up:
+        advice.append("raise parallelism.tensor")
+    if spec.train.micro_batch > 1:
+        advice.append("lower train.microBatch")
+    advice.append("add nodes (ZeRO-1 shards the optimizer state over data-parallel ranks)"
+                  if p.zero1 else "enable parallelism.zero1")
+    if spec.precision in ("mixed", "fp32"):
+        advice.append("use precision bf16-sr (smaller weights, gradients and activations)")
+    if state_bound:
+        field = "parallelism.tensor" if tensor_up else "nodes"
+    elif not p.sequence_parallel and p.tensor > 1:
+        field = "parallelism.sequenceParallel"
+    elif p.activation_checkpointing != "full":
+        field = "parallelism.activationCheckpointing"
+    else:
+        field = "parallelism.tensor"
+    return field, advice
 
 
 def _check_memory(spec: PretrainJobSpec) -> None:
-    mem = INSTANCE_TYPES[spec.instance_type].device_memory_gib
-    if mem is None:
+    est = memory_estimate(spec)
+    if est is None or est.fits:
         return
-    need = estimate_state_bytes_per_rank(spec) / 2**30
-    if need > mem * MEMORY_HEADROOM:
-        raise SpecError(
-            "parallelism.tensor",
-            f"the {spec.precision} model state needs about {need:.1f} GiB per rank but a "
-            f"{spec.instance_type} rank has {mem:g} GiB (at most {MEMORY_HEADROOM:.0%} usable "
-            "for state): raise parallelism.tensor, enable zero1, or add nodes",
-        )
+    p = spec.parallelism
+    unit = "GPU" if accelerator(spec.instance_type) == "p5" else "NeuronCore"
+    field, advice = _memory_advice(spec, est)
+    raise SpecError(
+        field,
+        f"needs about {est.total:.1f} GiB per {unit} but a {spec.instance_type} {unit} has "
+        f"{est.capacity:g} GiB: {est.state:.1f} GiB model state ({spec.precision}, tensor "
+        f"{p.tensor}, data-parallel {spec.data_parallel}, zero1 {str(p.zero1).lower()}) + "
+        f"{est.activations:.1f} GiB activations (seqLen {spec.data.seq_len}, microBatch "
+        f"{spec.train.micro_batch}, sequenceParallel {str(p.sequence_parallel).lower()}, "
+        f"activationCheckpointing {p.activation_checkpointing}) + {est.reserve:.1f} GiB "
+        f"runtime reserve (hlat_api.memory; docs/neuron.md, \"Memory per rank\"). To fit: "
+        + "; or ".join(advice),
+    )
 
 
 def accelerator(instance_type: str) -> str:

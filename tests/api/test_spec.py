@@ -81,8 +81,9 @@ INVALID = [
     ({"checkpoint": {"interval": 0}}, "spec.checkpoint.interval", "greater than or equal to 1"),
     ({"faultTolerance": {"heartbeat": {"timeoutSeconds": "soon"}}}, "spec.faultTolerance.heartbeat.timeoutSeconds", "auto"),
     ({"faultTolerance": {"backoff": {"initialSeconds": 900}}}, "spec.faultTolerance.backoff.initialSeconds", "maxSeconds"),
-    ({"parallelism": {"tensor": 1}, "train": {"globalBatch": 2048}}, "spec.parallelism.tensor", "GiB per rank"),
-    ({"model": {"preset": "70b"}}, "spec.parallelism.tensor", "GiB per rank"),
+    ({"parallelism": {"tensor": 1}, "train": {"globalBatch": 2048}}, "spec.parallelism.tensor", "GiB per NeuronCore"),
+    ({"model": {"preset": "70b"}}, "spec.parallelism.tensor", "GiB per NeuronCore"),
+    ({"parallelism": {"tensor": 8, "sequenceParallel": False, "activationCheckpointing": "none"}}, "spec.parallelism.sequenceParallel", "GiB per NeuronCore"),
     ({"parallelism": {"tensor": 8, "activationCheckpointing": "some"}}, "spec.parallelism.activationCheckpointing", "Input should be"),
     # strings: empty, oversized, not absolute, not an object name
     ({"data": {"path": "", "tokenizer": "bytes"}}, "spec.data.path", "at least 1 character"),
@@ -126,50 +127,52 @@ def test_memory_estimate_shrinks_with_tp_and_zero1() -> None:
     tp32 = parse_spec(paper_7b(nodes=64, parallelism={"tensor": 32}))
     assert estimate_state_bytes_per_rank(base) < estimate_state_bytes_per_rank(no_zero)
     assert estimate_state_bytes_per_rank(tp32) < estimate_state_bytes_per_rank(base)
-    # neuron-xla, bf16-sr, ZeRO-1: 6.74e9 / 8 params x (2 weight + 2 grad + (2 bf16 master +
-    # 4 bf16 moments) / 256 dp ranks) bytes
+    # neuron-xla, bf16-sr, ZeRO-1: 6.74e9 / 8 params x (2 weight + 2 grad + (4 fp32 master +
+    # 8 fp32 moments) / 256 dp ranks) bytes
     assert estimate_state_bytes_per_rank(base) / 2**30 == pytest.approx(
-        6.738e9 / 8 * (4 + 6 / 256) / 2**30, rel=0.001)
+        6.738e9 / 8 * (4 + 12 / 256) / 2**30, rel=0.001)
 
 
 @pytest.mark.parametrize(("backend", "precision", "zero1", "per_param"), [
-    ("neuron-xla", "bf16-sr", True, 4 + 6 / 8), ("neuron-xla", "bf16-sr", False, 4 + 4),
-    ("neuron-xla", "mixed", True, 8 + 12 / 8), ("neuron-xla", "fp32", False, 8 + 8),
+    ("neuron-xla", "bf16-sr", True, 4 + 12 / 8), ("neuron-xla", "bf16-sr", False, 4 + 4),
+    ("neuron-xla", "mixed", True, 6 + 12 / 8), ("neuron-xla", "fp32", False, 8 + 8),
     ("neuron-native", "bf16-sr", True, 4 + 8 / 8), ("neuron-native", "bf16", False, 4 + 4),
     ("neuron-native", "mixed", True, 8 + 8 / 8),
 ])
 def test_memory_counts_what_each_stack_keeps(
     backend: str, precision: str, zero1: bool, per_param: float,
 ) -> None:
-    """NxD's ZeRO-1 keeps a master copy and moments in the parameter dtype; AdamWSR keeps fp32
-    moments and no master; torch's AdamW moments in the parameter dtype."""
+    """NxD's ZeRO-1 keeps an fp32 master shard and fp32 moments (and, for mixed, a full-size
+    fp32 gradient accumulator); AdamWSR keeps fp32 moments and no master; torch's AdamW
+    moments in the parameter dtype."""
     spec = parse_spec(paper_7b(nodes=1, backend=backend, precision=precision,
-                               model={"preset": "1b"}, parallelism={"tensor": 4, "zero1": zero1}))
+                               model={"preset": "1b"},
+                               parallelism={"tensor": 4, "zero1": zero1, "sequenceParallel": True,
+                                            "activationCheckpointing": "selective"}))
     assert spec.data_parallel == 8
     expected = spec.model.dims().param_count() / 4 * per_param
     assert estimate_state_bytes_per_rank(spec) == pytest.approx(expected, rel=1e-9)
 
 
-def test_70b_at_tensor_32_replicates_kv_heads_and_fits_from_4_nodes() -> None:
-    """The paper trained 70B with tp 32 on trn1 (OOM only at 4 nodes, activations included:
-    this estimate counts model state only and lets 4 nodes pass; docs/neuron.md)."""
+def test_70b_at_tensor_32_replicates_kv_heads() -> None:
+    """Each rank holds one whole kv head at tp 32 (8 kv heads); the state shrinks with dp."""
     def spec(nodes: int) -> Any:
         return parse_spec(paper_7b(nodes=nodes, model={"preset": "70b"},
                                    parallelism={"tensor": 32}))
 
-    assert spec(8).parallelism.tensor == 32
-    dims = spec(8).model.dims()
+    assert spec(16).parallelism.tensor == 32
+    dims = spec(16).model.dims()
     # one whole kv head (k and v, every layer) per rank, 1/32 of everything else
     kv = dims.layers * 2 * dims.hidden_size * dims.kv_heads * dims.head_dim
     assert params_per_rank(dims, 32) == pytest.approx(
         (dims.param_count() - kv) / 32 + kv / dims.kv_heads)
-    assert estimate_state_bytes_per_rank(spec(4)) > estimate_state_bytes_per_rank(spec(64))
-    with pytest.raises(InvalidSpecError, match="GiB per rank"):
+    assert estimate_state_bytes_per_rank(spec(16)) > estimate_state_bytes_per_rank(spec(64))
+    with pytest.raises(InvalidSpecError, match="GiB per NeuronCore"):
         spec(2)
 
 
 @pytest.mark.parametrize(("preset", "instance", "nodes", "per_node", "tensor"), [
-    ("7b", "trn1.32xlarge", 1, None, 8), ("70b", "trn1.32xlarge", 8, None, 32),
+    ("7b", "trn1.32xlarge", 1, None, 8), ("70b", "trn1.32xlarge", 16, None, 32),
     ("1b", "trn1.2xlarge", 1, None, 1), ("tiny", "cpu", 1, None, 1),
     ("7b", "trn1.32xlarge", 4, 4, 4), ("1b", "trn1.32xlarge", 1, None, 1),
 ])

@@ -98,7 +98,8 @@ def test_the_model_function_gets_its_arguments_after_include_buffers(
 
 
 @pytest.mark.parametrize(("precision", "dtype"), [
-    ("bf16-sr", torch.bfloat16), ("bf16", torch.bfloat16), ("mixed", torch.float32),
+    ("bf16-sr", torch.bfloat16), ("bf16", torch.bfloat16),
+    ("mixed", torch.bfloat16),  # with ZeRO-1 (the default): fp32 lives in the master weights
     ("fp32", torch.float32),
 ])
 def test_every_parallel_layer_is_built_in_the_parameter_dtype(
@@ -135,7 +136,7 @@ def test_tensor_parallel_beyond_the_kv_heads_replicates_them_with_nxd_s_gqa_laye
 
 
 @pytest.mark.parametrize(("clip", "max_norm"), [(1.0, 1.0), (0.5, 0.5), (0.0, nx._NO_CLIP)])
-def test_zero1_gets_the_spec_s_clip_and_keeps_bf16_state_under_bf16_sr(
+def test_zero1_gets_the_spec_s_clip_and_an_fp32_optimizer_under_bf16_sr(
     monkeypatch: pytest.MonkeyPatch, clip: float, max_norm: float,
 ) -> None:
     spec = make_spec(optimizer={"warmupSteps": 1, "gradClip": clip},
@@ -143,8 +144,59 @@ def test_zero1_gets_the_spec_s_clip_and_keeps_bf16_state_under_bf16_sr(
     _, calls, _, optimizer = build(spec, monkeypatch)
     (zero1,) = calls.named("NeuronZero1Optimizer")
     assert zero1["max_norm"] == max_norm  # torch-xla clips at 1.0 when it gets none
-    assert zero1["optimizer_dtype"] == torch.bfloat16  # fp32 master + moments otherwise
+    # the norm is accumulated and all-reduced in this dtype (grads.py get_grad_norm)
+    assert zero1["optimizer_dtype"] == torch.float32
     assert optimizer.max_norm == max_norm  # type: ignore[attr-defined]
+
+
+# precision, zero1 -> parameters, optimizer_dtype, (master weights, fp32 grad acc, master in ckpt)
+RECIPES = [
+    ("bf16-sr", True, torch.bfloat16, torch.float32, (True, False, True)),
+    ("bf16", True, torch.bfloat16, torch.float32, (True, False, True)),
+    ("mixed", True, torch.bfloat16, torch.float32, (True, True, True)),  # the paper's 70B
+    ("fp32", True, torch.float32, torch.float32, (True, False, False)),
+    ("bf16-sr", False, torch.bfloat16, None, (False, False, False)),  # the paper's 7B
+    ("mixed", False, torch.float32, None, (False, False, False)),
+    ("fp32", False, torch.float32, None, (False, False, False)),
+]
+
+
+@pytest.mark.parametrize(("precision", "zero1", "params", "opt_dtype", "flags"), RECIPES)
+def test_each_precision_maps_to_the_paper_s_nxd_recipe(
+    monkeypatch: pytest.MonkeyPatch, precision: str, zero1: bool, params: torch.dtype,
+    opt_dtype: torch.dtype | None, flags: tuple[bool, bool, bool],
+) -> None:
+    spec = make_spec(parallelism={"zero1": zero1}, precision=precision)
+    _, calls, model, _ = build(spec, monkeypatch)
+    assert {p.dtype for p in model.parameters()} == {params}
+    (config,) = calls.named("neuronx_distributed_config")
+    mp = config["mixed_precision_config"]
+    assert (mp["use_master_weights"], mp["use_fp32_grad_acc"],
+            mp["use_master_weights_in_ckpt"]) == flags
+    zero1_calls = calls.named("NeuronZero1Optimizer")
+    assert [c["optimizer_dtype"] for c in zero1_calls] == ([opt_dtype] if zero1 else [])
+
+
+def test_a_resume_loads_the_model_before_the_optimizer_in_separate_calls(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """One call would load the optimizer first (checkpoint.py 894-951), and ZeRO-1 would
+    re-shard the unloaded parameters (tests/xla/test_xla_zero1_resume.py runs it for real)."""
+    backend, calls, model, optimizer = build(make_spec(parallelism={"zero1": True}), monkeypatch)
+    monkeypatch.setattr(backend, "step_end", lambda: None)
+    backend.load_checkpoint(str(tmp_path), 4, model, optimizer)
+    loads = calls.named("load_checkpoint")
+    assert [(c.get("model") is model, c.get("optimizer") is optimizer) for c in loads] == [
+        (True, False), (False, True)]
+
+
+def test_the_model_is_built_on_the_meta_device_with_nxd_s_param_init_fn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, calls, _, _ = build(make_spec(), monkeypatch)
+    (config,) = calls.named("neuronx_distributed_config")
+    init = config["model_init_config"]
+    assert init["meta_device_init"] is True and init["param_init_fn"] is nm.init_module
 
 
 def test_without_zero1_nothing_reaches_adamw_that_it_refuses(

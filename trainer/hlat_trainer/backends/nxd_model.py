@@ -241,7 +241,8 @@ def init_module(module: nn.Module, device: torch.device) -> None:
         torch.manual_seed(module.init_seed)
     if isinstance(module, RMSNorm):
         module.weight.data.fill_(1.0)
-    elif hasattr(module, "init_weight_cpu"):
-        module.init_weight_cpu()
-    elif hasattr(module, "initialize_weight_biases"):
-        module.initialize_weight_biases()
+    else:  # NxD's classes, known here only by their methods (imported lazily elsewhere)
+        init = getattr(module, "init_weight_cpu", None) or getattr(
+            module, "initialize_weight_biases", None)
+        if callable(init):
+            init()

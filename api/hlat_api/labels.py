@@ -54,11 +54,23 @@ e.g. nodes to avoid and the no-progress streak. Written only by the operator."""
 TRAINER_UID: Final = 10001
 """The user Dockerfile.trainer runs as (its USER_UID build argument; a test keeps them equal).
 The node-local compile cache is handed to this user before the trainer starts."""
+NEURON_ROOT_COMM_PORT: Final = 48620
+"""First port of the Neuron runtime's root communicator (NEURON_RT_ROOT_COMM_ID=<ip>:<port>,
+listened on at node rank 0). 48620 is AWS's own choice: aws-neuron-sdk
+archive/nxd-training/training-troubleshooting.rst:318-335 (reserve it, then set
+NEURON_RT_ROOT_COMM_ID to it), and NxD's launch scripts reserve 44000,48620 (44000 is their
+torchrun --master_port, e.g. examples/training/llama/tp_zero1_llama_hf_pretrain/
+tp_zero1_llama2_7B_hf_pretrain.sh:55,64; ours is the operator's masterPort, 29500 + attempt %
+16, below Linux's ephemeral range 32768-60999, so it needs no reservation)."""
+NEURON_ROOT_COMM_PORTS: Final = 16
+"""Attempt N uses NEURON_ROOT_COMM_PORT + N % 16 (as the agent's rendezvous ports rotate), so a
+straggler of the previous in-place attempt in the same pod never reaches the new root."""
 NEURON_RESERVED_PORTS_SYSCTL: Final = "net.ipv4.ip_local_reserved_ports"
-NEURON_RESERVED_PORTS: Final = "44000,48620"
-"""Ports the Neuron runtime and collectives listen on, kept out of the ephemeral range so an
-outgoing connection cannot take them first (NxD's and HLAT's launch scripts reserve them with
-sysctl; a pod sets it as a namespaced "safe" sysctl, allowed since Kubernetes 1.27)."""
+NEURON_RESERVED_PORTS: Final = (
+    f"{NEURON_ROOT_COMM_PORT}-{NEURON_ROOT_COMM_PORT + NEURON_ROOT_COMM_PORTS - 1}")
+"""The root communicator's ports, inside the ephemeral range and so kept out of it: an outgoing
+connection cannot take one first (a pod sets it as a namespaced "safe" sysctl, allowed since
+Kubernetes 1.27)."""
 
 # --- well-known keys of other systems --------------------------------------------------------
 

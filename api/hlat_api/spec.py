@@ -295,15 +295,32 @@ class NeuronSpec(_Model):
     """Neuron compiler and runtime settings (Trainium only); see docs/neuron.md."""
 
     cache_dir: AbsolutePath = "/var/tmp/neuron-compile-cache"
-    """Node-local compile cache (never on the shared volume: the paper saw timeouts there)."""
-    compiler_flags: list[str] = Field(default_factory=lambda: ["--model-type=transformer"])
-    """Extra NEURON_CC_FLAGS; --cache_dir is added from cacheDir."""
+    """Node-local compile cache the compiler reads and writes (--cache_dir and NEURON_COMPILE_CACHE_URL both name it); never on the shared volume: the paper saw timeouts there."""
+    shared_cache_dir: AbsolutePath | None = None
+    """Shared copy of the compile cache on the job's volume: hlat-launch copies its graphs into cacheDir before the workers start and publishes new ones back, so a new or spare node starts warm. Unset: `<checkpoint.dir>/.neuron-compile-cache`."""
+    share_cache: bool = True
+    """Seed cacheDir from sharedCacheDir and publish new graphs back; false keeps each node's cache to itself."""
+    compiler_flags: list[str] = Field(
+        default_factory=lambda: ["--model-type=transformer", "--distribution-strategy=llm-training"])
+    """NEURON_CC_FLAGS (the paper's, section 3.5); --cache_dir is added from cacheDir."""
+    exec_timeout_seconds: Annotated[int, Field(ge=1)] = 4000
+    """NEURON_RT_EXEC_TIMEOUT: how long one graph execution, a collective waiting for a peer that is still compiling included, may take (the paper's scripts: 4000)."""
     fuse_softmax: bool = True
     """NEURON_FUSE_SOFTMAX=1: the compiler's custom softmax lowering (paper 3.5)."""
     async_exec_max_inflight_requests: Annotated[int, Field(ge=0)] = 3
     """NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS: overlap host and device work (paper 3.5)."""
     compile_only: bool = False
     """Only trace and compile the graphs (for neuron_parallel_compile), then exit."""
+
+    @model_validator(mode="after")
+    def _caches_differ(self) -> NeuronSpec:
+        if self.shared_cache_dir is not None and (
+                self.shared_cache_dir.rstrip("/") == self.cache_dir.rstrip("/")):
+            raise SpecError(
+                "neuron.sharedCacheDir", "must differ from neuron.cacheDir: cacheDir is the "
+                "node-local cache the compiler uses, sharedCacheDir the copy on the shared "
+                "volume it is seeded from")
+        return self
 
 
 class PretrainJobSpec(_Model):

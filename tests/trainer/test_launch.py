@@ -113,8 +113,11 @@ def test_compile_only_off_neuron_is_a_launch_error() -> None:
 
 @pytest.fixture
 def config_file(tmp_path: Path) -> Path:
+    """A 4-node trn1 spec whose node-local and shared compile caches are under tmp_path."""
     path = tmp_path / "spec.json"
-    path.write_text(json.dumps(spec_raw()))
+    path.write_text(json.dumps(spec_raw(
+        checkpoint={"dir": str(tmp_path / "fsx")},
+        neuron={"cacheDir": str(tmp_path / "local-cache")})))
     return path
 
 
@@ -128,8 +131,10 @@ def _set_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
 def test_main_runs_torchrun_with_the_merged_environment(
     config_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config_file)}))
+    _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config_file), Env.MASTER_ADDR: "localhost",
+                                     Env.ATTEMPT: "17"}))
     monkeypatch.delenv("FI_PROVIDER", raising=False)
+    monkeypatch.delenv("NEURON_RT_ROOT_COMM_ID", raising=False)
     seen: dict[str, Any] = {}
 
     def fake_supervise(args: list[str], env: dict[str, str], exit_file: Path) -> int:
@@ -144,6 +149,8 @@ def test_main_runs_torchrun_with_the_merged_environment(
     # first (the local rig's kubelets may have been started from another checkout)
     assert seen["env"]["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
     assert float(seen["env"][Env.LAUNCHED_MONOTONIC]) > 0
+    # the runtime's root communicator: node rank 0's IP (not its DNS name) and attempt 17's port
+    assert seen["env"]["NEURON_RT_ROOT_COMM_ID"] in ("127.0.0.1:48621", "[::1]:48621")
 
 
 def test_main_dry_run_prints_the_command(
@@ -186,8 +193,9 @@ def test_the_launcher_does_not_import_torch() -> None:
 
 
 def test_workers_get_the_launcher_s_compiler_flags_through_the_operator_s_pod() -> None:
-    """The pod the operator builds, then the launcher in it: the flags the launcher computes
-    (saturate-infinity on trn1, -O1 for selective recompute) reach the workers."""
+    """The pod the operator builds, then the launcher in it: the flags and runtime settings the
+    launcher computes reach the workers (the pod sets none that would shadow them), and the
+    pod reserves the root communicator's ports."""
     from hlat_operator import builders
     from hlat_operator.config import OperatorSettings
 
@@ -196,9 +204,16 @@ def test_workers_get_the_launcher_s_compiler_flags_through_the_operator_s_pod() 
     pod = builders.build_worker_pod(job, spec, 0, 1, OperatorSettings())
     env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
     _, extra = build_command(env, spec)
-    flags = {**env, **extra}["NEURON_CC_FLAGS"].split()
-    assert "--enable-saturate-infinity" in flags and "-O1" in flags
-    assert {**env, **extra}["NEURON_RT_NUM_CORES"] == "32"
+    merged = {**env, **extra}
+    flags = merged["NEURON_CC_FLAGS"].split()
+    assert "--distribution-strategy=llm-training" in flags and "-O1" not in flags
+    assert merged["NEURON_RT_NUM_CORES"] == "32"
+    assert merged["NEURON_RT_EXEC_TIMEOUT"] == "4000"
+    assert merged["XLA_DISABLE_FUNCTIONALIZATION"] == "0"
+    from hlat_trainer.neuron_env import root_comm_port
+    sysctls = {s["name"]: s["value"] for s in pod["spec"]["securityContext"]["sysctls"]}
+    low, high = (int(p) for p in sysctls["net.ipv4.ip_local_reserved_ports"].split("-"))
+    assert all(low <= root_comm_port(a) <= high for a in range(64))
 
 
 def test_main_refuses_a_node_whose_neuron_driver_is_too_old(
@@ -250,3 +265,99 @@ def test_the_supervisor_forwards_sigterm_to_torchrun(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 143
     assert marker.read_text() == "x"
+
+
+# --- the compile cache and the root communicator, through main ------------------------------
+
+
+def test_the_workers_start_with_the_shared_cache_and_their_new_graphs_are_published(
+    config_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A node (a replacement, a spare) starts warm from what its peers published, and what it
+    compiles reaches the next node: the launcher copies before torchrun, publishes after."""
+    shared, local = tmp_path / "fsx" / ".neuron-compile-cache", tmp_path / "local-cache"
+    version = "neuronxcc-2.21.18209.0+043b1bf7"
+    old = shared / version / "MODULE_1+aa"
+    old.mkdir(parents=True)
+    (old / "model.neff").write_bytes(b"compiled by a peer")
+    (old / "model.done").write_text("")
+    _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config_file), Env.MASTER_ADDR: "127.0.0.1"}))
+    monkeypatch.delenv("NEURON_RT_ROOT_COMM_ID", raising=False)
+    seen: dict[str, Any] = {}
+
+    def fake_supervise(args: list[str], env: dict[str, str], exit_file: Path) -> int:
+        seen["at_start"] = (local / version / "MODULE_1+aa" / "model.neff").read_bytes()
+        new = local / version / "MODULE_2+aa"  # what this node's workers compiled
+        new.mkdir(parents=True)
+        (new / "model.neff").write_bytes(b"compiled here")
+        (new / "model.done").write_text("")
+        return 0
+
+    monkeypatch.setattr(launch, "supervise", fake_supervise)
+    assert launch.main([]) == 0
+    assert seen["at_start"] == b"compiled by a peer"
+    assert (shared / version / "MODULE_2+aa" / "model.neff").read_bytes() == b"compiled here"
+    assert "seeded" in capsys.readouterr().err
+
+
+def test_an_unwritable_shared_cache_does_not_stop_training(
+    config_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (tmp_path / "fsx").write_text("not a directory")  # the shared volume is broken
+    _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config_file), Env.MASTER_ADDR: "127.0.0.1"}))
+    (tmp_path / "local-cache" / "neuronxcc-1" / "MODULE_1+aa").mkdir(parents=True)
+    for name in ("model.neff", "model.done"):
+        (tmp_path / "local-cache" / "neuronxcc-1" / "MODULE_1+aa" / name).write_text("")
+    monkeypatch.setattr(launch, "supervise", lambda *a: 0)
+    assert launch.main([]) == 0
+    assert "error" in capsys.readouterr().err
+
+
+def test_an_unresolvable_master_ends_the_pod_as_a_retryable_failure(
+    config_file: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hlat_trainer import neuron_env
+
+    _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config_file),
+                                     Env.MASTER_ADDR: "no-such-host.invalid"}))
+    monkeypatch.delenv("NEURON_RT_ROOT_COMM_ID", raising=False)
+    monkeypatch.setattr(neuron_env, "RESOLVE_SECONDS", 0.5)
+    monkeypatch.setattr(launch, "supervise", lambda *a: pytest.fail("must not start torchrun"))
+    assert launch.main([]) == 1  # not CONFIG_ERROR: the next attempt may resolve it
+    assert "'no-such-host.invalid' ($HLAT_MASTER_ADDR)" in capsys.readouterr().err
+
+
+def test_the_in_place_agent_resolves_the_root_comm_per_attempt(
+    config_file: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under InPlace node rank 0 can change between attempts (a spare takes it): the address
+    is resolved when each attempt starts, on that attempt's port."""
+    from hlat_trainer import agent
+
+    _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config_file), Env.GANG_LEASE: "llama-gang"}))
+    monkeypatch.delenv("NEURON_RT_ROOT_COMM_ID", raising=False)
+    made: dict[str, Any] = {}
+
+    class FakeAgent:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.update(kwargs)
+
+        def run(self, *args: Any) -> int:
+            return 0
+
+    monkeypatch.setattr(agent, "Agent", FakeAgent)
+    monkeypatch.setattr(agent.LeaseControl, "from_environment", staticmethod(lambda env: None))
+    assert launch.main([]) == 0
+    assert made["attempt_env"]("127.0.0.1", 5) == {"NEURON_RT_ROOT_COMM_ID": "127.0.0.1:48625"}
+
+
+def test_a_pod_cache_url_the_compiler_would_ignore_is_refused(
+    config_file: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config_file),
+                                     "NEURON_COMPILE_CACHE_URL": "s3://bucket/cache"}))
+    monkeypatch.setattr(launch, "supervise", lambda *a: pytest.fail("must not start torchrun"))
+    assert launch.main([]) == ExitCode.CONFIG_ERROR
+    assert "NEURON_COMPILE_CACHE_URL=s3://bucket/cache" in capsys.readouterr().err

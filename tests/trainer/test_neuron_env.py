@@ -1,18 +1,29 @@
-"""The Neuron environment and compile-only prefix computed from the spec (pure functions)."""
+"""The Neuron environment and compile-only prefix computed from the spec (pure functions), and
+the root communicator's address (resolved, bounded)."""
 
 from __future__ import annotations
 
+import itertools
+import socket
 from typing import Any
 
 import pytest
 
-from hlat_api import PretrainJobSpec, parse_spec
+from hlat_api import PretrainJobSpec, labels, parse_spec
+from hlat_trainer import neuron_env
 from hlat_trainer.neuron_env import (
     EFA_ENV,
+    RootCommError,
+    cache_url_conflict,
     check_neuron_driver,
     compile_command_prefix,
     compiler_flags,
     extracting_graphs_only,
+    neuron_runtime_environment,
+    resolve_ip,
+    root_comm_id,
+    root_comm_port,
+    shared_cache_dir,
     worker_environment,
 )
 
@@ -35,9 +46,11 @@ def make_spec(instance: str = "trn1.32xlarge", nodes: int = 1, **over: Any) -> P
 def test_trn1_single_node_has_the_paper_settings_and_no_efa() -> None:
     env = worker_environment(make_spec("trn1.32xlarge"), nnodes=1)
     assert env == {
-        "NEURON_CC_FLAGS": "--model-type=transformer --enable-saturate-infinity "
+        "NEURON_CC_FLAGS": "--model-type=transformer --distribution-strategy=llm-training "
                            "--cache_dir=/var/tmp/neuron-compile-cache",
         "NEURON_COMPILE_CACHE_URL": "/var/tmp/neuron-compile-cache",
+        "NEURON_RT_EXEC_TIMEOUT": "4000",
+        "XLA_DISABLE_FUNCTIONALIZATION": "0",
         "NEURON_FUSE_SOFTMAX": "1",
         "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": "3",
         "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1",
@@ -66,16 +79,26 @@ def test_instance_without_efa_gets_no_efa_variables() -> None:
     assert "FI_PROVIDER" not in worker_environment(spec, nnodes=2)
 
 
-@pytest.mark.parametrize(("instance", "saturate", "cores"), [
-    ("trn1.32xlarge", True, "32"), ("trn1n.32xlarge", True, "32"), ("trn2.48xlarge", False, "64"),
+@pytest.mark.parametrize(("instance", "cores", "lnc"), [
+    ("trn1.32xlarge", "32", None), ("trn1n.32xlarge", "32", None), ("trn2.48xlarge", "64", "2"),
 ])
-def test_saturate_infinity_on_trn1_only_and_cores_per_instance(
-    instance: str, saturate: bool, cores: str
+def test_the_paper_s_flags_on_every_instance_and_cores_per_instance(
+    instance: str, cores: str, lnc: str | None
 ) -> None:
+    """The paper's compiler section: --distribution-strategy=llm-training and
+    --model-type=transformer; no --enable-saturate-infinity added behind the spec's back (the
+    paper's scripts ran without it, the compiler reference warns of its cost)."""
+    flags = worker_environment(make_spec(instance), nnodes=1)["NEURON_CC_FLAGS"].split()
+    assert flags[:2] == ["--model-type=transformer", "--distribution-strategy=llm-training"]
+    assert "--enable-saturate-infinity" not in flags
     env = worker_environment(make_spec(instance), nnodes=1)
-    assert ("--enable-saturate-infinity" in env["NEURON_CC_FLAGS"].split()) is saturate
     assert env["NEURON_RT_NUM_CORES"] == cores
-    assert env.get("NEURON_LOGICAL_NC_CONFIG") == (None if saturate else "2")
+    assert env.get("NEURON_LOGICAL_NC_CONFIG") == lnc
+
+
+def test_flags_the_spec_asks_for_are_kept() -> None:
+    own = ["--model-type=transformer", "--enable-saturate-infinity", "-O1"]
+    assert compiler_flags(make_spec(neuron__compilerFlags=own))[:-1] == own
 
 
 @pytest.mark.parametrize(("precision", "sr"), [("bf16-sr", "1"), ("bf16", "0"), ("mixed", "0"),
@@ -94,13 +117,31 @@ def test_cache_dir_is_the_local_one_from_the_spec_and_last() -> None:
     assert sum(f.startswith("--cache_dir") for f in flags) == 1  # the shared one is dropped
 
 
-def test_selective_checkpointing_adds_O1_unless_a_level_is_given() -> None:
-    sel = make_spec(parallelism__activationCheckpointing="selective")
-    assert "-O1" in compiler_flags(sel)
-    assert "-O1" not in compiler_flags(make_spec(parallelism__activationCheckpointing="full"))
-    own = make_spec(parallelism__activationCheckpointing="selective",
-                    neuron__compilerFlags=["--model-type=transformer", "-O2"])
-    assert [f for f in compiler_flags(own) if f.startswith("-O")] == ["-O2"]
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_activation_checkpointing_does_not_force_O1(mode: str) -> None:
+    """NxD's checkpoint wrapper (neuronx-distributed src/neuronx_distributed/utils/
+    activation_checkpoint.py:37-46) is torch-xla's checkpoint, whose backward puts an
+    optimization barrier before the recompute (torch-xla v2.9.0 torch_xla/utils/
+    checkpoint.py:168-177), so the compiler keeps it at the default level; -O1 would slow every
+    step for nothing."""
+    flags = compiler_flags(make_spec(parallelism__activationCheckpointing=mode))
+    assert not [f for f in flags if f.startswith("-O") or f.startswith("--optlevel")]
+
+
+def test_exec_timeout_outlasts_a_peer_s_compile_and_follows_the_spec() -> None:
+    """The runtime's default (30 s / 600 s) times out every peer of a node still compiling;
+    the paper's scripts set 4000 s."""
+    assert neuron_runtime_environment(make_spec())["NEURON_RT_EXEC_TIMEOUT"] == "4000"
+    env = neuron_runtime_environment(make_spec(neuron__execTimeoutSeconds=7200))
+    assert env["NEURON_RT_EXEC_TIMEOUT"] == "7200"
+
+
+@pytest.mark.parametrize(("instance", "backend"), [("trn1.32xlarge", "neuron-xla"),
+                                                   ("trn2.48xlarge", "neuron-native")])
+def test_functionalization_is_on(instance: str, backend: str) -> None:
+    """torch-neuronx's default (1) gives wrong values for split views (pytorch/xla#8640)."""
+    env = worker_environment(make_spec(instance, backend=backend), nnodes=1)
+    assert env["XLA_DISABLE_FUNCTIONALIZATION"] == "0"
 
 
 def test_fuse_softmax_and_inflight_follow_the_spec() -> None:
@@ -150,3 +191,83 @@ def test_neuron_driver_older_than_the_image_needs_is_named(version: str | None, 
     assert (problem is None) is ok
     if not ok:
         assert version in problem and "aws-neuronx-dkms" in problem  # type: ignore[operator]
+
+
+# --- the shared compile cache and NEURON_COMPILE_CACHE_URL -----------------------------------
+
+
+def test_the_shared_cache_defaults_beside_the_checkpoints_and_can_be_named_or_turned_off() -> None:
+    assert shared_cache_dir(make_spec(checkpoint__dir="/fsx/ckpt/")) == (
+        "/fsx/ckpt/.neuron-compile-cache")
+    assert shared_cache_dir(make_spec(neuron__sharedCacheDir="/fsx/ncc")) == "/fsx/ncc"
+    assert shared_cache_dir(make_spec(neuron__shareCache=False)) is None
+    assert shared_cache_dir(make_spec("cpu", train__globalBatch=4)) is None
+
+
+def test_a_shared_cache_equal_to_the_local_one_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"spec\.neuron\.sharedCacheDir: must differ"):
+        make_spec(neuron__sharedCacheDir="/var/tmp/neuron-compile-cache")
+
+
+@pytest.mark.parametrize(("env", "conflict"), [
+    ({}, False),
+    ({"NEURON_COMPILE_CACHE_URL": "/var/tmp/neuron-compile-cache/"}, False),
+    ({"NEURON_COMPILE_CACHE_URL": "s3://bucket/cache"}, True),  # --cache_dir would win
+    ({"NEURON_COMPILE_CACHE_URL": "s3://bucket/cache", "NEURON_CC_FLAGS": "-O2"}, False),
+])
+def test_a_cache_url_the_compiler_would_ignore_is_named(env: dict[str, str],
+                                                        conflict: bool) -> None:
+    problem = cache_url_conflict(env, make_spec())
+    assert (problem is not None) is conflict
+    if conflict:
+        assert "sharedCacheDir" in problem and "--cache_dir" in problem  # type: ignore[operator]
+
+
+# --- NEURON_RT_ROOT_COMM_ID ------------------------------------------------------------------
+
+
+def test_root_comm_id_is_an_ip_and_port() -> None:
+    assert root_comm_id("10.1.2.3", 0) == "10.1.2.3:48620"
+    assert root_comm_id("localhost", 0).split(":")[0] in ("127.0.0.1", "[::1]")
+    six = [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00::5", 0, 0, 0))]
+    assert root_comm_id("llama-0.llama", 1, resolve=lambda *a, **k: six) == "[fd00::5]:48621"
+
+
+def test_root_comm_ports_differ_between_attempts_and_are_all_reserved() -> None:
+    low, high = (int(p) for p in labels.NEURON_RESERVED_PORTS.split("-"))
+    ports = [root_comm_port(a) for a in range(40)]
+    assert all(low <= p <= high for p in ports)
+    assert all(a != b for a, b in itertools.pairwise(ports))
+
+
+def test_an_address_that_resolves_late_is_waited_for_within_the_bound() -> None:
+    now = [0.0]
+    calls = []
+
+    def resolve(host: str, *_: Any, **__: Any) -> list[tuple[Any, ...]]:
+        calls.append(now[0])
+        if now[0] < 3:
+            raise socket.gaierror(-2, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.7", 0))]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    assert resolve_ip("llama-0.llama", resolve=resolve, sleep=sleep, clock=lambda: now[0],
+                      bound=10) == "10.0.0.7"
+    assert len(calls) > 2
+
+
+def test_an_address_that_never_resolves_is_a_clear_error_at_the_bound() -> None:
+    now = [0.0]
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    def never(*_: Any, **__: Any) -> list[tuple[Any, ...]]:
+        raise socket.gaierror(-2, "Name or service not known")
+
+    with pytest.raises(RootCommError, match=r"'llama-0.llama' \(\$HLAT_MASTER_ADDR\).*30s"):
+        resolve_ip("llama-0.llama", resolve=never, sleep=sleep, clock=lambda: now[0], bound=30)
+    assert 30 <= now[0] < 36
+    assert neuron_env.RESOLVE_SECONDS >= 60  # a pod's record may take a while to appear

@@ -27,7 +27,15 @@ Choices:
 - The launcher does not import torch: errors in the env or config are reported at once.
 
 On a Neuron backend the node's driver (`/sys/module/neuron/version`) is checked against the
-oldest the pinned image's runtime supports, before anything starts.
+oldest the pinned image's runtime supports, before anything starts. Also on Neuron:
+- the node-local compile cache is seeded from the shared copy before the workers start and
+  new graphs are published back while they run and when they end (`compile_cache.CacheSync`,
+  bounded in time, failures reported and never fatal);
+- across nodes, NEURON_RT_ROOT_COMM_ID is node rank 0's IP and a port of the attempt
+  (`neuron_env.root_comm_id`), resolved when each attempt starts: an address that does not
+  resolve in time ends the pod with exit code 1 (the operator restarts the gang);
+- a NEURON_COMPILE_CACHE_URL the pod sets, which the compiler would ignore in favour of the
+  launcher's `--cache_dir`, is refused (`neuron_env.cache_url_conflict`).
 
 Missing or invalid variables and bad configs print one line naming the variable or field and
 exit with `ExitCode.CONFIG_ERROR` (permanent: restarting the gang cannot fix them).
@@ -51,10 +59,16 @@ from pathlib import Path
 
 from hlat_api import Env, ExitCode, InvalidSpecError, PretrainJobSpec, load_job
 from hlat_trainer.backends import is_neuron, resolve_backend_name
+from hlat_trainer.compile_cache import CacheSync
 from hlat_trainer.neuron_env import (
     NEURON_DRIVER_VERSION_FILE,
+    ROOT_COMM_ID,
+    RootCommError,
+    cache_url_conflict,
     check_neuron_driver,
     compile_command_prefix,
+    root_comm_id,
+    shared_cache_dir,
     worker_environment,
 )
 
@@ -156,7 +170,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise LaunchError(f"${Env.CONFIG} is not set (path of the PretrainJob spec, JSON/YAML)")
         spec = load_job(config).spec
         command, extra = build_command(env, spec, trainer_args)
-        if is_neuron(resolve_backend_name(spec)) and not args.dry_run:
+        neuron = is_neuron(resolve_backend_name(spec))
+        conflict = cache_url_conflict(env, spec) if neuron else None
+        if conflict:
+            raise LaunchError(conflict)
+        if neuron and not args.dry_run:
             problem = check_neuron_driver(read_driver_version())
             if problem:
                 raise LaunchError(problem)
@@ -173,12 +191,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     if env.get(Env.GANG_LEASE):
         print("# restartStrategy InPlace: hlat-launch starts and restarts the workers itself; "
               "the torchrun line below is their equivalent", file=out)
+    root_comm = neuron and nnodes > 1 and ROOT_COMM_ID not in env
+    shared = shared_cache_dir(spec)
+    if root_comm:
+        print(f"# {ROOT_COMM_ID}=<node rank 0's IP>:<port of the attempt>, resolved at start",
+              file=out)
+    if shared:
+        print(f"# compile cache: {spec.neuron.cache_dir} seeded from {shared}, new graphs "
+              "published back", file=out)
     print(shlex.join(command), file=out, flush=True)
     if args.dry_run:
         return ExitCode.OK
-    base = {**env, **extra, "PATH": own_bin_first(env.get("PATH", ""))}
-    if env.get(Env.GANG_LEASE) and not compile_command_prefix(spec):
-        return run_in_place(env, spec, base, command, launched)
+    in_place = bool(env.get(Env.GANG_LEASE)) and not compile_command_prefix(spec)
+    cache = (CacheSync(spec.neuron.cache_dir, shared, pull=in_place and env.get(Env.SPARE) == "1",
+                       say=lambda line: print(f"hlat-launch: {line}", file=sys.stderr, flush=True))
+             if shared else None)
+    try:
+        if cache is not None:
+            cache.seed()
+            cache.start()
+        return _run(env, spec, extra, command, launched, in_place, root_comm)
+    except RootCommError as err:  # not permanent: a new attempt may find the address
+        print(f"hlat-launch: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if cache is not None:
+            cache.stop()
+
+
+def _run(env: Mapping[str, str], spec: PretrainJobSpec, extra: dict[str, str],
+         command: Sequence[str], launched: float, in_place: bool, root_comm: bool) -> int:
+    """Start the workers: the in-place agent, or torchrun under the supervisor."""
+    if in_place:
+        base = {**env, **extra, "PATH": own_bin_first(env.get("PATH", ""))}
+        return run_in_place(env, spec, base, command, launched, root_comm)
+    if root_comm:
+        extra = {**extra, ROOT_COMM_ID: root_comm_id(env[Env.MASTER_ADDR].strip(),
+                                                     _int_var(env, Env.ATTEMPT, 0, 0))}
     exit_file = Path(tempfile.mkdtemp(prefix="hlat-launch-")) / "exit-code"
     try:
         return supervise(command, {**env, **extra, Env.LAUNCHED_MONOTONIC: f"{launched:.6f}",
@@ -193,7 +242,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def run_in_place(env: Mapping[str, str], spec: PretrainJobSpec, base: dict[str, str],
-                 command: Sequence[str], launched: float) -> int:
+                 command: Sequence[str], launched: float, root_comm: bool = False) -> int:
     """`restartStrategy: InPlace`: the agent starts and restarts this node's workers itself
     (`hlat_trainer.agent`); SIGTERM from the kubelet stops them and ends the pod."""
     from hlat_trainer import agent
@@ -211,7 +260,8 @@ def run_in_place(env: Mapping[str, str], spec: PretrainJobSpec, base: dict[str, 
     spare = env.get(Env.SPARE) == "1"
     runner = agent.Agent(layout, trainer_argv, base, agent.LeaseControl.from_environment(env),
                          spec.fault_tolerance.backoff.max_seconds + agent.WAIT_MARGIN_SECONDS,
-                         pod=env.get(Env.POD_NAME, ""), spare=spare)
+                         pod=env.get(Env.POD_NAME, ""), spare=spare,
+                         attempt_env=_root_comm_env if root_comm else None)
 
     def stop(sig: int, _frame: object) -> None:
         raise SystemExit(128 + sig)
@@ -220,6 +270,10 @@ def run_in_place(env: Mapping[str, str], spec: PretrainJobSpec, base: dict[str, 
         signal.signal(sig, stop)
     attempt = -1 if spare else _int_var(env, Env.ATTEMPT, 0, 0)
     return runner.run(attempt, _int_var(env, Env.STEPS_DONE, 0, 0), launched)
+
+
+def _root_comm_env(master_addr: str, attempt: int) -> dict[str, str]:
+    return {ROOT_COMM_ID: root_comm_id(master_addr, attempt)}
 
 
 def supervise(command: Sequence[str], env: Mapping[str, str], exit_file: Path) -> int:

@@ -2,18 +2,32 @@
 one place.
 
 `worker_environment(spec, nnodes=...)` is a pure function: the launcher (`hlat-launch`) merges
-its result into the environment before it execs torchrun, so every worker process, and the
+its result into the environment before it starts the workers, so every worker process, and the
 neuronx-cc compiler they start, sees the same settings. It is the only source: the operator's
 pods set none of these variables (one the pod does set is a deliberate override the launcher
-keeps). Values and sources
-(/shared/reference/neuron-eks.md, "Environment and flags used for LLaMA pretraining on trn1"):
+keeps). Values and sources (docs/neuron.md, "The workers' environment", has the table):
 
-- NEURON_CC_FLAGS: `spec.neuron.compilerFlags`, then `--enable-saturate-infinity` on trn1 only
-  (trn1/trn1n; the flag is documented for trn1), `-O1` when activation checkpointing is
-  selective and no `-O` level was given (recompute must survive the compiler's optimisations),
-  and last `--cache_dir=<spec.neuron.cacheDir>`, a node-local path (never the shared volume: the
-  paper saw timeouts there). A `--cache_dir` among compilerFlags is dropped: cacheDir is the one
-  place to set it.
+- NEURON_CC_FLAGS: `spec.neuron.compilerFlags` (default the paper's `--model-type=transformer
+  --distribution-strategy=llm-training`), then `--cache_dir=<spec.neuron.cacheDir>`. A
+  `--cache_dir` among compilerFlags is dropped: cacheDir is the one place to set it. Nothing
+  else is added: no `-O1` for selective recompute (NxD wraps checkpointed modules in torch-xla's
+  checkpoint, which puts an optimization barrier in front of the recompute, so the compiler
+  cannot merge it away; the paper's scripts ran selective checkpointing without -O1), and no
+  `--enable-saturate-infinity` (not in the paper's scripts; the compiler reference says it may
+  cost performance; the NxD model masks with the dtype's minimum, not -inf). Either can be put in
+  compilerFlags.
+- NEURON_COMPILE_CACHE_URL = cacheDir as well: `--cache_dir` wins over it when both are set
+  (neuron-caching.rst:116), so naming the same node-local path in both keeps one truth for every
+  tool that reads either. A shared cache is not an s3:// URL here but `neuron.sharedCacheDir`,
+  copied in and out by `hlat_trainer.compile_cache`.
+- NEURON_RT_EXEC_TIMEOUT: `spec.neuron.execTimeoutSeconds` (4000, the paper's scripts); the
+  runtime's default (30 s in configuration-guide.rst, 600 s for trn1 in nrt-developer-guide.rst)
+  times out the peers of a node still compiling a graph their collective waits on.
+- XLA_DISABLE_FUNCTIONALIZATION=0: torch-neuronx defaults it to 1, under which split and offset
+  views can give wrong values (pytorch/xla#8640, #7859: torch.split along dim 1 of a 2-D tensor,
+  how the NxD model separates Q/K/V and gate/up); AWS's 70B NxD scripts set 0
+  (neuronx-distributed examples/training/llama/tp_pp_llama_hf_pretrain/
+  run_llama2_70B_tp_pp.sh:17-18).
 - NEURON_FUSE_SOFTMAX, NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS: from spec.neuron (paper 3.5).
 - NEURON_RT_STOCHASTIC_ROUNDING_EN: 1 for precision bf16-sr, else 0; with SR on,
   NEURON_RT_STOCHASTIC_ROUNDING_SEED = train.seed, so runs are repeatable.
@@ -21,11 +35,11 @@ keeps). Values and sources
   64 logical cores on trn2.48xlarge), as the public EKS manifests set it.
 - NEURON_LOGICAL_NC_CONFIG = 2 on trn2 (its runtime default, stated so that it and the
   `lnc_size` the NxD backend passes cannot drift apart; logical-neuroncore-config.rst).
-- NEURON_COMPILE_CACHE_URL = spec.neuron.cacheDir (the runtime's cache lookups, as --cache_dir
-  is the compiler's).
 - Multi-node on an instance with EFA (trn1, trn1n, trn2 and p5): FI_PROVIDER=efa,
   FI_EFA_USE_DEVICE_RDMA=1, FI_EFA_FORK_SAFE=1; on Neuron also CCOM_SOCKET_IFNAME=eth0. One
   node needs none of them.
+- NEURON_RT_ROOT_COMM_ID (multi-node Neuron): `root_comm_id`, per attempt, not here: it needs
+  node rank 0's IP, resolved when the attempt starts.
 
 CPU gets an empty mapping, CUDA only the EFA variables (NCCL over aws-ofi-nccl).
 
@@ -40,10 +54,13 @@ the cache (reference: pytorch-neuron-parallel-compile.rst).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Final
+import socket
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Final
 
 from hlat_api import INSTANCE_TYPES, PretrainJobSpec
+from hlat_api.labels import NEURON_ROOT_COMM_PORT, NEURON_ROOT_COMM_PORTS
 from hlat_trainer.backends import is_neuron, resolve_backend_name
 
 PARALLEL_COMPILE: Final = "neuron_parallel_compile"
@@ -59,6 +76,14 @@ EFA_ENV: Final[Mapping[str, str]] = {
     "FI_EFA_USE_DEVICE_RDMA": "1",
     "FI_EFA_FORK_SAFE": "1",
 }
+ROOT_COMM_ID: Final = "NEURON_RT_ROOT_COMM_ID"
+CACHE_URL: Final = "NEURON_COMPILE_CACHE_URL"
+SHARED_CACHE_NAME: Final = ".neuron-compile-cache"
+"""Default shared cache: `<checkpoint.dir>/.neuron-compile-cache`, beside the jobs' checkpoint
+directories (a dot name is never a job name) and shared by the jobs there: an entry's key is
+the compiler version, the graph and the flags, so jobs reuse each other's graphs safely."""
+RESOLVE_SECONDS: Final = 120.0
+"""How long the launcher tries to resolve node rank 0's address (its pod may have no IP yet)."""
 
 
 def logical_nc_size(instance_type: str) -> int:
@@ -67,14 +92,9 @@ def logical_nc_size(instance_type: str) -> int:
 
 
 def compiler_flags(spec: PretrainJobSpec) -> list[str]:
-    """NEURON_CC_FLAGS as a list, in the order described in the module docstring."""
+    """NEURON_CC_FLAGS as a list: the spec's flags, then the node-local cache dir."""
     n = spec.neuron
     flags = [f for f in n.compiler_flags if not f.startswith("--cache_dir")]
-    if spec.instance_type.startswith("trn1") and "--enable-saturate-infinity" not in flags:
-        flags.append("--enable-saturate-infinity")
-    selective = spec.parallelism.activation_checkpointing == "selective"
-    if selective and not any(f.startswith("-O") for f in flags):
-        flags.append("-O1")
     flags.append(f"--cache_dir={n.cache_dir}")
     return flags
 
@@ -99,7 +119,9 @@ def neuron_runtime_environment(spec: PretrainJobSpec) -> dict[str, str]:
     sr = spec.precision == "bf16-sr"
     env = {
         "NEURON_CC_FLAGS": " ".join(compiler_flags(spec)),
-        "NEURON_COMPILE_CACHE_URL": n.cache_dir,
+        CACHE_URL: n.cache_dir,
+        "NEURON_RT_EXEC_TIMEOUT": str(n.exec_timeout_seconds),
+        "XLA_DISABLE_FUNCTIONALIZATION": "0",
         "NEURON_FUSE_SOFTMAX": "1" if n.fuse_softmax else "0",
         "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": str(n.async_exec_max_inflight_requests),
         "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1" if sr else "0",
@@ -111,6 +133,79 @@ def neuron_runtime_environment(spec: PretrainJobSpec) -> dict[str, str]:
     if spec.instance_type.startswith("trn2"):  # said explicitly: NxD's lnc_size must match it
         env["NEURON_LOGICAL_NC_CONFIG"] = str(logical_nc_size(spec.instance_type))
     return env
+
+
+def shared_cache_dir(spec: PretrainJobSpec) -> str | None:
+    """Where the shared copy of the compile cache lives, or None when it is not used (off in
+    the spec, or a backend without the Neuron compiler)."""
+    if not spec.neuron.share_cache or not is_neuron(resolve_backend_name(spec)):
+        return None
+    if spec.neuron.shared_cache_dir is not None:
+        return spec.neuron.shared_cache_dir
+    return f"{spec.checkpoint.dir.rstrip('/')}/{SHARED_CACHE_NAME}"
+
+
+def cache_url_conflict(env: Mapping[str, str], spec: PretrainJobSpec) -> str | None:
+    """What is wrong when the pod's own NEURON_COMPILE_CACHE_URL would be silently ignored:
+    the launcher's NEURON_CC_FLAGS names `--cache_dir`, which the compiler's wrapper prefers
+    (neuron-caching.rst:116). None when nothing conflicts (no such variable, the same path, or
+    the pod also sets NEURON_CC_FLAGS itself and so decides both)."""
+    url = env.get(CACHE_URL)
+    if url is None or "NEURON_CC_FLAGS" in env or url.rstrip("/") == spec.neuron.cache_dir.rstrip("/"):
+        return None
+    return (f"${CACHE_URL}={url} is set in the pod but would be ignored: the workers' "
+            f"NEURON_CC_FLAGS carry --cache_dir={spec.neuron.cache_dir} (spec.neuron.cacheDir), "
+            "which the Neuron compiler prefers. Remove the variable; set spec.neuron.cacheDir "
+            "for the node-local cache and spec.neuron.sharedCacheDir for a copy shared by the "
+            "job's nodes")
+
+
+class RootCommError(RuntimeError):
+    """Node rank 0's address did not resolve to an IP in time; the message names it."""
+
+
+Resolver = Callable[..., list[tuple[Any, ...]]]
+
+
+def resolve_ip(host: str, *, bound: float | None = None, resolve: Resolver | None = None,
+               sleep: Callable[[float], None] = time.sleep,
+               clock: Callable[[], float] = time.monotonic) -> str:
+    """`host`'s first address, retried (a pod's DNS record exists only once it has an IP) for
+    at most `bound` seconds (RESOLVE_SECONDS); an IP is returned as it is."""
+    bound = RESOLVE_SECONDS if bound is None else bound
+    resolve = resolve or socket.getaddrinfo
+    deadline, pause = clock() + bound, 0.5
+    while True:
+        try:
+            return str(resolve(host, None, type=socket.SOCK_STREAM)[0][4][0])
+        except (OSError, IndexError) as err:
+            left = deadline - clock()
+            if left <= 0:
+                raise RootCommError(
+                    f"cannot resolve node rank 0's address {host!r} ($HLAT_MASTER_ADDR) to an IP "
+                    f"within {bound:.0f}s ({err}); the Neuron runtime's root communicator "
+                    f"({ROOT_COMM_ID}) needs <ip>:<port>. Is the job's headless Service there "
+                    "and node rank 0's pod scheduled?") from None
+            sleep(min(pause, left))
+            pause = min(pause * 2, 5.0)
+
+
+def root_comm_port(attempt: int) -> int:
+    """The root communicator's port of an attempt: one of the pod's reserved ports
+    (`hlat_api.labels.NEURON_RESERVED_PORTS`), a different one for consecutive attempts."""
+    return NEURON_ROOT_COMM_PORT + attempt % NEURON_ROOT_COMM_PORTS
+
+
+def root_comm_id(master_addr: str, attempt: int, **resolve_kw: Any) -> str:
+    """NEURON_RT_ROOT_COMM_ID for an attempt: `<ip>:<port>` of node rank 0.
+
+    The runtime wants an IP address (nrt-developer-guide.rst:1062-1064: "<ip_address:port>",
+    mandatory with collectives). Left unset, torch-xla v2.9.0 sets `MASTER_ADDR:62182`
+    (torch_xla/_internal/neuron.py:16-37): our MASTER_ADDR is a DNS name (the headless Service)
+    and 62182 the same port in every attempt. IPv6 gets brackets, as torch-xla writes it."""
+    ip = resolve_ip(master_addr, **resolve_kw)
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"{host}:{root_comm_port(attempt)}"
 
 
 def check_neuron_driver(version: str | None) -> str | None:

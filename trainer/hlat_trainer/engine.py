@@ -43,6 +43,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import shutil
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -209,6 +210,12 @@ class Engine(ABC):
 
     def wait(self) -> None:
         """Block until an asynchronous save is durable and committed (before exit)."""
+        return None
+
+    def trace_checkpoint_paths(self, loop_state: bytes) -> None:
+        """For a precompile run (graph extraction): run a save and a resume through the same
+        code as real ones, so that their device graphs are traced and compiled ahead, leaving
+        nothing a real run would load. Eager engines compile nothing: no-op."""
         return None
 
     def longest_write_seconds(self) -> float | None:
@@ -385,6 +392,8 @@ class TorchEngine(Engine):
 
 
 LOOP_DIR = "hlat"
+PRECOMPILE_DIR = "_precompile"
+"""Under `<root>/<job>/`: the precompile's scratch checkpoint (ManagedEngine.trace_checkpoint_paths)."""
 
 
 def loop_file(path: Path, rank: int) -> Path:
@@ -400,6 +409,10 @@ class ManagedEngine(Engine):
         self.model = backend.build_model(device)
         self.optimizer = backend.build_optimizer(self.model.parameters())
         self._sharded = [backend.is_tp_sharded(p) for p in self.model.parameters()]
+        # the built state as device data now (on XLA its own graph): left pending, it would
+        # join the next graph, a resume's load in one start and the first micro-batch in
+        # another, so the precompile's traced load (mid-run) would not be the one a restart runs
+        backend.step_end()
         self._committed = self.latest_step()
         vote = dist.new_group(backend="gloo")  # CPU collectives beside the device's
         assert isinstance(vote, dist.ProcessGroup)
@@ -447,6 +460,38 @@ class ManagedEngine(Engine):
     def wait(self) -> None:
         self.backend.finalize_checkpoint()
         self._committed = self.latest_step()
+
+    def trace_checkpoint_paths(self, loop_state: bytes) -> None:
+        """Save step_0 under `<root>/<job>/_precompile/` and resume from it, through `save`,
+        `wait` and `resume` themselves (so the traced graphs are the ones a real save and a
+        real first resume run, whatever the backend does on device: NxD's save rendezvous and
+        tensor syncs, its load's all-reduce broadcast and ZeRO-1 re-shard, our step end;
+        neuronx-distributed fbac349 src/neuronx_distributed/trainer/checkpoint.py,
+        save_checkpoint l.654-824, _xser_load_data l.347-432, load_checkpoint l.838-967), then
+        remove the scratch. It cannot pass for a checkpoint: readers match only
+        `<root>/<job>/step_<N>` (hlat_api.layout), `_precompile` is no job name (job names are
+        DNS subdomains: no underscore) and steps count from 1. The backend's own save writes
+        its `done` marker in the scratch, which is removed before training goes on. Every rank
+        calls this (the save and load run collectives)."""
+        root, job, committed = self.root, self.job, self._committed
+        self.root, self.job = root / job, PRECOMPILE_DIR
+        scratch = self.root / self.job
+        try:
+            self._clear(scratch)  # one a killed precompile left behind
+            self.save(0, loop_state)
+            self.wait()
+            if self.resume() is None:  # every rank read it back, or none did (the vote)
+                raise RuntimeError(f"the precompile's scratch checkpoint {scratch} did not "
+                                   "load back: the resume path's graphs were not traced")
+        finally:
+            self.root, self.job, self._committed = root, job, committed
+        self._clear(scratch)
+
+    def _clear(self, scratch: Path) -> None:
+        self._all_ok(True)  # a barrier: no rank still reads or writes it
+        if self.world.is_coordinator:
+            shutil.rmtree(scratch, ignore_errors=True)
+        self._all_ok(True)
 
     def resume(self) -> Restored | None:
         for path in remove_incomplete(self.root, self.job, self.world.is_coordinator, self._vote):

@@ -14,7 +14,13 @@ that are logged (`train.logInterval`) or checkpointed, in one transfer: on XLA a
 wait for the device, and a read every step would serialise host and device. Every step's
 gradient norm still reaches the spike monitor (kept on the device until the next read).
 Under `neuron_parallel_compile`'s graph extraction (NEURON_EXTRACT_GRAPHS_ONLY) tensors are
-dummies, so no checkpoint is saved: a job resuming from it would start from zeros.
+dummies, so no checkpoint is saved: a job resuming from it would start from zeros. That run
+exists to trace every graph the real run will meet, and the tool compiles only what it saw
+(pytorch-neuron-parallel-compile.rst: "additional compilations due to unreached execution
+paths"); a graph first met mid-run compiles there, inside the steady-state hang timeout. So
+the extraction run also meets the graphs a real run meets later: after its first step a
+logged step's (the parameter norm, the host reads), half-way a save's and a resume's device
+work (`Engine.trace_checkpoint_paths`: a scratch save and load, removed after).
 
 Every run is a torch.distributed run (one rank when not under torchrun). The device stack
 (model, optimizer step, checkpoint format) is an `hlat_trainer.engine.Engine`: on the
@@ -345,6 +351,17 @@ class Trainer:
             return self.engine.longest_write_seconds()
         return self.longest_save or None
 
+    def trace_checkpoint_paths(self) -> None:
+        """In the extraction run, before its first step: a save's and a resume's graphs (see
+        the module docstring). Half-way: the steps before it are a fresh run's first steps,
+        those after it a resumed run's (the first steps after a load are graphs of their own),
+        so the extraction run needs a few steps on each side."""
+        log.info("graph extraction (%s): tracing a save's and a resume's graphs",
+                 EXTRACT_GRAPHS_ONLY)
+        self._beat(phase="checkpointing", checkpoint_seconds=self.save_bound())
+        self.engine.trace_checkpoint_paths(self.loop_state())
+        self.ledger.charge("compile")  # all it is for
+
     def save(self, step: int) -> float:
         if self.extracting_graphs:  # tensors hold dummy values: a checkpoint would be zeros
             log.info("graph extraction (%s): checkpoint step_%d not saved",
@@ -385,6 +402,17 @@ class Trainer:
                 if step == first:
                     _say_started()
                 wait, staged = done.result.data_wait_seconds, done.result.staging_wait_seconds
+                if step == first and self.extracting_graphs and self.backend.compiles:
+                    compiled = self._charge_step(step, wait, compiled, staged)
+                    wait = staged = 0.0
+                    log.info("graph extraction (%s): tracing a logged step's graphs",
+                             EXTRACT_GRAPHS_ONLY)
+                    self.report(done)  # to no sink: dummy values
+                    self.ledger.charge("compile")  # all it is for
+                if step == (first + total) // 2 and self.extracting_graphs and self.backend.compiles:
+                    compiled = self._charge_step(step, wait, compiled, staged)
+                    wait = staged = 0.0
+                    self.trace_checkpoint_paths()
                 if staged:  # the update waited for the last save's copy: that save's time
                     since, last_step, saved = self._window
                     self._window = (since, last_step, saved + staged)

@@ -116,8 +116,13 @@ class _GQAQKV(nn.Module):
         if tp % m or (kv * m) % tp:
             raise ValueError("qkv_linear.py asserts tp % m == 0 and kv * m % tp == 0")
         self.sizes = (q // tp, kv * m // tp, kv * m // tp)
+        # the attributes by which NxD marks the replication (qkv_linear.py l.443-455)
+        self.kv_size_multiplier, self.fuse_qkv = m, True
+        self.gather_output = arguments.get("gather_output", True)
+        self.q_output_size_per_partition, self.kv_output_size_per_partition = self.sizes[:2]
         self.weight_qkv = nn.Parameter(torch.randn(sum(self.sizes), arguments["input_size"],
                                                    dtype=_dtype(arguments)) * 0.02)
+        self.weight_qkv.tensor_model_parallel = True  # as NxD's _initialize_affine_weight sets
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(F.linear(x, self.weight_qkv).split(self.sizes, dim=-1))

@@ -68,7 +68,7 @@ from hlat_trainer.checkpoint import (
 from hlat_trainer.distributed import World
 from hlat_trainer.errors import UserError, first_line
 from hlat_trainer.optim import AdamWSR
-from hlat_trainer.parallel import DataParallel, LocalParams, apply_ac, apply_tp, global_norm
+from hlat_trainer.parallel import DataParallel, LocalParams, apply_ac, apply_tp, nxd_param_norm
 
 log = logging.getLogger(__name__)
 
@@ -437,7 +437,7 @@ class ManagedEngine(Engine):
         return norm
 
     def param_norm(self) -> Tensor:
-        return global_norm(list(self.model.parameters()), self._sharded, self.world)
+        return nxd_param_norm(self.model, self._sharded, self.world)
 
     @property
     def committed(self) -> int | None:

@@ -266,6 +266,39 @@ def global_norm(tensors: list[Tensor | None], tp_sharded: list[bool], world: Wor
     return (sharded + replicated).sqrt()
 
 
+def nxd_kv_replication(model: nn.Module) -> tuple[list[int], int]:
+    """For each of `model.parameters()`, how many of its trailing rows are replicated kv heads,
+    and over how many tensor-parallel ranks (1: none). NxD marks it on the layer:
+    `GQAQKVColumnParallelLinear.kv_size_multiplier`, each rank holding
+    `kv_output_size_per_partition` rows of k and of v, after its q rows in the fused
+    `weight_qkv` (or as `weight_k` / `weight_v`), all of them `tensor_model_parallel`
+    (neuronx-distributed fbac349 src/neuronx_distributed/modules/qkv_linear.py l.420-455,
+    472-513)."""
+    rows: dict[int, int] = {}
+    m = 1
+    for module in model.modules():
+        mult = getattr(module, "kv_size_multiplier", 1)
+        if not isinstance(mult, int) or mult <= 1:
+            continue
+        m = mult
+        kv = int(getattr(module, "kv_output_size_per_partition"))  # noqa: B009 (typed: Any)
+        for name in ("weight_qkv", "bias_qkv"):
+            t = getattr(module, name, None)
+            if isinstance(t, Tensor) and not (name == "bias_qkv" and getattr(module, "gather_output", False)):
+                rows[id(t)] = 2 * kv
+        for name in ("weight_k", "weight_v", "bias_k", "bias_v"):
+            t = getattr(module, name, None)
+            if isinstance(t, Tensor):
+                rows[id(t)] = t.shape[0]
+    return [rows.get(id(p), 0) for p in model.parameters()], m
+
+
+def nxd_param_norm(model: nn.Module, tp_sharded: list[bool], world: World) -> Tensor:
+    """The parameters' global norm on an NxD model, each replicated kv head counted once."""
+    rows, m = nxd_kv_replication(model)
+    return global_norm(list(model.parameters()), tp_sharded, world, rows, m)
+
+
 def partition(numels: list[int], parts: int) -> list[int]:
     """Owner (dp rank) of each parameter: greedy by size, largest first, ties to the lowest rank."""
     owners = [0] * len(numels)

@@ -54,9 +54,13 @@ w the residual stream's (the parameter dtype's). Per layer, no recompute:
 
 Selective recompute (the spec's `selective`: NxD's `activation_checkpoint_config=CoreAttention`,
 torch-native's checkpoint of `core_attention`) keeps only the core's inputs, q, k and v at
-their own head counts. Full recompute keeps each layer's input (w sbh r). Whatever the mode,
-the layer in backward holds its full set once more (recomputed, or its gradients, which have
-the shapes of what they are gradients of): one more no-recompute layer. The head adds the
+their own head counts. Full recompute keeps each layer's input (w sbh r). The layer in
+backward holds its gradients, at most the shapes of its full set (one more no-recompute layer),
+beside what it keeps; under recompute it also holds what it recomputed, which the gradients
+need: the attention core under selective, the whole layer under full. (Checked against CUDA's
+allocator, bench/check_memory_gpu.py on an H200: without the recomputed core the selective
+peak with eager attention was under-predicted by 11-25%, with it the peaks land within a few
+percent; docs/neuron.md has the table.) The head adds the
 final norm, the output projection's input and the loss: the fp32 softmax NxD's
 `parallel_cross_entropy` saves over the vocab shard (4 sbV/t), plus the logits and their fp32
 copy while the loss is formed; torch-native gathers full logits (V, not V/t).
@@ -208,7 +212,7 @@ class Activations:
 
     per_layer: float  # what each layer keeps under the checkpointing mode
     layers: int
-    in_flight: float  # the layer in backward: its full set once more
+    in_flight: float  # the layer in backward: its gradients and what it recomputed
     head: float  # final norm, output projection input, loss
 
     @property
@@ -221,13 +225,15 @@ def activation_bytes(dims: ModelDims, lay: Layout) -> Activations:
     terms = _layer_terms(dims, lay)
     full = sum(terms.values())
     if lay.checkpointing == "none":
-        kept = full
+        kept, recomputed = full, 0.0
     elif lay.checkpointing == "selective":
         kept = full - terms["attention core"] + _core_inputs(dims, lay)
+        recomputed = terms["attention core"]
     elif lay.checkpointing == "full":
         _, w = _dtype_bytes(lay)
         kept = w * lay.seq_len * lay.micro_batch * dims.hidden_size / (
             lay.tp if lay.sequence_parallel else 1)
+        recomputed = full - kept
     else:
         raise ValueError(f"activation checkpointing must be none, selective or full, got "
                          f"{lay.checkpointing!r}")
@@ -238,7 +244,7 @@ def activation_bytes(dims: ModelDims, lay: Layout) -> Activations:
     head = ((4 + w) * sb * dims.hidden_size * r
             + e * sb * dims.hidden_size * (r if lay.managed else 1.0)
             + (4 + e + 4) * sb * vocab)
-    return Activations(kept, dims.layers, full, head)
+    return Activations(kept, dims.layers, full + recomputed, head)
 
 
 @dataclass(frozen=True)

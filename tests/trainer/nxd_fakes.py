@@ -13,9 +13,10 @@ keywords); the parallel layers are plain torch layers of one rank (tp 1).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,3 +224,178 @@ def fake_modules(calls: Calls, *, tp: int = 1) -> dict[str, types.ModuleType]:
     loss.parallel_cross_entropy = fn(  # type: ignore[attr-defined]
         loss_mod, "parallel_cross_entropy", cross_entropy)
     return {top: nxd, layers_mod: layers, qkv_mod: qkv, ps_mod: ps, loss_mod: loss}
+
+
+# --- NxD's meta-device initialisation, at one rank of a tp group ---------------------------
+# The layers above initialise as torch does (nn.Linear's kaiming at construction) and the
+# model function runs on the CPU, which is all the call checks need. What follows replays NxD's
+# own initialisation, for checks of `nxd_model.init_module` under `meta_device_init`, each step
+# from aws-neuron/neuronx-distributed at fbac349 ("Release 2.29"), src/neuronx_distributed/:
+#
+# - the layers (parallel_layers/layers.py): the weight is allocated as
+#   `Parameter(torch.empty(shape, dtype=dtype))` on the default device; assigning it goes
+#   through `nn.Module.register_parameter`. If it is then on the CPU the layer initialises it at
+#   once (`init_weight_cpu`: ParallelEmbedding 289-298, ColumnParallelLinear 681-684,
+#   RowParallelLinear 927-930); on meta it only gets its tensor-parallel attributes (685-690).
+#   `init_weight_cpu` -> `_initialize_parameter_cpu` (111-170): a master of the FULL shape in
+#   fp32, `init_method(master)`, cast to the layer's dtype, this rank's chunk along the
+#   partition dim copied into the weight (`create_local_weight`, stride 1: a contiguous chunk).
+# - `initialize_parallel_model` (trainer/trainer.py 159-183): with `meta_device_init` the model
+#   function runs inside `init_on_device(meta, include_buffers, force_custom_init_on_device=
+#   True)` (utils/model_utils.py 257-332): `register_parameter` is patched to move every new
+#   parameter to meta (buffers too only when include_buffers). Then `get_model_sequential`
+#   (335-356): when a `param_init_fn` is given (meta or not), `reinit_model(model, cpu, fn)`
+#   (220-229): inside `preserve_parallel_attributes` (165-202: tensor_model_parallel and its
+#   partition fields, sequence_parallel_enabled, shared are put back on the new parameters) and
+#   `preserve_shared_weights`, for every module of `model.modules()` (the root first, then in
+#   registration order) its own parameters become `empty_like` on the CPU
+#   (`_set_module_param_to_empty`, 205-217) and `param_init_fn(module, cpu)` runs; then the
+#   model moves to the device (the CPU here).
+# Not replayed: weight tying (the HLAT model ties nothing), include_buffers=True (the backend
+# passes False; NxD would also patch torch's tensor constructors), the GQA layer's init.
+
+_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride",
+                   "num_partitions", "sequence_parallel_enabled", "shared")
+
+
+class _NxDInitLayer(nn.Module):
+    """A parallel linear or embedding layer of rank `rank` out of `tp`, initialised as NxD's."""
+
+    partition_dim: int
+
+    def __init__(self, arguments: dict[str, Any], shape: tuple[int, int], tp: int,
+                 rank: int) -> None:
+        super().__init__()
+        if arguments.get("bias") or arguments.get("device") is not None:
+            raise NotImplementedError("the HLAT model passes bias=False and no device")
+        self.tp, self.rank, self.dtype = tp, rank, _dtype(arguments)
+        self.init_method = arguments.get("init_method")
+        local = list(shape)
+        local[self.partition_dim] //= tp
+        self.weight = nn.Parameter(torch.empty(local, dtype=self.dtype))
+        if self.weight.device.type == "cpu":
+            self.init_weight_cpu()
+        else:  # meta: only the attributes, the values come from param_init_fn
+            self._set_parallel_attributes()
+
+    def _set_parallel_attributes(self) -> None:
+        for name, value in (("tensor_model_parallel", True),
+                            ("partition_dim", self.partition_dim), ("partition_stride", 1),
+                            ("num_partitions", self.tp)):
+            setattr(self.weight, name, value)
+
+    @torch.no_grad()
+    def init_weight_cpu(self) -> None:
+        self._set_parallel_attributes()
+        full = list(self.weight.shape)
+        full[self.partition_dim] *= self.tp
+        master = torch.empty(full, dtype=torch.float32)
+        if self.init_method is None:  # ColumnParallelLinear._init_weight's default (541-545)
+            nn.init.kaiming_uniform_(master, a=5 ** 0.5)
+        else:
+            self.init_method(master)
+        chunk = master.to(self.dtype).chunk(self.tp, dim=self.partition_dim)[self.rank]
+        self.weight.copy_(chunk)
+
+
+class _NxDInitColumn(_NxDInitLayer):
+    partition_dim = 0
+
+    def __init__(self, arguments: dict[str, Any], tp: int, rank: int) -> None:
+        super().__init__(arguments, (arguments["output_size"], arguments["input_size"]), tp,
+                         rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class _NxDInitRow(_NxDInitColumn):
+    partition_dim = 1
+
+
+class _NxDInitEmbedding(_NxDInitLayer):
+    partition_dim = 0
+
+    def __init__(self, arguments: dict[str, Any], tp: int, rank: int) -> None:
+        super().__init__(arguments, (arguments["num_embeddings"], arguments["embedding_dim"]),
+                         tp, rank)
+        self.sp = arguments.get("sequence_parallel_enabled", False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(tokens, self.weight)
+        return out.transpose(0, 1).contiguous() if self.sp else out
+
+
+@contextlib.contextmanager
+def init_on_meta() -> Iterator[None]:
+    """model_utils.py init_on_device(meta, include_buffers=False, force_custom=True)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.to("meta"), param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def reinit_model(model: nn.Module, param_init_fn: Callable[[nn.Module, torch.device], Any]
+                 ) -> None:
+    """model_utils.py reinit_model(model, cpu, fn), with preserve_parallel_attributes."""
+    kept = {name: {a: getattr(p, a) for a in _PARALLEL_ATTRS if hasattr(p, a)}
+            for name, p in model.named_parameters()}
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        for module in model.modules():
+            for key, param in module._parameters.items():
+                if param is not None:
+                    module._parameters[key] = nn.Parameter(
+                        torch.empty_like(param, device=cpu), param.requires_grad)
+            param_init_fn(module, cpu)
+    for name, p in model.named_parameters():
+        for attr, value in kept.get(name, {}).items():
+            if not hasattr(p, attr):
+                setattr(p, attr, value)
+
+
+def nxd_init_modules(calls: Calls, *, tp: int = 1, rank: int = 0) -> dict[str, types.ModuleType]:
+    """`fake_modules` with NxD's initialisation: the parallel layers above and an
+    `initialize_parallel_model` that honours `model_init_config` as NxD does."""
+    modules = fake_modules(calls, tp=tp)
+    mods = rel.MODULES
+
+    def init_model(nxd_config: dict[str, Any], model_fn: Any, include_buffers: bool = False,
+                   *model_args: Any, **model_kwargs: Any) -> nn.Module:
+        init = nxd_config.get("model_init_config") or {}
+        if include_buffers:
+            raise NotImplementedError("include_buffers=True is not replayed (see above)")
+        if init.get("meta_device_init"):
+            with init_on_meta():
+                model: nn.Module = model_fn(*model_args, **model_kwargs)
+        else:
+            model = model_fn(*model_args, **model_kwargs)
+        if init.get("param_init_fn") is not None:  # get_model_sequential, meta or not
+            reinit_model(model, init["param_init_fn"])
+        return model
+
+    top = "neuronx_distributed"
+    modules[top].initialize_parallel_model = checked(  # type: ignore[attr-defined]
+        "initialize_parallel_model", mods[top].initialize_parallel_model, init_model, calls)
+    layers_mod = "neuronx_distributed.parallel_layers.layers"
+    layers = modules[layers_mod]
+    for name, base in [("ColumnParallelLinear", _NxDInitColumn),
+                       ("RowParallelLinear", _NxDInitRow),
+                       ("ParallelEmbedding", _NxDInitEmbedding)]:
+        ranked = type(f"_{name}", (base,), {
+            "__init__": lambda self, arguments, _b=base: _b.__init__(self, arguments, tp, rank)})
+        setattr(layers, name, _layer_class(name, getattr(mods[layers_mod], name), ranked, calls))
+    ps = modules["neuronx_distributed.parallel_layers.parallel_state"]
+    ps.get_tensor_model_parallel_rank = checked(  # type: ignore[attr-defined]
+        "get_tensor_model_parallel_rank",
+        mods["neuronx_distributed.parallel_layers.parallel_state"].get_tensor_model_parallel_rank,
+        lambda *a, **k: rank, calls)
+    return modules

@@ -32,7 +32,12 @@ RESTART_REASONS = tuple(sorted(
     {Reason.POD_FAILED, Reason.KILLED, Reason.OOM_KILLED, Reason.STARTUP_TIMEOUT,
      Reason.HEARTBEAT_TIMEOUT, *INFRA_REASONS}))
 """The faults that restart a gang (a config error fails the job instead)."""
-BADPUT_CAUSES = tuple(c for c in Badput.model_fields if c != "unreported")
+_CAUSE_FIELDS = {info.alias or name: name for name, info in Badput.model_fields.items()
+                 if name != "unreported"}
+"""`cause` label value -> Badput attribute. The label values are the status's own camelCase
+keys (`dataWait`, as `status.goodput.badputSeconds` and docs/operator.md write them), so a
+query written from either finds the series."""
+BADPUT_CAUSES = tuple(_CAUSE_FIELDS)
 """Final causes only: `unreported` time moves to one of them later (a counter cannot go back)."""
 
 
@@ -204,7 +209,7 @@ class OperatorMetrics:
         """Counters advance by what the status gained since the last pass (never back)."""
         if g.ratio is not None:
             self.goodput_ratio.labels(*labels).set(g.ratio)
-        now = {f"badput:{c}": getattr(g.badput_seconds, c) for c in BADPUT_CAUSES}
+        now = {f"badput:{c}": getattr(g.badput_seconds, _CAUSE_FIELDS[c]) for c in BADPUT_CAUSES}
         now["productive"], now["lost_work"] = g.productive_seconds, g.lost_work_seconds
         last = self._goodput.get(labels, {})
         for key, value in now.items():

@@ -9,6 +9,10 @@
   and then their processes die, so peers get no FIN or RST (a lost instance), or it comes
   back; ``node delete`` also removes the Node object, as the cluster
   autoscaler does when it replaces an instance;
+- ``condition``: a Node status condition set as a node health reporter sets it (the EKS node
+  monitoring agent's `AcceleratedHardwareReady=False`, the Neuron node problem detector's
+  `NeuronHealth=True`), by a strategic merge patch of the Node's status: conditions merge by
+  type, so the rig's kubelet, which patches only the conditions it owns, leaves it in place;
 - ``partition`` / ``heal``: one pod cut off the network (the host end of its veth down: what it
   sends is lost, nothing reaches it, no FIN or RST) while its node, kubelet, processes and
   files stay: a trainer that can reach neither the API server nor its peers but still writes
@@ -104,6 +108,24 @@ def node_delete(config: ClusterConfig, api: client.ApiClient, node: str) -> None
 
     ProcessTable(config.pids_dir, config.logs_dir).stop(f"kubelet-{node}", timeout=20)
     client.CoreV1Api(api).delete_node(node)
+
+
+def set_node_condition(api: client.ApiClient, node: str, kind: str, status: str,
+                       reason: str = "", message: str = "") -> None:
+    """Set one status condition of `node` (others, the kubelet's included, are kept)."""
+    from datetime import UTC, datetime
+
+    from kubernetes import client
+
+    if status not in ("True", "False", "Unknown"):
+        raise FaultError(f"condition status must be True, False or Unknown, not {status!r}")
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    condition = {"type": kind, "status": status, "reason": reason or kind,
+                 "message": message or reason or kind, "lastHeartbeatTime": now,
+                 "lastTransitionTime": now}
+    client.CoreV1Api(api).patch_node_status(
+        node, {"status": {"conditions": [condition]}},
+        _content_type="application/strategic-merge-patch+json")
 
 
 TRAINER_PROCESS_NAME = "hlat-trainer"

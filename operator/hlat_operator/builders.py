@@ -427,7 +427,18 @@ def build_resources(spec: PretrainJobSpec) -> dict[str, str]:
         labels.EFA_RESOURCE: info.efa_interfaces,
         labels.GPU_RESOURCE: info.gpus,
     }
+    if info.gpus and info.efa_interfaces:
+        wanted.update(EFA_GPU_HUGEPAGES)
     return {k: str(v) for k, v in wanted.items() if v}
+
+
+EFA_GPU_HUGEPAGES: dict[str, int | str | None] = {"hugepages-2Mi": "5120Mi"}
+"""What AWS's EFA GPU manifests request beside the GPUs and EFA interfaces: libfabric's EFA
+provider takes its internal buffers from 2 MiB huge pages (awsome-distributed-training 7217859,
+micro-benchmarks/nccl-tests/kubernetes/nccl-tests.yaml:89,94, p5.48xlarge workers: requests =
+limits `hugepages-2Mi: 5120Mi`). Not on Trainium: AWS's Neuron manifests request none
+(3.test_cases/pytorch/neuronx-distributed/llama3/kubernetes/llama3_train.yaml-template:101-107).
+The node must have the pages reserved (docs/neuron.md, "EFA")."""
 
 
 def _field_env(name: str, path: str) -> EnvVar:

@@ -314,6 +314,7 @@ class NeuronSpec(_Model):
 
     @model_validator(mode="after")
     def _caches_differ(self) -> NeuronSpec:
+        """`neuron.sharedCacheDir`, when set, is another directory than `neuron.cacheDir`."""
         if self.shared_cache_dir is not None and (
                 self.shared_cache_dir.rstrip("/") == self.cache_dir.rstrip("/")):
             raise SpecError(
@@ -468,6 +469,9 @@ def default_tensor(dims: ModelDims, preset: str | None, ranks_per_node: int) -> 
 
 
 def _check_model(spec: PretrainJobSpec) -> None:
+    """The model's dimensions (the preset's with the overrides; without a preset, every one
+    given): `hiddenSize` divisible by `heads`, an even head dimension (RoPE), `heads` a multiple
+    of `kvHeads`."""
     d = spec.model.dims()
     if d.hidden_size % d.heads:
         raise SpecError(
@@ -480,6 +484,9 @@ def _check_model(spec: PretrainJobSpec) -> None:
 
 
 def _check_parallelism(spec: PretrainJobSpec) -> None:
+    """`parallelism.pipeline` is 1; `parallelism.tensor` divides the heads, divides the kv
+    heads or is a multiple of them, and is at most one node's ranks; `nodes` x ranks per node
+    is divisible by tensor x pipeline."""
     d, p = spec.model.dims(), spec.parallelism
     if p.pipeline != 1:
         raise SpecError("parallelism.pipeline", "pipeline parallelism is not supported yet: set 1")
@@ -512,6 +519,8 @@ def _check_parallelism(spec: PretrainJobSpec) -> None:
 
 
 def _check_batch(spec: PretrainJobSpec) -> None:
+    """`train.globalBatch` is divisible by `microBatch` x the data-parallel degree; exactly
+    one of `train.steps` and `train.tokens` is given."""
     t, dp = spec.train, spec.data_parallel
     if t.global_batch % (t.micro_batch * dp):
         raise SpecError(
@@ -524,6 +533,9 @@ def _check_batch(spec: PretrainJobSpec) -> None:
 
 
 def _check_lengths(spec: PretrainJobSpec) -> None:
+    """`data.seqLen` at most the model's `maxSeqLen`; `optimizer.minLr` at most `lr`;
+    `optimizer.warmupSteps` at most the run's steps; the backoff's `initialSeconds` at most its
+    `maxSeconds`."""
     d = spec.model.dims()
     if spec.data.seq_len > d.max_seq_len:
         raise SpecError(
@@ -612,6 +624,10 @@ def _memory_advice(spec: PretrainJobSpec, est: Estimate) -> tuple[str, list[str]
 
 
 def _check_memory(spec: PretrainJobSpec) -> None:
+    """On trn and p5, a rank's estimated peak (model state, activations and the runtime's
+    reserve: `hlat_api.memory`) fits its NeuronCore's or GPU's memory; the error names the field
+    to change first (`parallelism.tensor`, `sequenceParallel`, `activationCheckpointing` or
+    `nodes`) and lists every change that would help."""
     est = memory_estimate(spec)
     if est is None or est.fits:
         return
@@ -637,6 +653,8 @@ def accelerator(instance_type: str) -> str:
 
 
 def _check_devices(spec: PretrainJobSpec) -> None:
+    """`backend` is one the instance type's devices run (trn: neuron-xla or neuron-native,
+    p5: cuda, cpu: cpu; or auto), and `processesPerNode` is at most its NeuronCores or GPUs."""
     kind = accelerator(spec.instance_type)
     allowed = BACKENDS_BY_ACCELERATOR[kind]
     if spec.backend != "auto" and spec.backend not in allowed:
@@ -656,6 +674,7 @@ def _check_devices(spec: PretrainJobSpec) -> None:
 
 
 def _check_image(spec: PretrainJobSpec) -> None:
+    """The template's `trainer` container names no image other than `image`: set one of them."""
     theirs = spec.template.trainer().get("image") if spec.template else None
     if theirs and spec.image and theirs != spec.image:
         raise SpecError(
@@ -666,6 +685,7 @@ def _check_image(spec: PretrainJobSpec) -> None:
 
 
 def _check_spares(spec: PretrainJobSpec) -> None:
+    """`faultTolerance.spareNodes` needs `faultTolerance.restartStrategy: InPlace`."""
     ft = spec.fault_tolerance
     if ft.spare_nodes and ft.restart_strategy != "InPlace":
         raise SpecError("faultTolerance.spareNodes", f"{ft.spare_nodes} spare nodes need "

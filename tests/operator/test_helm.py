@@ -79,6 +79,7 @@ NEEDED = {
                                         "patch"},
     ("", "events"): {"create"},
     ("scheduling.volcano.sh", "podgroups"): {"create"},
+    ("policy", "poddisruptionbudgets"): {"create", "delete"},
 }
 CLUSTER_READS = {("", "nodes"), ("apiextensions.k8s.io", "customresourcedefinitions"),
                  ("", "namespaces")}

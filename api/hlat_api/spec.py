@@ -17,10 +17,19 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from hlat_api.errors import SpecError
+from hlat_api.labels import INSTANCE_TYPE_LABEL
 from hlat_api.memory import (
     GIB,
     Estimate,
@@ -31,6 +40,7 @@ from hlat_api.memory import (
 )
 from hlat_api.podtemplate import PodTemplate
 from hlat_api.presets import (
+    HYPERPOD_INSTANCE_TYPES,
     INSTANCE_TYPES,
     MODEL_PRESETS,
     PAPER_PRECISION,
@@ -38,6 +48,7 @@ from hlat_api.presets import (
     InstanceType,
     ModelDims,
     ModelPreset,
+    canonical_instance_type,
 )
 
 Precision = Literal["fp32", "mixed", "bf16", "bf16-sr"]
@@ -331,8 +342,12 @@ class PretrainJobSpec(_Model):
     """The trainer image (Dockerfile.trainer); required on Kubernetes, unused by local runs."""
     nodes: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1
     """Worker pods, one per node."""
-    instance_type: InstanceType = "trn1.32xlarge"
-    """Node type: trn1.2xlarge, trn1.32xlarge, trn1n.32xlarge, trn2.48xlarge, p5.48xlarge, cpu."""
+    instance_type: Annotated[InstanceType, WithJsonSchema(
+        {"type": "string", "enum": [*INSTANCE_TYPES, *HYPERPOD_INSTANCE_TYPES]})] = "trn1.32xlarge"
+    """Node type: trn1.2xlarge, trn1.32xlarge, trn1n.32xlarge, trn2.48xlarge, p5.48xlarge, cpu.
+    On SageMaker HyperPod's EKS nodes, whose `node.kubernetes.io/instance-type` label reads
+    `ml.<type>`, give the `ml.` name (`ml.trn1.32xlarge`): it is the same type, and the workers'
+    node selector asks for the label as HyperPod sets it (`scheduling.nodeSelector` wins)."""
     processes_per_node: Annotated[int, Field(ge=1, le=MAX_PROCESSES_PER_NODE)] | None = None
     """Trainer processes per node; defaults to the instance type's (32 on trn1.32xlarge), and
     at most that on accelerator instances (one per NeuronCore or GPU)."""
@@ -409,6 +424,7 @@ class PretrainJobSpec(_Model):
         `precision` become the paper's for the preset (`_with_paper_defaults`)."""
         if not isinstance(raw, dict):
             return raw
+        raw = _hyperpod_instance_type(raw)
         try:
             return _with_paper_defaults(raw)
         except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
@@ -425,6 +441,26 @@ def _field(raw: dict[str, Any], camel: str) -> Any:
     """A raw field by its camelCase alias or its snake_case name."""
     snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in camel)
     return raw.get(camel, raw.get(snake))
+
+
+def _hyperpod_instance_type(raw: dict[str, Any]) -> dict[str, Any]:
+    """`instanceType: ml.trn1.32xlarge` (HyperPod's name) is `trn1.32xlarge` whose nodes are
+    selected by the label HyperPod sets, `node.kubernetes.io/instance-type: ml.trn1.32xlarge`."""
+    name = _field(raw, "instanceType")
+    if not isinstance(name, str) or name not in HYPERPOD_INSTANCE_TYPES:
+        return raw
+    out = {k: v for k, v in raw.items() if k not in ("instanceType", "instance_type")}
+    out["instanceType"] = canonical_instance_type(name)
+    scheduling = _field(raw, "scheduling")
+    if scheduling is None or isinstance(scheduling, dict):
+        scheduling = dict(scheduling or {})
+        key = "nodeSelector" if "nodeSelector" in scheduling or \
+            "node_selector" not in scheduling else "node_selector"
+        selector = scheduling.get(key)
+        if selector is None or isinstance(selector, dict):
+            scheduling[key] = {INSTANCE_TYPE_LABEL: name, **(selector or {})}
+        out["scheduling"] = scheduling
+    return out
 
 
 def _with_paper_defaults(raw: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,9 @@ Two dashboards, generated so their queries track the metric names in code:
   tokens/s, MFU, step time, data wait, checkpoint blocking and age, heartbeat age per worker) and
   the Neuron devices of its nodes (neuron-monitor's metric names: these panels have data only on
   Trainium nodes running neuron-monitor, so the tests check their names against neuron-monitor's
-  published list instead of asking a Prometheus for data).
+  published list and promtool evaluates them over made-up series instead of asking a Prometheus
+  for data). Those panels keep to the job's own nodes through kube-state-metrics
+  (`JOB_INSTANCES`), which the cluster must therefore run (kube-prometheus-stack does).
 
 `python -m hlat_operator.dashboards --write` writes `charts/hlat/dashboards/*.json` and the
 ConfigMap template that ships them (labelled `grafana_dashboard: "1"` for Grafana's sidecar); a

@@ -161,3 +161,21 @@ def test_an_unknown_condition_does_not_restart_the_job() -> None:
     set_conditions(w, node, cond(ACCELERATED_HARDWARE_READY, "Unknown", "NodeStatusUnknown"))
     w.step()
     assert w.status.phase == "Running"
+
+
+def test_in_place_the_pod_on_the_blamed_node_goes_and_the_others_stay() -> None:
+    """Under InPlace a trainer restarted on the same device would fail again: the pod on the
+    node with the condition is deleted (its replacement avoids the node); the healthy pod
+    stays, its trainer restarted in place."""
+    from hlat_operator.reconcile import DeletePod
+
+    w = running_world(**{"faultTolerance.restartStrategy": "InPlace"})
+    bad, good = w.pod_of(1), w.pod_of(0)
+    assert bad.node is not None
+    set_conditions(w, bad.node, cond(ACCELERATED_HARDWARE_READY, "False", "NeuronDMAError"))
+    d = w.step()
+    assert [a.name for a in d.actions if isinstance(a, DeletePod)] == [bad.name]
+    assert w.status.restarts.counted == 0 and bad.node in {e.node for e in w.status.avoided_nodes}
+    w.until("Running")
+    assert good.name in w.pods
+    assert bad.node not in {p.node for p in w.live()}

@@ -111,3 +111,22 @@ def test_karpenter_nodes_carry_their_nodepool_topology_and_the_neuron_taint() ->
 def test_an_unknown_provisioner_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="karpenter"):
         eksnodes.provisioner("fargate")
+
+
+def test_docs_operator_md_tables_match_the_model_and_the_presets() -> None:
+    """docs/operator.md's "Worker requests per provisioner" table is the model's figures."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "operator.md").read_text()
+    rows = [line.split("|")[1:-1] for line in doc.splitlines()
+            if line.startswith("| trn") or line.startswith("| p5")]
+    table = {tuple(c.strip() for c in row[0].split(",")): [c.strip() for c in row[1:]]
+             for row in rows if len(row) == 6}
+    assert table, "the per-provisioner table is missing from docs/operator.md"
+    for names, (managed, karpenter, _hyperpod, request, _left) in table.items():
+        for name in names:
+            itype = instance_type(name)
+            for provisioner, cell in (("managed", managed), ("karpenter", karpenter)):
+                alloc = eksnodes.node_resources(itype, provisioner).allocatable
+                assert cell == f"{alloc['cpu']} / {alloc['memory']}", (name, provisioner)
+            assert request == f"{WORKERS[name].cpu} / {WORKERS[name].memory}", name

@@ -318,10 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from kubernetes import client, config
 
-    api = client.ApiClient()
+    # loaded before the ApiClient exists: its connection pool takes the CA and client
+    # certificate from the configuration when it is made
+    settings = client.Configuration()
     config.load_kube_config(  # type: ignore[no-untyped-call]
-        config_file=args.kubeconfig, context=args.context,
-        client_configuration=api.configuration)
+        config_file=args.kubeconfig, context=args.context, client_configuration=settings)
+    api = client.ApiClient(settings)
     findings = diagnose(read_cluster(api, args.namespace, args.claim))
     print(report(findings))
     return 1 if any(f.failed for f in findings) else 0

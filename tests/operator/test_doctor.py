@@ -160,6 +160,10 @@ def test_on_the_local_cluster_what_the_rig_models_passes(cluster: Any, crd: None
     what the rig can show), and what no API shows is listed as not checked."""
     cluster.create_shared_volume(namespace, "fsx", tmp_path / "fsx")
     try:
+        deadline = time.monotonic() + 30
+        while (core.read_namespaced_persistent_volume_claim("fsx", namespace).status.phase
+               != "Bound" and time.monotonic() < deadline):
+            time.sleep(0.5)
         proc = _doctor(cluster.kubeconfig, "-n", namespace, "--claim", "fsx")
     finally:
         core.delete_persistent_volume(f"{namespace}-fsx")

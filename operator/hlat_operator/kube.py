@@ -189,20 +189,5 @@ class PodGroup(TypedDict):
     spec: PodGroupSpec
 
 
-class PodDisruptionBudgetSpec(TypedDict):
-    minAvailable: int
-    selector: dict[str, Any]
-
-
-class PodDisruptionBudget(TypedDict):
-    """policy/v1 PodDisruptionBudget."""
-
-    apiVersion: str
-    kind: str
-    metadata: ObjectMeta
-    spec: PodDisruptionBudgetSpec
-
-
-Object = (Pod | Service | ConfigMap | ServiceAccount | Role | RoleBinding | Lease | PodGroup
-          | PodDisruptionBudget)
+Object = Pod | Service | ConfigMap | ServiceAccount | Role | RoleBinding | Lease | PodGroup
 """Anything the operator creates for a job."""

@@ -29,7 +29,7 @@ the longest.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import UTC, datetime
 
 from hlat_api import labels
 from hlat_api.env import ExitCode
@@ -98,9 +98,25 @@ def classify_failed(pod: ObservedPod) -> Fault:
     return Fault(reason, f"{where} {what}{detail}", pod.name, pod.node, code)
 
 
-def trainer_exited(pod: ObservedPod, observed: Observed) -> Fault | None:
+def _first_to_fail(failed: list[ObservedPod]) -> list[Fault]:
+    """The failures of one gang, the root cause first: the container that ended first (a rank
+    killed takes its peers down a moment later, each with a bare exit code from a broken
+    collective); within the same second (finishedAt has whole seconds), a signal, OOM or
+    cluster stop before a bare exit code, then by rank."""
+    never = datetime.max.replace(tzinfo=UTC)
+
+    def order(pair: tuple[ObservedPod, Fault]) -> tuple[datetime, bool, int]:
+        pod, fault = pair
+        return (pod.finished_at or never, fault.reason == Reason.POD_FAILED,
+                pod.rank if pod.rank is not None else len(failed))
+
+    return [f for _, f in sorted(((p, classify_failed(p)) for p in failed), key=order)]
+
+
+def trainer_exited(pod: ObservedPod, observed: Observed) -> ObservedPod | None:
     """A pod kept for in-place restarts whose launcher reported its trainer's exit (on the
-    Lease of the pod's attempt): judged as a failed container with that code would be."""
+    Lease of the pod's attempt), as the failed container it stands for: judged as one (the
+    report carries no exit time: among several, a signal or OOM is blamed before a bare code)."""
     lease = observed.lease_of(pod)
     beat = lease.heartbeat if lease is not None else None
     if beat is None or beat.exit_code is None or beat.exit_code == 0 or pod.terminating:
@@ -108,8 +124,8 @@ def trainer_exited(pod: ObservedPod, observed: Observed) -> Fault | None:
     if beat.attempt is not None and beat.attempt != pod.attempt:
         return None
     reason = beat.exit_reason if beat.exit_reason == "OOMKilled" else None  # the one it gives
-    return classify_failed(replace(pod, phase="Failed", exit_code=beat.exit_code, reason=reason,
-                                   message="the trainer exited; the pod stays"))
+    return replace(pod, phase="Failed", exit_code=beat.exit_code, reason=reason,
+                   message="the trainer exited; the pod stays")
 
 
 def _terminating(pod: ObservedPod) -> Fault:
@@ -312,11 +328,12 @@ def detect_fault(
     pods = observed.pods_of(attempt)
     failed = [p for p in pods if p.phase == "Failed"]
     if failed:
-        faults = [classify_failed(p) for p in failed]
+        faults = _first_to_fail(failed)
         return next((f for f in faults if f.permanent), faults[0])
-    exited = [f for p in pods if (f := trainer_exited(p, observed)) is not None]
+    exited = [e for p in pods if (e := trainer_exited(p, observed)) is not None]
     if exited:
-        return next((f for f in exited if f.permanent), exited[0])
+        faults = _first_to_fail(exited)
+        return next((f for f in faults if f.permanent), faults[0])
     for pod in pods:
         if pod.terminating and not pod.finished:
             return _terminating(pod)

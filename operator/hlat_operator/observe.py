@@ -69,6 +69,8 @@ class ObservedPod:
     """When the trainer container started (else the pod's startTime), or, for a pod an
     in-place restart moved to its current attempt, when it was moved (`labels.ATTEMPT_STARTED`)."""
     created_at: datetime | None = None
+    finished_at: datetime | None = None
+    """When the trainer container ended (its terminated state's finishedAt, whole seconds)."""
     disruption: str | None = None
     """Reason of a DisruptionTarget condition (PreemptionByScheduler, EvictionByEvictionAPI, ...)."""
     unschedulable_since: datetime | None = None
@@ -244,6 +246,7 @@ def pod_from_raw(raw: Mapping[str, Any], container: str = "trainer") -> Observed
                            parse_time((meta.get("annotations") or {}).get(
                                labels.ATTEMPT_STARTED))),
         created_at=parse_time(meta.get("creationTimestamp")),
+        finished_at=parse_time(term.get("finishedAt")),
         disruption=disruption.get("reason") if disruption.get("status") == "True" else None,
         unschedulable_since=parse_time(scheduled.get("lastTransitionTime")) if stuck else None,
         schedule_message=str(scheduled.get("message") or "") + note if stuck else "",

@@ -281,7 +281,8 @@ class World:
 
     def fail(self, rank: int, exit_code: int = 137, reason: str | None = None) -> None:
         pod = self.pod_of(rank)
-        self.pods[pod.name] = replace(pod, phase="Failed", exit_code=exit_code, reason=reason)
+        self.pods[pod.name] = replace(pod, phase="Failed", exit_code=exit_code, reason=reason,
+                                      finished_at=self.now)
 
     def succeed_all(self) -> None:
         for name, pod in list(self.pods.items()):

@@ -44,6 +44,7 @@ KILLED_POD: dict[str, Any] = {
                         "exitCode": 137,
                         "reason": "Error",
                         "startedAt": "2025-01-01T00:00:10Z",
+                        "finishedAt": "2025-01-01T00:00:42Z",
                     }
                 },
             }
@@ -57,6 +58,7 @@ def test_pod_from_raw() -> None:
     assert (pod.name, pod.attempt, pod.rank, pod.phase) == ("tiny-a2-1", 2, 1, "Failed")
     assert pod.exit_code == 137 and pod.reason == "Error" and pod.node == "node-b"
     assert pod.disruption == "PreemptionByScheduler" and pod.started_at == at(10)
+    assert pod.finished_at == at(42)
     assert not pod.ready and not pod.terminating and pod.finished
 
 

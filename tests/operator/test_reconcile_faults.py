@@ -100,6 +100,37 @@ def test_a_config_error_wins_over_a_simultaneous_retryable_failure() -> None:
     assert w.status.phase == "Failed"
 
 
+def test_the_rank_that_failed_first_is_the_cause_not_the_peer_it_took_down() -> None:
+    """rank 1 is SIGKILLed; rank 0's collective breaks and it exits 1 a second later. The
+    operator sees both Failed in one pass (its previous pass lost to a conflict): the kill is
+    the cause, whichever rank comes first in the list."""
+    w = running_world()
+    w.fail(1, exit_code=137)
+    w.advance(1)
+    w.fail(0, exit_code=1)
+    w.step()
+    assert w.status.last_failure is not None and w.status.last_failure.reason == Reason.KILLED
+    assert w.status.last_failure.pod == "tiny-a0-1"
+
+
+def test_failures_in_the_same_second_blame_the_signal_over_a_bare_exit_code() -> None:
+    w = running_world()
+    w.fail(0, exit_code=1)
+    w.fail(1, exit_code=137)
+    w.step()
+    assert w.status.last_failure is not None and w.status.last_failure.reason == Reason.KILLED
+
+
+def test_the_earlier_bare_exit_code_is_the_cause_when_it_came_first() -> None:
+    w = running_world()
+    w.fail(0, exit_code=1)
+    w.advance(2)
+    w.fail(1, exit_code=143)
+    w.step()
+    assert w.status.last_failure is not None and w.status.last_failure.reason == Reason.POD_FAILED
+    assert w.status.last_failure.pod == "tiny-a0-0"
+
+
 @pytest.mark.parametrize("exit_code", [137, 143, 1, 134])
 def test_retryable_failures_restart_the_gang(exit_code: int) -> None:
     w = running_world()

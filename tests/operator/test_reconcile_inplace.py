@@ -82,6 +82,17 @@ def test_a_trainer_exit_restarts_every_trainer_in_the_pods_it_has() -> None:
     assert w.status.phase == "Running"
 
 
+def test_of_two_trainer_exits_seen_together_the_signal_is_blamed() -> None:
+    """rank 1's trainer is killed and rank 0's exits 1 on the broken collective; both reports
+    are on the Leases by the operator's next pass: the kill is the cause."""
+    w = in_place_world()
+    w.trainer_exit(0, 1)
+    w.trainer_exit(1, 137)
+    w.step()
+    assert w.status.last_failure is not None and w.status.last_failure.reason == "Killed"
+    assert w.status.last_failure.pod == "tiny-a0-1"
+
+
 @pytest.mark.parametrize(("reason", "expected"), [("OOMKilled", "OOMKilled"),
                                                   (None, "Killed"), ("Evicted", "Killed")])
 def test_a_trainer_the_kernel_killed_for_memory_is_reported_oomkilled(

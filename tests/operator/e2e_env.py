@@ -46,6 +46,11 @@ class Env:
                 "metadata": {"name": self.name}, "spec": spec}
         self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, body)
 
+    def patch_spec(self, patch: dict[str, Any]) -> None:
+        """A merge patch of the job's spec (a user's `kubectl patch` mid-run)."""
+        self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, self.name,
+                                                   {"spec": patch})
+
     def delete(self) -> None:
         with contextlib.suppress(ApiException):
             self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL,

@@ -234,8 +234,12 @@ def test_a_master_never_reachable_at_rendezvous_restarts_the_gang(job_env: Env) 
     failure = restarting["lastFailure"]
     assert failure["reason"] == "StartupTimeout", failure
     assert "no first heartbeat" in failure["message"], failure
+    # the 20 s bound was for the faulted gang; a healthy one needs more where the machine is
+    # loaded (two clusters' trainers importing torch at once took over 20 s to a first beat
+    # and a second, false StartupTimeout): the operator judges by the spec as it is now
+    job_env.patch_spec({"faultTolerance": {"heartbeat": {"startupTimeoutSeconds": 600}}})
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
-    assert done["restarts"]["total"] == 1 and done["progress"]["step"] == 20
+    assert done["restarts"]["total"] == 1 and done["progress"]["step"] == 20, done["restarts"]
     assert job_env.max_gangs == 1
     report_recovery(job_env, "master unreachable at rendezvous (20 s startup timeout)",
                     fault_at)

@@ -94,6 +94,25 @@ class Env:
         raise AssertionError(f"timed out after {timeout}s waiting for {what}; "
                              f"status: {json.dumps(status)[:1500]}; see the operator log")
 
+    def wait_trained(self, stall: float = 90, limit: float = 900) -> dict[str, Any]:
+        """Until Succeeded, for a job with many steps left: bounded by progress, not by speed.
+        Fails once neither the phase, the attempt nor the step moved for `stall` seconds (a
+        loaded machine trains slower, a stuck job does not train), or after `limit`."""
+        moved, last = time.monotonic(), None
+
+        def done(status: dict[str, Any]) -> bool:
+            nonlocal moved, last
+            now = (status.get("phase"), status.get("attempt"),
+                   (status.get("progress") or {}).get("step"))
+            if now != last:
+                moved, last = time.monotonic(), now
+            elif time.monotonic() - moved > stall:
+                raise AssertionError(f"no progress for {stall:.0f}s waiting for Succeeded; "
+                                     f"status: {json.dumps(status)[:1500]}")
+            return status.get("phase") == "Succeeded"
+
+        return self.wait("Succeeded", done, limit)
+
     def wait_pods(self, count: int, timeout: float) -> list[Any]:
         """The job's pods once there are at least `count` of them."""
         deadline = time.monotonic() + timeout

@@ -65,3 +65,7 @@ class ExitCode(IntEnum):
     FENCED = 3
     """The trainer's attempt is over (its Lease writes are refused: the operator moved on): it
     stopped itself, and committed no checkpoint after it learned so."""
+    NODE_FAULT = 4
+    """The node is at fault, not the job: its Neuron driver is older than the image's runtime
+    supports (the launcher's check), or the Neuron runtime reported a hardware error. The
+    operator restarts the gang off that node (no restart budget) and avoids it."""

@@ -76,6 +76,10 @@ class PodTemplate(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> PodTemplate:
+        """`template.spec` leaves to the operator what it sets for the gang (restartPolicy,
+        hostname, subdomain, nodeName; the trainer container's command, args and `HLAT_*` env;
+        its init container and volume names), and names its containers and volumes uniquely:
+        docs/operator.md, "The pod template"."""
         check_template(self.spec)
         return self
 

@@ -91,26 +91,45 @@ class InstanceInfo:
     memory: str | None = None  # memory request = limit of the trainer container
 
 
-# cpu/memory: the node's vCPUs and memory less what EKS reserves (kube-reserved, eviction
-# threshold: under 0.5 vCPU and 3.1 GiB on a 32xlarge) and headroom for the usual DaemonSets
-# (VPC CNI, kube-proxy, the Neuron/EFA/NVIDIA device plugins, node monitoring), so one worker
-# fits its node with requests = limits: Guaranteed QoS, the last class the kubelet evicts.
+# cpu/memory: what fits one worker on a node of the type whoever provisioned it, with requests =
+# limits (Guaranteed QoS, the last class the kubelet evicts). The binding figure is Karpenter's
+# (also EKS Auto Mode's): it launches a node only for pods that fit its model of the type,
+# karpenter-provider-aws website/content/en/docs/reference/instance-types.md (1d92708):
+# trn1(n).32xlarge 127610m / 481894Mi, trn2.48xlarge and p5.48xlarge 191450m / 1938410Mi,
+# trn1.2xlarge 7910m / 29317Mi; managed node groups (EKS AMI) and HyperPod offer more. The margin
+# left is far above the DaemonSets a real trn1 pool ran (280m, 376Mi: aws/karpenter-provider-aws
+# #6509): trn1(n).32xlarge 7.6 cores / 30.6Gi, trn2 and p5 7.4 cores / 43Gi, trn1.2xlarge 1.9 cores
+# / 2.6Gi. AWS's own trn1 manifests ask for 440Gi (awsome-distributed-training). The model and
+# the table per provisioner: hlat_testbed.eksnodes, docs/operator.md "Worker requests".
 INSTANCE_TYPES: Final[dict[str, InstanceInfo]] = {
     # trn1: 16 Trainium chips = 32 NeuronCores of 16 GiB HBM, 95 TFLOPS BF16 each (paper, section 2)
     # trn1.2xlarge: 8 vCPU, 32 GiB; trn1(n).32xlarge: 128 vCPU, 512 GiB
     "trn1.2xlarge": InstanceInfo(2, 16.0, 1, 0, peak_tflops_per_rank=95.0,
                                  cpu="6", memory="26Gi"),
     "trn1.32xlarge": InstanceInfo(32, 16.0, 16, 8, peak_tflops_per_rank=95.0,
-                                  cpu="120", memory="480Gi"),
+                                  cpu="120", memory="440Gi"),
     "trn1n.32xlarge": InstanceInfo(32, 16.0, 16, 16, peak_tflops_per_rank=95.0,
-                                   cpu="120", memory="480Gi"),
+                                   cpu="120", memory="440Gi"),
     # trn2: 16 Trainium2 chips, 96 GiB each, 4 logical NeuronCores per chip (LNC=2);
     # 192 vCPU, 2 TiB
     "trn2.48xlarge": InstanceInfo(64, 24.0, 16, 16, peak_tflops_per_rank=167.0,
-                                  cpu="184", memory="1900Gi"),
+                                  cpu="184", memory="1850Gi"),
     # p5.48xlarge: 192 vCPU, 2 TiB
     "p5.48xlarge": InstanceInfo(8, 80.0, 0, 32, gpus=8, peak_tflops_per_rank=989.0,
-                                cpu="184", memory="1900Gi"),
+                                cpu="184", memory="1850Gi"),
     # the local rig and CI: no requests (BestEffort) unless the template sets them
     "cpu": InstanceInfo(1, None, 0, 0),
 }
+
+HYPERPOD_PREFIX: Final = "ml."
+"""SageMaker HyperPod names instance types `ml.<type>` and labels its EKS nodes so
+(`node.kubernetes.io/instance-type: ml.trn1.32xlarge`): `instanceType` takes either name."""
+HYPERPOD_INSTANCE_TYPES: Final[tuple[str, ...]] = tuple(
+    HYPERPOD_PREFIX + name for name in INSTANCE_TYPES if name != "cpu")
+
+
+def canonical_instance_type(name: str) -> str:
+    """`ml.trn1.32xlarge` -> `trn1.32xlarge`; any other name unchanged."""
+    if name in HYPERPOD_INSTANCE_TYPES:
+        return name.removeprefix(HYPERPOD_PREFIX)
+    return name

@@ -17,10 +17,19 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from hlat_api.errors import SpecError
+from hlat_api.labels import INSTANCE_TYPE_LABEL
 from hlat_api.memory import (
     GIB,
     Estimate,
@@ -31,6 +40,7 @@ from hlat_api.memory import (
 )
 from hlat_api.podtemplate import PodTemplate
 from hlat_api.presets import (
+    HYPERPOD_INSTANCE_TYPES,
     INSTANCE_TYPES,
     MODEL_PRESETS,
     PAPER_PRECISION,
@@ -38,6 +48,7 @@ from hlat_api.presets import (
     InstanceType,
     ModelDims,
     ModelPreset,
+    canonical_instance_type,
 )
 
 Precision = Literal["fp32", "mixed", "bf16", "bf16-sr"]
@@ -314,6 +325,7 @@ class NeuronSpec(_Model):
 
     @model_validator(mode="after")
     def _caches_differ(self) -> NeuronSpec:
+        """`neuron.sharedCacheDir`, when set, is another directory than `neuron.cacheDir`."""
         if self.shared_cache_dir is not None and (
                 self.shared_cache_dir.rstrip("/") == self.cache_dir.rstrip("/")):
             raise SpecError(
@@ -330,8 +342,12 @@ class PretrainJobSpec(_Model):
     """The trainer image (Dockerfile.trainer); required on Kubernetes, unused by local runs."""
     nodes: Annotated[int, Field(ge=1, le=MAX_NODES)] = 1
     """Worker pods, one per node."""
-    instance_type: InstanceType = "trn1.32xlarge"
-    """Node type: trn1.2xlarge, trn1.32xlarge, trn1n.32xlarge, trn2.48xlarge, p5.48xlarge, cpu."""
+    instance_type: Annotated[InstanceType, WithJsonSchema(
+        {"type": "string", "enum": [*INSTANCE_TYPES, *HYPERPOD_INSTANCE_TYPES]})] = "trn1.32xlarge"
+    """Node type: trn1.2xlarge, trn1.32xlarge, trn1n.32xlarge, trn2.48xlarge, p5.48xlarge, cpu.
+    On SageMaker HyperPod's EKS nodes, whose `node.kubernetes.io/instance-type` label reads
+    `ml.<type>`, give the `ml.` name (`ml.trn1.32xlarge`): it is the same type, and the workers'
+    node selector asks for the label as HyperPod sets it (`scheduling.nodeSelector` wins)."""
     processes_per_node: Annotated[int, Field(ge=1, le=MAX_PROCESSES_PER_NODE)] | None = None
     """Trainer processes per node; defaults to the instance type's (32 on trn1.32xlarge), and
     at most that on accelerator instances (one per NeuronCore or GPU)."""
@@ -408,6 +424,7 @@ class PretrainJobSpec(_Model):
         `precision` become the paper's for the preset (`_with_paper_defaults`)."""
         if not isinstance(raw, dict):
             return raw
+        raw = _hyperpod_instance_type(raw)
         try:
             return _with_paper_defaults(raw)
         except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
@@ -424,6 +441,26 @@ def _field(raw: dict[str, Any], camel: str) -> Any:
     """A raw field by its camelCase alias or its snake_case name."""
     snake = "".join(f"_{c.lower()}" if c.isupper() else c for c in camel)
     return raw.get(camel, raw.get(snake))
+
+
+def _hyperpod_instance_type(raw: dict[str, Any]) -> dict[str, Any]:
+    """`instanceType: ml.trn1.32xlarge` (HyperPod's name) is `trn1.32xlarge` whose nodes are
+    selected by the label HyperPod sets, `node.kubernetes.io/instance-type: ml.trn1.32xlarge`."""
+    name = _field(raw, "instanceType")
+    if not isinstance(name, str) or name not in HYPERPOD_INSTANCE_TYPES:
+        return raw
+    out = {k: v for k, v in raw.items() if k not in ("instanceType", "instance_type")}
+    out["instanceType"] = canonical_instance_type(name)
+    scheduling = _field(raw, "scheduling")
+    if scheduling is None or isinstance(scheduling, dict):
+        scheduling = dict(scheduling or {})
+        key = "nodeSelector" if "nodeSelector" in scheduling or \
+            "node_selector" not in scheduling else "node_selector"
+        selector = scheduling.get(key)
+        if selector is None or isinstance(selector, dict):
+            scheduling[key] = {INSTANCE_TYPE_LABEL: name, **(selector or {})}
+        out["scheduling"] = scheduling
+    return out
 
 
 def _with_paper_defaults(raw: dict[str, Any]) -> dict[str, Any]:
@@ -468,6 +505,9 @@ def default_tensor(dims: ModelDims, preset: str | None, ranks_per_node: int) -> 
 
 
 def _check_model(spec: PretrainJobSpec) -> None:
+    """The model's dimensions (the preset's with the overrides; without a preset, every one
+    given): `hiddenSize` divisible by `heads`, an even head dimension (RoPE), `heads` a multiple
+    of `kvHeads`."""
     d = spec.model.dims()
     if d.hidden_size % d.heads:
         raise SpecError(
@@ -480,6 +520,9 @@ def _check_model(spec: PretrainJobSpec) -> None:
 
 
 def _check_parallelism(spec: PretrainJobSpec) -> None:
+    """`parallelism.pipeline` is 1; `parallelism.tensor` divides the heads, divides the kv
+    heads or is a multiple of them, and is at most one node's ranks; `nodes` x ranks per node
+    is divisible by tensor x pipeline."""
     d, p = spec.model.dims(), spec.parallelism
     if p.pipeline != 1:
         raise SpecError("parallelism.pipeline", "pipeline parallelism is not supported yet: set 1")
@@ -512,6 +555,8 @@ def _check_parallelism(spec: PretrainJobSpec) -> None:
 
 
 def _check_batch(spec: PretrainJobSpec) -> None:
+    """`train.globalBatch` is divisible by `microBatch` x the data-parallel degree; exactly
+    one of `train.steps` and `train.tokens` is given."""
     t, dp = spec.train, spec.data_parallel
     if t.global_batch % (t.micro_batch * dp):
         raise SpecError(
@@ -524,6 +569,9 @@ def _check_batch(spec: PretrainJobSpec) -> None:
 
 
 def _check_lengths(spec: PretrainJobSpec) -> None:
+    """`data.seqLen` at most the model's `maxSeqLen`; `optimizer.minLr` at most `lr`;
+    `optimizer.warmupSteps` at most the run's steps; the backoff's `initialSeconds` at most its
+    `maxSeconds`."""
     d = spec.model.dims()
     if spec.data.seq_len > d.max_seq_len:
         raise SpecError(
@@ -612,6 +660,10 @@ def _memory_advice(spec: PretrainJobSpec, est: Estimate) -> tuple[str, list[str]
 
 
 def _check_memory(spec: PretrainJobSpec) -> None:
+    """On trn and p5, a rank's estimated peak (model state, activations and the runtime's
+    reserve: `hlat_api.memory`) fits its NeuronCore's or GPU's memory; the error names the field
+    to change first (`parallelism.tensor`, `sequenceParallel`, `activationCheckpointing` or
+    `nodes`) and lists every change that would help."""
     est = memory_estimate(spec)
     if est is None or est.fits:
         return
@@ -637,6 +689,8 @@ def accelerator(instance_type: str) -> str:
 
 
 def _check_devices(spec: PretrainJobSpec) -> None:
+    """`backend` is one the instance type's devices run (trn: neuron-xla or neuron-native,
+    p5: cuda, cpu: cpu; or auto), and `processesPerNode` is at most its NeuronCores or GPUs."""
     kind = accelerator(spec.instance_type)
     allowed = BACKENDS_BY_ACCELERATOR[kind]
     if spec.backend != "auto" and spec.backend not in allowed:
@@ -656,6 +710,7 @@ def _check_devices(spec: PretrainJobSpec) -> None:
 
 
 def _check_image(spec: PretrainJobSpec) -> None:
+    """The template's `trainer` container names no image other than `image`: set one of them."""
     theirs = spec.template.trainer().get("image") if spec.template else None
     if theirs and spec.image and theirs != spec.image:
         raise SpecError(
@@ -666,6 +721,7 @@ def _check_image(spec: PretrainJobSpec) -> None:
 
 
 def _check_spares(spec: PretrainJobSpec) -> None:
+    """`faultTolerance.spareNodes` needs `faultTolerance.restartStrategy: InPlace`."""
     ft = spec.fault_tolerance
     if ft.spare_nodes and ft.restart_strategy != "InPlace":
         raise SpecError("faultTolerance.spareNodes", f"{ft.spare_nodes} spare nodes need "

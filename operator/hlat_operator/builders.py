@@ -21,6 +21,10 @@ Design choices:
 - The Neuron compiler and runtime environment (NEURON_*, EFA's FI_*) is not set here: the
   worker's entrypoint, `hlat-launch`, computes it from the same spec (hlat_trainer.neuron_env),
   one source. A variable the pod does set is a deliberate override the launcher keeps.
+- Voluntary disruption: every worker carries Karpenter's `karpenter.sh/do-not-disrupt`
+  annotation and the job has a PodDisruptionBudget over its rank-holding workers (see
+  `build_pod_disruption_budget`): a gang loses a whole attempt's progress since the last
+  checkpoint when one worker goes, which consolidation, drift or expiry must not cost.
 - Trainium pods reserve the Neuron runtime's ports (`labels.NEURON_RESERVED_PORTS`) with the
   namespaced sysctl net.ipv4.ip_local_reserved_ports.
 """
@@ -54,6 +58,7 @@ from hlat_operator.kube import (
     ObjectMeta,
     OwnerReference,
     Pod,
+    PodDisruptionBudget,
     PodGroup,
     PodSpec,
     Role,
@@ -74,6 +79,14 @@ VOLCANO_API = "scheduling.volcano.sh/v1beta1"
 AVOIDED_ANNOTATION = "hlat.dev/avoided-nodes"
 """Comma-separated nodes a worker pod was created to avoid (its node affinity), so the operator
 can tell when a pending pod's placement rule is out of date and create it again."""
+DO_NOT_DISRUPT_ANNOTATION = "karpenter.sh/do-not-disrupt"
+"""Karpenter (and EKS Auto Mode, built on it) does not consolidate a node running a pod with
+this annotation set to "true", nor replace it for drift unless the NodeClaim has a
+terminationGracePeriod (aws/karpenter-provider-aws, website/content/en/docs/concepts/
+disruption.md, "Pod-Level Controls"). Expiration is forceful in Karpenter v1: it waits on the
+annotation and the budget only up to that terminationGracePeriod. Involuntary disruption (spot
+interruption, node failure, repair) and a manual drain are not affected (the budget is)."""
+PDB_API = "policy/v1"
 CACHE_OWNER_RESOURCES = {"cpu": "100m", "memory": "64Mi"}
 """The init container's requests = limits (Guaranteed QoS counts init containers too)."""
 
@@ -242,6 +255,59 @@ def build_pod_group(job: JobRef, spec: PretrainJobSpec) -> PodGroup:
     }
 
 
+def pod_disruption_budget_name(job: JobRef) -> str:
+    return labels.service_name(job.name)
+
+
+def build_pod_disruption_budget(job: JobRef, spec: PretrainJobSpec) -> PodDisruptionBudget:
+    """A budget that refuses every eviction of a rank-holding worker while the job runs, so
+    `kubectl drain` and any eviction-based autoscaler wait until the job ends or is suspended.
+
+    minAvailable = nodes, an integer: the workers are owned by a PretrainJob, which has no
+    scale subresource, and for such pods Kubernetes supports only an integer minAvailable
+    (maxUnavailable or a percentage needs the owner's scale: kubernetes/website,
+    content/en/docs/tasks/run-application/configure-pdb.md, "Arbitrary workloads and
+    arbitrary selectors"). Spares are left out (`hlat.dev/spare` DoesNotExist): evicting one
+    costs no training time and the operator makes another; a promoted spare loses the label
+    and so is counted."""
+    selector = {
+        "matchLabels": worker_selector(job),
+        "matchExpressions": [{"key": labels.SPARE, "operator": "DoesNotExist"}],
+    }
+    return {
+        "apiVersion": PDB_API,
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(job, pod_disruption_budget_name(job)),
+        "spec": {"minAvailable": spec.nodes, "selector": selector},
+    }
+
+
+def checkpoint_volume_problem(spec: PretrainJobSpec) -> str | None:
+    """Why `checkpoint.dir` is not on a volume that outlives the pod, or None. A directory
+    outside every mount is the container's own filesystem: each worker would write its
+    checkpoints there and a restarted gang would find none. Accepted: under the claim's
+    mountPath, or under a mount of the template's trainer container whose volume is not an
+    emptyDir (which dies with the pod too)."""
+    where = spec.checkpoint.dir
+    mounts: list[str] = [spec.storage.mount_path] if spec.storage.claim_name else []
+    if spec.template is not None:
+        ephemeral = {str(v.get("name")) for v in spec.template.spec.get("volumes") or []
+                     if isinstance(v, dict) and "emptyDir" in v}
+        mounts += [str(m.get("mountPath", "")) for m in
+                   spec.template.trainer().get("volumeMounts") or []
+                   if isinstance(m, dict) and str(m.get("name")) not in ephemeral]
+    if any(m and (where == m or where.startswith(m.rstrip("/") + "/")) for m in mounts):
+        return None
+    fix = (f"put it under spec.storage.mountPath ({spec.storage.mount_path})"
+           if spec.storage.claim_name else
+           "set spec.storage.claimName to a ReadWriteMany PersistentVolumeClaim (FSx for "
+           "Lustre on EKS) and put it under spec.storage.mountPath")
+    return (f"spec.checkpoint.dir: {where} is on no volume of the worker pods, so each "
+            f"container would write its checkpoints into its own filesystem and a restart "
+            f"would find none: {fix}, or mount a volume there with the template's trainer "
+            f"volumeMounts")
+
+
 def build_leases(
     job: JobRef, spec: PretrainJobSpec, attempt: int, settings: OperatorSettings
 ) -> list[Lease]:
@@ -330,7 +396,8 @@ def build_worker_pod(
             {"name": labels.NEURON_RESERVED_PORTS_SYSCTL, "value": labels.NEURON_RESERVED_PORTS}]}
     _apply_scheduling(pod_spec, spec, avoid_nodes or [], settings)
     meta = _meta(job, name, extra)
-    meta["annotations"] = {AVOIDED_ANNOTATION: ",".join(avoid_nodes or [])}
+    meta["annotations"] = {AVOIDED_ANNOTATION: ",".join(avoid_nodes or []),
+                           DO_NOT_DISRUPT_ANNOTATION: "true"}
     if uses_volcano(spec, settings):
         meta["annotations"][VOLCANO_GROUP_ANNOTATION] = job.name
     ours: Pod = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
@@ -427,7 +494,18 @@ def build_resources(spec: PretrainJobSpec) -> dict[str, str]:
         labels.EFA_RESOURCE: info.efa_interfaces,
         labels.GPU_RESOURCE: info.gpus,
     }
+    if info.gpus and info.efa_interfaces:
+        wanted.update(EFA_GPU_HUGEPAGES)
     return {k: str(v) for k, v in wanted.items() if v}
+
+
+EFA_GPU_HUGEPAGES: dict[str, int | str | None] = {"hugepages-2Mi": "5120Mi"}
+"""What AWS's EFA GPU manifests request beside the GPUs and EFA interfaces: libfabric's EFA
+provider takes its internal buffers from 2 MiB huge pages (awsome-distributed-training 7217859,
+micro-benchmarks/nccl-tests/kubernetes/nccl-tests.yaml:89,94, p5.48xlarge workers: requests =
+limits `hugepages-2Mi: 5120Mi`). Not on Trainium: AWS's Neuron manifests request none
+(3.test_cases/pytorch/neuronx-distributed/llama3/kubernetes/llama3_train.yaml-template:101-107).
+The node must have the pages reserved (docs/neuron.md, "EFA")."""
 
 
 def _field_env(name: str, path: str) -> EnvVar:

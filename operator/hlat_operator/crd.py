@@ -30,7 +30,7 @@ from pydantic import BaseModel
 
 from hlat_api import labels
 from hlat_api.manifest import API_GROUP, API_VERSION, KIND
-from hlat_api.presets import INSTANCE_TYPES
+from hlat_api.presets import HYPERPOD_INSTANCE_TYPES, INSTANCE_TYPES, canonical_instance_type
 from hlat_api.spec import (
     BACKENDS_BY_ACCELERATOR,
     MAX_PROCESSES_PER_NODE,
@@ -130,6 +130,16 @@ def structural(node: Schema, defs: dict[str, Schema], with_defaults: bool = True
     return out
 
 
+_ALL_NAMES = [*INSTANCE_TYPES, *HYPERPOD_INSTANCE_TYPES]
+"""Every name `instanceType` takes (HyperPod's `ml.` names too: a CEL map lookup of a missing
+key fails the whole object)."""
+
+
+def _max_processes(instance: str) -> int:
+    info = INSTANCE_TYPES[instance]
+    return info.ranks_per_node if accelerator(instance) != "cpu" else MAX_PROCESSES_PER_NODE
+
+
 def _cel_map(values: dict[str, int]) -> str:
     return "{" + ", ".join(f"'{k}': {v}" for k, v in values.items()) + "}"
 
@@ -198,16 +208,16 @@ SPEC_RULES: dict[tuple[str, ...], list[Schema]] = {
         ),
         _rule(
             "!has(self.backend) || self.backend == 'auto' || self.backend in "
-            + _cel_map_of_lists({t: list(BACKENDS_BY_ACCELERATOR[accelerator(t)])
-                                 for t in INSTANCE_TYPES}) + "[self.instanceType]",
+            + _cel_map_of_lists({t: list(BACKENDS_BY_ACCELERATOR[accelerator(
+                canonical_instance_type(t))]) for t in _ALL_NAMES}) + "[self.instanceType]",
             "backend cannot run on instanceType: neuron-xla or neuron-native on trn*, cuda on "
             "p5.48xlarge, cpu on cpu (or auto)",
             ".backend",
         ),
         _rule(
             "!has(self.processesPerNode) || self.processesPerNode <= "
-            + _cel_map({t: i.ranks_per_node if accelerator(t) != "cpu" else MAX_PROCESSES_PER_NODE
-                        for t, i in INSTANCE_TYPES.items()}) + "[self.instanceType]",
+            + _cel_map({t: _max_processes(canonical_instance_type(t)) for t in _ALL_NAMES})
+            + "[self.instanceType]",
             "processesPerNode must not exceed the instance type's devices (NeuronCores or "
             "GPUs: trn1.2xlarge 2, trn1(n).32xlarge 32, trn2.48xlarge 64, p5.48xlarge 8)",
             ".processesPerNode",

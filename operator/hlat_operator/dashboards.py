@@ -7,7 +7,9 @@ Two dashboards, generated so their queries track the metric names in code:
   tokens/s, MFU, step time, data wait, checkpoint blocking and age, heartbeat age per worker) and
   the Neuron devices of its nodes (neuron-monitor's metric names: these panels have data only on
   Trainium nodes running neuron-monitor, so the tests check their names against neuron-monitor's
-  published list instead of asking a Prometheus for data).
+  published list and promtool evaluates them over made-up series instead of asking a Prometheus
+  for data). Those panels keep to the job's own nodes through kube-state-metrics
+  (`JOB_INSTANCES`), which the cluster must therefore run (kube-prometheus-stack does).
 
 `python -m hlat_operator.dashboards --write` writes `charts/hlat/dashboards/*.json` and the
 ConfigMap template that ships them (labelled `grafana_dashboard: "1"` for Grafana's sidecar); a
@@ -37,6 +39,22 @@ DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 JOB = '{namespace=~"$namespace", pretrainjob=~"$pretrainjob"}'
 NS = '{namespace=~"$namespace"}'
 NEURON_NODE = '{instance_type=~"trn.*"}'
+JOB_INSTANCES = (
+    'label_replace(kube_node_info and on (node) kube_pod_info{namespace=~"$namespace", '
+    'created_by_kind="PretrainJob", created_by_name=~"$pretrainjob"}, '
+    '"instance_id", "$1", "provider_id", "aws:///[^/]*/(i-[0-9a-f]+)")')
+"""The EC2 instance ids of the nodes the selected jobs' pods run on, labelled `instance_id` as
+neuron-monitor labels its series. neuron-monitor knows the instance, not the Kubernetes node,
+so the join goes through kube-state-metrics: kube_pod_info's `node` and `created_by_*` (the
+workers' controller ownerReference is the PretrainJob; kube-state-metrics
+docs/metrics/workload/pod-metrics.md) and kube_node_info's `provider_id`, which on EKS is
+`aws:///<zone>/<instance id>` (docs/metrics/cluster/node-metrics.md; the AWS cloud provider's
+providerID). Without this, a node pool shared by several jobs shows every job's devices."""
+
+
+def on_job_nodes(expr: str) -> str:
+    """`expr` (a neuron-monitor series or a range function of one) kept only for the job's nodes."""
+    return f"({expr} and on (instance_id) {JOB_INSTANCES})"
 
 
 @dataclass(frozen=True)
@@ -108,15 +126,15 @@ JOB_PANELS: tuple[Panel, ...] = (
           ((f"hlat_job_worker_heartbeat_age_seconds{JOB}", "{{pod}}"),),
           "Seconds since each worker of the current gang renewed its Lease; a hang is a ramp."),
     Panel("NeuronCore utilisation", "percentunit",
-          ((f"avg by (instance_id) (neuroncore_utilization_ratio{NEURON_NODE})", "{{instance_id}}"),),
-          "neuron-monitor: busy fraction of the NeuronCores per node.", hardware=True),
+          (("avg by (instance_id) " + on_job_nodes(f"neuroncore_utilization_ratio{NEURON_NODE}"), "{{instance_id}}"),),
+          "neuron-monitor: busy fraction of the NeuronCores per node of the job.", hardware=True),
     Panel("Neuron device memory", "bytes",
-          ((f"sum by (instance_id) (neuron_runtime_memory_used_bytes{NEURON_NODE})", "{{instance_id}}"),),
-          "neuron-monitor: device memory used by the Neuron runtime per node.", hardware=True),
+          (("sum by (instance_id) " + on_job_nodes(f"neuron_runtime_memory_used_bytes{NEURON_NODE}"), "{{instance_id}}"),),
+          "neuron-monitor: device memory used by the Neuron runtime per node of the job.", hardware=True),
     Panel("Neuron execution errors", "short",
-          ((f"sum by (instance_id) (increase(execution_errors_total{NEURON_NODE}[$__rate_interval]))", "{{instance_id}}"),
-           (f"sum by (instance_id) (increase(hardware_ecc_events_total{NEURON_NODE}[$__rate_interval]))", "ECC {{instance_id}}")),
-          "neuron-monitor: failed executions and ECC events per node.", hardware=True),
+          (("sum by (instance_id) " + on_job_nodes(f"increase(execution_errors_total{NEURON_NODE}[$__rate_interval])"), "{{instance_id}}"),
+           ("sum by (instance_id) " + on_job_nodes(f"increase(hardware_ecc_events_total{NEURON_NODE}[$__rate_interval])"), "ECC {{instance_id}}")),
+          "neuron-monitor: failed executions and ECC events per node of the job.", hardware=True),
 )  # fmt: skip
 
 NEURON_MONITOR_METRICS = frozenset({
@@ -125,6 +143,8 @@ NEURON_MONITOR_METRICS = frozenset({
 })
 """neuron-monitor's Prometheus metric names (aws-neuron-sdk, neuron-monitor-prometheus.py and its
 Grafana example): what the hardware panels may query."""
+KUBE_STATE_METRICS = frozenset({"kube_pod_info", "kube_node_info"})
+"""kube-state-metrics' series the hardware panels join on to keep to the job's own nodes."""
 
 DASHBOARDS: dict[str, tuple[str, str, tuple[Panel, ...], bool]] = {
     "hlat-fleet": ("HLAT fleet", "Every PretrainJob: phases, goodput, uptime, restarts, recovery.",

@@ -7,8 +7,10 @@ A gang is only as alive as its least alive member, so any one of these ends the 
   and any other code are retryable, within budget (unlike Kubeflow's 1-127-is-permanent rule:
   an NCCL/EFA timeout exits 1 and is exactly what a restart fixes);
 - a worker pod deleted, or terminating without the operator asking;
-- the node of a worker NotReady/unreachable (after a grace), gone, or marked unhealthy by
-  SageMaker HyperPod's health label;
+- the node of a worker NotReady/unreachable (after a grace), gone, or unhealthy by its own
+  health reporters (`nodehealth`: AcceleratedHardwareReady=False, NeuronHealth=True, HyperPod's
+  health label), or a worker exiting with `ExitCode.NODE_FAULT` (its Neuron device or driver):
+  infrastructure faults, no budget;
 - a hang: no progress for longer than the timeout of the worker's phase. Progress is the
   heartbeat's `progress_time` (the training loop reported), so a worker whose process is
   frozen or dead (no renewals either) and one stuck in a collective or the device runtime
@@ -37,6 +39,7 @@ from hlat_api.heartbeat import EXPIRY_PERIODS
 from hlat_api.labels import Reason
 from hlat_api.spec import PretrainJobSpec
 from hlat_operator.config import OperatorSettings
+from hlat_operator.nodehealth import NodeProblem, exit_problem
 from hlat_operator.observe import Observed, ObservedLease, ObservedNode, ObservedPod
 
 _EVICTED_REASONS = {"Evicted", "EvictionByEvictionAPI", "TerminationByKubelet"}
@@ -59,6 +62,9 @@ class Fault:
     pod: str | None = None
     node: str | None = None
     exit_code: int | None = None
+    problem: NodeProblem | None = None
+    """For a node fault: the condition (or label, or exit) that implicated the node, named in
+    the message (status, event) and the metric."""
 
     @property
     def permanent(self) -> bool:
@@ -84,8 +90,14 @@ def classify_failed(pod: ObservedPod) -> Fault:
     where = f"pod {pod.name} on node {pod.node or '?'}"
     code = pod.exit_code
     infra = _infra_reason(pod.reason) or _infra_reason(pod.disruption)
+    blamed = exit_problem(code)
     if code == ExitCode.CONFIG_ERROR:
         reason, what = Reason.CONFIG_ERROR, "exited with the trainer's config-error code 2"
+    elif blamed is not None:  # its Neuron device or driver: move off the node, no budget
+        detail = f": {pod.message.strip()[-300:]}" if pod.message.strip() else ""
+        return Fault(Reason.NODE_UNHEALTHY,
+                     f"{where} exited with the node-fault code {code} (its node's Neuron device "
+                     f"or driver){detail}", pod.name, pod.node, code, blamed)
     elif infra is not None:
         reason, what = infra, f"was stopped by the cluster ({pod.reason or pod.disruption})"
     elif pod.reason == "OOMKilled":
@@ -168,13 +180,11 @@ def _node_fault(pod: ObservedPod, observed: Observed, now: datetime,
         return Fault(
             Reason.NODE_LOST, f"node {pod.node} of pod {pod.name} {state}", pod.name, pod.node
         )
-    if node is not None and not node.healthy:
-        return Fault(
-            Reason.NODE_UNHEALTHY,
-            f"node {pod.node} of pod {pod.name} is labelled {labels.NODE_HEALTH_LABEL}={node.health}",
-            pod.name,
-            pod.node,
-        )
+    problem = node.problem if node is not None else None
+    if problem is not None:
+        what = problem.describe()
+        return Fault(Reason.NODE_UNHEALTHY, f"node {pod.node} of pod {pod.name} reports {what}",
+                     pod.name, pod.node, problem=problem)
     return None
 
 

@@ -12,7 +12,7 @@ decides again from what it then observes):
   (an RBAC 403 only once it has lasted `FORBIDDEN_RETRIES` retries);
 - DeletePod: delete (grace None: the pod's own grace period; 0: force); NotFound is fine;
 - PatchPod: merge patch of a pod's labels and annotations (an in-place restart's kept pods);
-- DeleteObject("Lease"): delete; NotFound is fine;
+- DeleteObject("Lease" | "PodDisruptionBudget"): delete; NotFound is fine;
 - PatchStatus: JSON merge patch of the status subresource carrying the resourceVersion read, so
   a stale pass loses with 409 (`Conflict`: the caller simply runs the next pass);
 - PatchState: merge patch of the `hlat.dev/operator-state` annotation;
@@ -133,6 +133,7 @@ _KINDS: dict[str, tuple[str, str, bool]] = {
     "Role": ("rbac", "role", True),
     "RoleBinding": ("rbac", "role_binding", True),
     "Lease": ("coordination", "lease", True),
+    "PodDisruptionBudget": ("policy", "pod_disruption_budget", False),
 }
 """The kinds the operator creates: which client (a `Kube` attribute), the method suffix
 (`create_namespaced_<suffix>`, `replace_namespaced_<suffix>`), and whether it may replace one
@@ -181,6 +182,7 @@ class Kube:
         self.custom = client.CustomObjectsApi(api)
         self.coordination = client.CoordinationV1Api(api)
         self.rbac = client.RbacAuthorizationV1Api(api)
+        self.policy = client.PolicyV1Api(api)
         self.sleep: Callable[[float], None] = time.sleep
         self.node_watch: NodeWatch | None = None
         """Every node, kept current by a watch (`start_node_watch`); None: each pass lists."""
@@ -320,6 +322,8 @@ class Kube:
             self._delete_pod(job, action)
         elif isinstance(action, PatchPod):
             self._patch_pod(job, action)
+        elif isinstance(action, DeleteObject) and action.kind == "PodDisruptionBudget":
+            self._delete_budget(job, action.name)
         elif isinstance(action, DeleteObject):
             self._delete_lease(job, action.name)
         elif isinstance(action, PatchStatus):
@@ -418,6 +422,15 @@ class Kube:
             ))
         except _API_ERRORS as err:
             wrapped = _wrap(f"delete lease {job.namespace}/{name}", err)
+            if not isinstance(wrapped, NotFound):
+                raise wrapped from err
+
+    def _delete_budget(self, job: JobRef, name: str) -> None:
+        try:
+            _discard(self.policy.delete_namespaced_pod_disruption_budget(
+                name, job.namespace, _preload_content=False))
+        except _API_ERRORS as err:
+            wrapped = _wrap(f"delete poddisruptionbudget {job.namespace}/{name}", err)
             if not isinstance(wrapped, NotFound):
                 raise wrapped from err
 

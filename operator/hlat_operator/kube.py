@@ -189,5 +189,20 @@ class PodGroup(TypedDict):
     spec: PodGroupSpec
 
 
-Object = Pod | Service | ConfigMap | ServiceAccount | Role | RoleBinding | Lease | PodGroup
+class PodDisruptionBudgetSpec(TypedDict):
+    minAvailable: int
+    selector: dict[str, Any]
+
+
+class PodDisruptionBudget(TypedDict):
+    """policy/v1 PodDisruptionBudget."""
+
+    apiVersion: str
+    kind: str
+    metadata: ObjectMeta
+    spec: PodDisruptionBudgetSpec
+
+
+Object = (Pod | Service | ConfigMap | ServiceAccount | Role | RoleBinding | Lease | PodGroup
+          | PodDisruptionBudget)
 """Anything the operator creates for a job."""

@@ -3,7 +3,7 @@
 Per job: goodput ratio with productive and badput seconds by cause (counters that follow
 `status.goodput`: they start where the status stands when a job is first seen, so an operator
 restart does not replay a job's history as an increase), uptime ratio (the paper's Table 1
-measure, as a lasting signal rather than events), restarts by reason, time to recover, lost steps, heartbeat age, training step; and the number
+measure, as a lasting signal rather than events), restarts by reason, node faults by node and condition, time to recover, lost steps, heartbeat age, training step; and the number
 of jobs per phase. Fed from each Decision (`observe`), so the numbers are exactly what the
 status says. Labels are `namespace` and `pretrainjob` (not `job`, which Prometheus reserves
 for the scrape target; the chart's ServiceMonitor sets honorLabels so `namespace` survives).
@@ -32,7 +32,12 @@ RESTART_REASONS = tuple(sorted(
     {Reason.POD_FAILED, Reason.KILLED, Reason.OOM_KILLED, Reason.STARTUP_TIMEOUT,
      Reason.HEARTBEAT_TIMEOUT, *INFRA_REASONS}))
 """The faults that restart a gang (a config error fails the job instead)."""
-BADPUT_CAUSES = tuple(c for c in Badput.model_fields if c != "unreported")
+_CAUSE_FIELDS = {info.alias or name: name for name, info in Badput.model_fields.items()
+                 if name != "unreported"}
+"""`cause` label value -> Badput attribute. The label values are the status's own camelCase
+keys (`dataWait`, as `status.goodput.badputSeconds` and docs/operator.md write them), so a
+query written from either finds the series."""
+BADPUT_CAUSES = tuple(_CAUSE_FIELDS)
 """Final causes only: `unreported` time moves to one of them later (a counter cannot go back)."""
 
 
@@ -64,6 +69,15 @@ class OperatorMetrics:
             (*JOB_LABELS, "reason"),
             registry=r,
         )
+        self.node_faults = Counter(
+            "hlat_job_node_faults",
+            "Gang restarts a node's health caused (no restart budget; the node is avoided), by "
+            "node and by the condition that implicated it (AcceleratedHardwareReady, "
+            "NeuronHealth, HyperPod's health label, NodeFaultExit) and its reason.",
+            (*JOB_LABELS, "node", "condition", "condition_reason"),
+            registry=r,
+        )
+        self._node_fault_series: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
         self.time_to_recover = Histogram(
             "hlat_job_time_to_recover_seconds",
             "From fault detection to every worker of the new gang training again.",
@@ -186,6 +200,11 @@ class OperatorMetrics:
         self.spares_ready.labels(*labels).set(s.spares.ready if s.spares else 0)
         if decision.restarted and decision.fault is not None:
             self.restarts.labels(*labels, str(decision.fault.reason)).inc()
+            problem = decision.fault.problem
+            if problem is not None:
+                series = (decision.fault.node or "", problem.condition, problem.reason)
+                self.node_faults.labels(*labels, *series).inc()
+                self._node_fault_series.setdefault(labels, set()).add(series)
         if decision.recovered_seconds is not None:
             self.time_to_recover.labels(namespace).observe(decision.recovered_seconds)
         if decision.heartbeat_ages:
@@ -204,7 +223,7 @@ class OperatorMetrics:
         """Counters advance by what the status gained since the last pass (never back)."""
         if g.ratio is not None:
             self.goodput_ratio.labels(*labels).set(g.ratio)
-        now = {f"badput:{c}": getattr(g.badput_seconds, c) for c in BADPUT_CAUSES}
+        now = {f"badput:{c}": getattr(g.badput_seconds, _CAUSE_FIELDS[c]) for c in BADPUT_CAUSES}
         now["productive"], now["lost_work"] = g.productive_seconds, g.lost_work_seconds
         last = self._goodput.get(labels, {})
         for key, value in now.items():
@@ -267,6 +286,9 @@ class OperatorMetrics:
         for cause in BADPUT_CAUSES:
             with contextlib.suppress(KeyError):
                 self.badput.remove(*labels, cause)
+        for series in self._node_fault_series.pop(labels, set()):
+            with contextlib.suppress(KeyError):
+                self.node_faults.remove(*labels, *series)
         self._goodput.pop(labels, None)
         for phase in PHASES:
             with contextlib.suppress(KeyError):

@@ -22,6 +22,7 @@ from hlat_api import labels
 from hlat_api.heartbeat import Heartbeat
 from hlat_api.status import PretrainJobStatus
 from hlat_operator.builders import AVOIDED_ANNOTATION, JobRef
+from hlat_operator.nodehealth import NodeProblem, label_problem, node_problems
 
 UNREACHABLE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
 UNPLACED_REASONS = ("Unschedulable", "SchedulingGated")
@@ -107,10 +108,17 @@ class ObservedNode:
     labels: Mapping[str, str] = field(default_factory=dict)
     cordoned: bool = False
     """spec.unschedulable (kubectl cordon)."""
+    problems: tuple[NodeProblem, ...] = ()
+    """What its health reporters say is wrong (conditions, HyperPod's label): nodehealth."""
+
+    @property
+    def problem(self) -> NodeProblem | None:
+        """The first problem (a node built without `problems` still has its label's)."""
+        return self.problems[0] if self.problems else label_problem(self.health)
 
     @property
     def healthy(self) -> bool:
-        return self.health is None or self.health == labels.NODE_HEALTHY
+        return self.problem is None
 
 
 @dataclass(frozen=True)
@@ -285,6 +293,7 @@ def node_from_raw(raw: Mapping[str, Any]) -> ObservedNode:
         health=(meta.get("labels") or {}).get(labels.NODE_HEALTH_LABEL),
         labels=dict(meta.get("labels") or {}),
         cordoned=bool((raw.get("spec") or {}).get("unschedulable")),
+        problems=node_problems(raw),
     )
 
 

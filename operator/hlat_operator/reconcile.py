@@ -122,7 +122,7 @@ class PatchPod:
 
 @dataclass(frozen=True)
 class DeleteObject:
-    kind: Literal["Lease"]
+    kind: Literal["Lease", "PodDisruptionBudget"]
     name: str
 
 
@@ -236,6 +236,11 @@ class _Pass:
             self.condition("Ready", False, reason, message)
         if phase in TERMINAL:
             self.status.completion_time = self.stamp
+        if phase in TERMINAL or phase == "Suspended":
+            # drains may go ahead from now on; a budget left by a failed delete blocks nothing
+            # (evicting a finished pod ignores budgets) and goes with the job
+            self.actions.append(DeleteObject(
+                "PodDisruptionBudget", builders.pod_disruption_budget_name(self.observed.job)))
         self.event(reason, message, warning)
 
     def finish(self, spec: PretrainJobSpec | None) -> Decision:
@@ -352,6 +357,10 @@ def _parse(p: _Pass, spec: Mapping[str, Any] | PretrainJobSpec) -> PretrainJobSp
             "spec.image: required (the trainer image) and the "
             "operator has no default image (HLAT_OPERATOR_DEFAULT_IMAGE)",
         )
+        return None
+    problem = builders.checkpoint_volume_problem(parsed)
+    if problem is not None:
+        _fail(p, Reason.INVALID_SPEC, problem)
         return None
     return parsed
 
@@ -554,6 +563,7 @@ def _new_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> None:
     p.actions.append(CreateObject(builders.build_role_binding(job, spec), replace=True))
     if builders.uses_volcano(spec, p.settings):
         p.actions.append(CreateObject(builders.build_pod_group(job, spec)))
+    p.actions.append(CreateObject(builders.build_pod_disruption_budget(job, spec)))
     _attempt_leases(p, spec, attempt)
     pods = builders.build_worker_pods(job, spec, attempt, p.settings, _avoided_nodes(p, spec),
                                       _steps_done(p))
@@ -591,6 +601,8 @@ def _in_place_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> tuple[in
     p.actions.append(CreateObject(builders.build_config_map(job, spec), replace=True))
     p.actions.append(CreateObject(builders.build_role(job, spec, attempt), replace=True))
     p.actions.append(CreateObject(builders.build_role_binding(job, spec), replace=True))
+    # a no-op (AlreadyExists) but for a job started by an operator that made no budget
+    p.actions.append(CreateObject(builders.build_pod_disruption_budget(job, spec)))
     keep = set(builders.lease_names(job, spec, attempt)) | {labels.gang_lease_name(job.name)}
     p.actions += [DeleteObject("Lease", n) for n in sorted(p.observed.leases) if n not in keep]
     p.actions += [CreateObject(lease)

@@ -59,7 +59,7 @@ def go_binary() -> str:
     for candidate in (os.environ.get("GO"), shutil.which("go"), "/usr/local/go/bin/go"):
         if candidate and Path(candidate).exists():
             return candidate
-    raise RuntimeError("no Go toolchain found: install Go >= 1.25 or set GO=/path/to/go")
+    raise RuntimeError("no Go toolchain found: install Go >= 1.26.7 or set GO=/path/to/go")
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,14 @@
 """``hlat-cluster``: the one command people, the demo and CI use to drive the local cluster.
 
-    hlat-cluster up [--nodes N] [--instance-type T]   build if needed, start, add nodes
+    hlat-cluster up [--nodes N] [--instance-type T] [--provisioner P]
+                                                      build if needed, start, add nodes
     hlat-cluster down                                 stop everything, remove all state
     hlat-cluster status                               components and nodes
     hlat-cluster kubeconfig [--operator]              path for ``export KUBECONFIG=...``
     hlat-cluster kubectl ARGS...                      the cached kubectl as admin
     hlat-cluster logs POD [-n NS] [-c CONTAINER]      a pod process's stdout/stderr
     hlat-cluster fault kill|hang|resume POD [-n NS] [-c C] [--signal SIG]
+    hlat-cluster fault condition NODE TYPE=STATUS [--reason R] [--message M]
     hlat-cluster node down|up|delete NODE
     hlat-cluster volume CLAIM --path DIR [-n NS]     a ReadWriteMany PVC backed by DIR ("FSx")
 
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from hlat_testbed import build, controlplane, faults, podfiles
 from hlat_testbed.config import ClusterConfig
+from hlat_testbed.eksnodes import DEFAULT_PROVISIONER, PROVISIONERS
 from hlat_testbed.instancetypes import DEFAULT_INSTANCE_TYPE, INSTANCE_TYPES
 
 
@@ -46,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--nodes", type=int, default=2)
     up.add_argument("--instance-type", default=DEFAULT_INSTANCE_TYPE,
                     choices=sorted(INSTANCE_TYPES))
+    up.add_argument("--provisioner", default=DEFAULT_PROVISIONER, choices=PROVISIONERS,
+                    help="model the nodes as an EKS managed node group (default), Karpenter, "
+                         "EKS Auto Mode or SageMaker HyperPod makes them (docs/testbed.md)")
     sub.add_parser("down", help="stop everything and remove the cluster's state")
     sub.add_parser("status", help="show components and nodes")
     kc = sub.add_parser("kubeconfig", help="print the admin kubeconfig's path")
@@ -57,9 +63,14 @@ def _parser() -> argparse.ArgumentParser:
     logs.add_argument("pod")
     logs.add_argument("-n", "--namespace", default="default")
     logs.add_argument("-c", "--container")
-    fault = sub.add_parser("fault", help="kill, hang or resume a pod's process")
-    fault.add_argument("action", choices=["kill", "hang", "resume"])
-    fault.add_argument("pod")
+    fault = sub.add_parser("fault", help="kill, hang or resume a pod's process, or set a "
+                           "node's condition (condition NODE TYPE=STATUS [--reason R])")
+    fault.add_argument("action", choices=["kill", "hang", "resume", "condition"])
+    fault.add_argument("pod", metavar="POD|NODE")
+    fault.add_argument("setting", nargs="?", metavar="TYPE=STATUS",
+                       help="for condition: e.g. AcceleratedHardwareReady=False")
+    fault.add_argument("--reason", default="", help="for condition: its reason")
+    fault.add_argument("--message", default="", help="for condition: its message")
     fault.add_argument("-n", "--namespace", default="default")
     fault.add_argument("-c", "--container")
     fault.add_argument("--signal", default="KILL", help="for kill: name or number")
@@ -107,7 +118,7 @@ def _light(cfg: ClusterConfig, args: argparse.Namespace) -> int | None:
         return 0 if all(pids[c] for c in controlplane.COMPONENTS) else 1
     elif args.command == "logs":
         sys.stdout.write(podfiles.pod_log(cfg, args.namespace, args.pod, args.container))
-    elif args.command == "fault":
+    elif args.command == "fault" and args.action != "condition":
         _fault(cfg, args)
     elif args.command == "node" and args.action != "delete":
         (faults.node_down if args.action == "down" else faults.node_up)(cfg, args.node)
@@ -128,11 +139,20 @@ def run(args: argparse.Namespace) -> int:
 
     cluster = Cluster(cfg)
     if args.command == "up":
-        cluster.up(args.nodes, args.instance_type, progress=_progress)
+        cluster.up(args.nodes, args.instance_type, progress=_progress,
+                   provisioner=args.provisioner)
     elif args.command == "down":
         cluster.down(progress=_progress)
     elif args.command == "kubeconfig":
         print(cluster.operator_kubeconfig())
+    elif args.command == "fault":  # condition: through the API server
+        kind, _, status = (args.setting or "").partition("=")
+        if not kind or not status:
+            raise SystemExit("hlat-cluster fault condition NODE TYPE=STATUS: give e.g. "
+                             "AcceleratedHardwareReady=False")
+        faults.set_node_condition(cluster.admin_api(), args.pod, kind, status, args.reason,
+                                  args.message)
+        print(f"node {args.pod}: {kind}={status} ({args.reason or kind})")
     elif args.command == "node":
         faults.node_delete(cfg, cluster.admin_api(), args.node)
         print(f"node {args.node} deleted")

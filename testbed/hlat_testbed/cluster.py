@@ -24,6 +24,8 @@ from kubernetes import client
 
 from hlat_testbed import bootstrap, build, cgroups, controlplane, netns, pki, podfiles
 from hlat_testbed.config import ClusterConfig
+from hlat_testbed.eksnodes import DEFAULT_PROVISIONER, Provisioner
+from hlat_testbed.eksnodes import provisioner as check_provisioner
 from hlat_testbed.instancetypes import DEFAULT_INSTANCE_TYPE, instance_type
 from hlat_testbed.kube import Obj, api_client
 from hlat_testbed.procs import ProcessTable, is_alive
@@ -71,12 +73,15 @@ class Cluster:
 
     # --- up ------------------------------------------------------------------------------
     def up(self, nodes: int = 2, instance: str = DEFAULT_INSTANCE_TYPE,
-           progress: Progress = _quiet) -> None:
+           progress: Progress = _quiet, provisioner: str = DEFAULT_PROVISIONER) -> None:
+        """`provisioner`: how the nodes are modelled (eksnodes.py): managed (an EKS managed
+        node group, the default), karpenter, auto (EKS Auto Mode) or hyperpod."""
         instance_type(instance)  # reject an unknown type before starting anything
+        check_provisioner(provisioner)
         build.ensure_built(progress)
         if not self.is_up():
             self._start_control_plane(progress)
-        self._ensure_nodes(nodes, instance, progress)
+        self._ensure_nodes(nodes, instance, progress, provisioner)
         self._wait_default_namespace_usable()
         progress(f"cluster up: {len(self.nodes())} node(s); export KUBECONFIG={self.kubeconfig}")
 
@@ -112,22 +117,47 @@ class Cluster:
             progress(f"starting {name}")
             start(cfg)
 
-    def _ensure_nodes(self, count: int, instance: str, progress: Progress) -> None:
+    def _ensure_nodes(self, count: int, instance: str, progress: Progress,
+                      provisioner: str = DEFAULT_PROVISIONER) -> None:
         running = set(self.nodes())
         for index in range(count):
             name = f"node-{index}"
             if name in running:
                 continue
-            progress(f"starting kubelet for {name} ({instance})")
-            self.start_kubelet(name, index, instance)
+            progress(f"starting kubelet for {name} ({instance}, {provisioner})")
+            self.start_kubelet(name, index, instance, provisioner)
         self.wait_nodes_ready([f"node-{i}" for i in range(count)])
 
-    def start_kubelet(self, name: str, index: int, instance: str) -> None:
+    def start_kubelet(self, name: str, index: int, instance: str,
+                      provisioner: str = DEFAULT_PROVISIONER, pool: str = "default",
+                      taint: bool | None = None) -> None:
         pki.client_kubeconfig(self.config, pki.node_identity(name))
         self.processes.start(f"kubelet-{name}", [
             sys.executable, "-m", "hlat_testbed.kubelet", "--state", str(self.config.state),
             "--node", name, "--index", str(index), "--instance-type", instance,
+            "--provisioner", provisioner, "--pool", pool,
+            "--taint", "auto" if taint is None else ("yes" if taint else "no"),
         ])
+
+    def add_node_pool(self, pool: str, count: int, instance: str, provisioner: Provisioner,
+                      first_index: int, taint: bool | None = None) -> list[str]:
+        """`count` more nodes named `<pool>-<i>`, modelled for `provisioner` (a Karpenter
+        NodePool, a managed node group, a HyperPod instance group), once Ready. Their pod ranges
+        are those of node indices `first_index`.. (keep them clear of the `node-<i>` nodes)."""
+        instance_type(instance)
+        names = [f"{pool}-{i}" for i in range(count)]
+        for i, name in enumerate(names):
+            self.start_kubelet(name, first_index + i, instance, provisioner, pool, taint)
+        self.wait_nodes_ready(names)
+        return names
+
+    def remove_nodes(self, names: list[str]) -> None:
+        """Stop the nodes' kubelets (their pods' processes die) and delete the Node objects."""
+        core = client.CoreV1Api(self.admin_api())
+        for name in names:
+            self.processes.stop(f"kubelet-{name}", timeout=30)
+            with contextlib.suppress(client.ApiException):
+                core.delete_node(name)
 
     def wait_nodes_ready(self, names: list[str], timeout: float = 60) -> None:
         core = client.CoreV1Api(self.admin_api())

@@ -9,6 +9,14 @@
   and then their processes die, so peers get no FIN or RST (a lost instance), or it comes
   back; ``node delete`` also removes the Node object, as the cluster
   autoscaler does when it replaces an instance;
+- ``condition``: a Node status condition set as a node health reporter sets it (the EKS node
+  monitoring agent's `AcceleratedHardwareReady=False`, the Neuron node problem detector's
+  `NeuronHealth=True`), by a strategic merge patch of the Node's status: conditions merge by
+  type, so the rig's kubelet, which patches only the conditions it owns, leaves it in place;
+- ``without_resource`` / ``with_resource``: an extended resource (e.g. EFA's
+  `vpc.amazonaws.com/efa`) gone from a node's capacity and allocatable, as on a node where its
+  device plugin never ran; the node's kubelet keeps it off (a marker file it reads) until
+  ``with_resource``;
 - ``partition`` / ``heal``: one pod cut off the network (the host end of its veth down: what it
   sends is lost, nothing reaches it, no FIN or RST) while its node, kubelet, processes and
   files stay: a trainer that can reach neither the API server nor its peers but still writes
@@ -104,6 +112,56 @@ def node_delete(config: ClusterConfig, api: client.ApiClient, node: str) -> None
 
     ProcessTable(config.pids_dir, config.logs_dir).stop(f"kubelet-{node}", timeout=20)
     client.CoreV1Api(api).delete_node(node)
+
+
+def set_node_condition(api: client.ApiClient, node: str, kind: str, status: str,
+                       reason: str = "", message: str = "") -> None:
+    """Set one status condition of `node` (others, the kubelet's included, are kept)."""
+    from datetime import UTC, datetime
+
+    from kubernetes import client
+
+    if status not in ("True", "False", "Unknown"):
+        raise FaultError(f"condition status must be True, False or Unknown, not {status!r}")
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    condition = {"type": kind, "status": status, "reason": reason or kind,
+                 "message": message or reason or kind, "lastHeartbeatTime": now,
+                 "lastTransitionTime": now}
+    client.CoreV1Api(api).patch_node_status(
+        node, {"status": {"conditions": [condition]}},
+        _content_type="application/strategic-merge-patch+json")
+
+
+def _without_file(config: ClusterConfig, node: str) -> Path:
+    return config.nodes_dir / f"{node}.without-resources"
+
+
+def without_resources(config: ClusterConfig, node: str) -> list[str]:
+    """The extended resources a fault removed from `node` (read by its kubelet)."""
+    try:
+        return _without_file(config, node).read_text().split()
+    except OSError:
+        return []
+
+
+def without_resource(config: ClusterConfig, api: client.ApiClient, node: str,
+                     resource: str) -> None:
+    """Drop `resource` from the node's status now (null deletes a key in a strategic merge
+    patch) and from every status its kubelet writes after."""
+    from kubernetes import client
+
+    gone = sorted({*without_resources(config, node), resource})
+    config.nodes_dir.mkdir(parents=True, exist_ok=True)
+    _without_file(config, node).write_text("\n".join(gone) + "\n")
+    client.CoreV1Api(api).patch_node_status(
+        node, {"status": {"capacity": {resource: None}, "allocatable": {resource: None}}},
+        _content_type="application/strategic-merge-patch+json")
+
+
+def with_resource(config: ClusterConfig, node: str, resource: str) -> None:
+    """Undo `without_resource`: the kubelet advertises it again at its next status."""
+    left = [r for r in without_resources(config, node) if r != resource]
+    _without_file(config, node).write_text("".join(f"{r}\n" for r in left))
 
 
 TRAINER_PROCESS_NAME = "hlat-trainer"

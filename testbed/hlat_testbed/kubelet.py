@@ -3,7 +3,8 @@
 No real kubelet can run here (no container runtime), and the operator must not be able to tell
 the difference, so this one does a kubelet's API-facing job faithfully and nothing else:
 
-- registers a Node with the instance type's labels and capacity (Neuron, EFA), renews its Lease
+- registers a Node as its provisioner would make it (eksnodes.py: capacity, allocatable after
+  EKS's reservations, labels, taints, Neuron and EFA devices), renews its Lease
   in ``kube-node-lease`` and its Ready condition, with the node's own ``system:node:`` credentials
   (so the Node authorizer and NodeRestriction bound it as on EKS);
 - watches the pods bound to it and gives each to a ``PodWorker`` (podworker.py);
@@ -32,10 +33,10 @@ from typing import Any
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from hlat_testbed import netns
+from hlat_testbed import eksnodes, faults, netns
 from hlat_testbed.build import K8S_VERSION
 from hlat_testbed.config import ClusterConfig
-from hlat_testbed.instancetypes import REGION, ZONE, InstanceType, instance_type
+from hlat_testbed.instancetypes import ZONE, InstanceType, instance_type
 from hlat_testbed.kube import Obj, Pod, api_client
 from hlat_testbed.podworker import PodWorker, Status
 
@@ -51,24 +52,19 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def node_labels(name: str, itype: InstanceType) -> dict[str, str]:
-    return {
-        "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-        "kubernetes.io/arch": "amd64", "node.kubernetes.io/instance-type": itype.name,
-        "beta.kubernetes.io/instance-type": itype.name,
-        "topology.kubernetes.io/region": REGION, "topology.kubernetes.io/zone": ZONE,
-    }
-
-
 class NodeAgent:
     """The kubelet of one node."""
 
-    def __init__(self, cfg: ClusterConfig, name: str, index: int, itype: InstanceType) -> None:
+    def __init__(self, cfg: ClusterConfig, name: str, index: int, itype: InstanceType,
+                 provisioner: eksnodes.Provisioner = eksnodes.DEFAULT_PROVISIONER,
+                 pool: str = "default", taint: bool | None = None) -> None:
         self.config, self.name, self.itype = cfg, name, itype
+        self.provisioner, self.pool, self.taint = provisioner, pool, taint
         self.cidr = cfg.node_cidr(index)
         self.api = api_client(cfg.kubeconfig(f"node-{name}"))
         self.core = client.CoreV1Api(self.api)
-        self.allocatable = itype.capacity()
+        self.resources = eksnodes.node_resources(itype, provisioner)
+        self.allocatable = self.resources.allocatable  # what a container without limits gets
         self.online = threading.Event()
         self.online.set()
         self.stopping = threading.Event()
@@ -91,8 +87,11 @@ class NodeAgent:
                     "message": reason, "lastHeartbeatTime": beat,
                     "lastTransitionTime": self.ready_since}
 
+        gone = dict.fromkeys(faults.without_resources(self.config, self.name))
         return {
-            "capacity": self.allocatable, "allocatable": self.allocatable,
+            # a resource a fault took away (faults.without_resource) stays away: null deletes
+            "capacity": {**self.resources.capacity, **gone},
+            "allocatable": {**self.resources.allocatable, **gone},
             "conditions": [cond("MemoryPressure", False, "KubeletHasSufficientMemory"),
                            cond("DiskPressure", False, "KubeletHasNoDiskPressure"),
                            cond("PIDPressure", False, "KubeletHasSufficientPID"),
@@ -108,10 +107,14 @@ class NodeAgent:
         }
 
     def register(self) -> None:
+        labels = eksnodes.node_labels(self.name, self.itype, self.provisioner, self.pool)
+        spec: dict[str, Any] = {"podCIDR": str(self.cidr), "podCIDRs": [str(self.cidr)],
+                                "providerID": f"aws:///{ZONE}/i-{uuid.uuid4().hex[:17]}"}
+        taints = eksnodes.node_taints(self.itype, self.provisioner, self.taint)
+        if taints:
+            spec["taints"] = taints
         body = {"apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": self.name, "labels": node_labels(self.name, self.itype)},
-                "spec": {"podCIDR": str(self.cidr), "podCIDRs": [str(self.cidr)],
-                         "providerID": f"aws:///{ZONE}/i-{uuid.uuid4().hex[:17]}"}}
+                "metadata": {"name": self.name, "labels": labels}, "spec": spec}
         try:
             self.core.create_node(body)  # type: ignore[arg-type]
         except ApiException as err:
@@ -119,7 +122,8 @@ class NodeAgent:
                 raise
         self.patch_status()
         self.renew_lease()
-        self.log(f"registered as {self.itype.name}, pods {self.cidr}")
+        self.log(f"registered as {self.itype.name} ({self.provisioner}, pool {self.pool}), "
+                 f"pods {self.cidr}")
 
     def patch_status(self) -> None:
         self.core.patch_node_status(self.name, {"status": self.node_status()},
@@ -314,10 +318,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--node", required=True)
     parser.add_argument("--index", required=True, type=int)
     parser.add_argument("--instance-type", required=True)
+    parser.add_argument("--provisioner", default=eksnodes.DEFAULT_PROVISIONER,
+                        choices=eksnodes.PROVISIONERS)
+    parser.add_argument("--pool", default="default")
+    parser.add_argument("--taint", choices=["auto", "yes", "no"], default="auto",
+                        help="the accelerator taint: the provisioner's usual choice, or forced")
     args = parser.parse_args(argv)
     cfg = ClusterConfig.load(args.state)
     ipaddress.IPv4Network(cfg.subnet)  # fail early on a corrupt config
-    NodeAgent(cfg, args.node, args.index, instance_type(args.instance_type)).run()
+    taint = None if args.taint == "auto" else args.taint == "yes"
+    NodeAgent(cfg, args.node, args.index, instance_type(args.instance_type),
+              eksnodes.provisioner(args.provisioner), args.pool, taint).run()
     sys.exit(0)
 
 

@@ -42,7 +42,7 @@ def chart_monitors(interval: str = "1s") -> list[dict[str, Any]]:
 
     build.build_component(build.HELM)
     argv = [str(build.HELM.binary("helm")), "template", chart.RELEASE, str(chart.CHART),
-            "-n", chart.NAMESPACE,
+            "-n", chart.NAMESPACE, "--set", "image.repository=hlat-operator",
             "--set", "serviceMonitor.enabled=true", "--set", f"serviceMonitor.interval={interval}",
             "--set", "podMonitor.enabled=true", "--set", f"podMonitor.interval={interval}"]
     for api in MONITORING_APIS:

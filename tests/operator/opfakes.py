@@ -170,6 +170,8 @@ class World:
                 rank=int(rank) if rank is not None else pod.rank,
                 spare=pod.spare and action.labels.get(labels.SPARE, "") is not None,
                 started_at=self.now if moved else pod.started_at)
+        elif isinstance(action, DeleteObject) and action.kind != "Lease":
+            self.objects.pop((action.kind, action.name), None)
         elif isinstance(action, DeleteObject):
             self.leases.pop(action.name, None)
         elif isinstance(action, DeleteJob):

@@ -35,7 +35,7 @@ def test_each_alert_fires_when_it_should_and_not_before(promtool: Path) -> None:
 def test_the_prometheus_rule_ships_the_tested_rules(helm: Path) -> None:
     out = subprocess.run(
         [str(helm), "template", "hlat", str(HERE.parents[1] / "charts" / "hlat"),
-         "--set", "prometheusRule.enabled=true",
+         "--set", "prometheusRule.enabled=true", "--set", "image.repository=hlat-operator",
          "--api-versions", "monitoring.coreos.com/v1/PrometheusRule"],
         check=True, capture_output=True, text=True).stdout
     (rule,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "PrometheusRule"]

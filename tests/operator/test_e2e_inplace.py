@@ -155,6 +155,11 @@ def test_a_deleted_or_evicted_pod_alone_is_recreated(job_env: Env, how: str) -> 
         if how == "deleted":
             job_env.core.delete_namespaced_pod(victim, job_env.ns)
         else:
+            # a drain that goes ahead anyway: the job's PodDisruptionBudget refuses evictions
+            # (test_e2e_disruption), so an admin removes it first; the in-place attempt
+            # makes it again
+            client.PolicyV1Api(job_env.cluster.admin_api()).delete_namespaced_pod_disruption_budget(
+                JOB, job_env.ns)
             job_env.core.create_namespaced_pod_eviction(victim, job_env.ns, client.V1Eviction(
                 metadata=client.V1ObjectMeta(name=victim, namespace=job_env.ns)))
 

@@ -35,6 +35,7 @@ def test_a_new_job_gets_its_objects_and_one_pod_per_node() -> None:
         "ConfigMap",
         "Role",
         "RoleBinding",  # after its Role: the API server resolves the roleRef
+        "PodDisruptionBudget",
         "Lease",
         "Lease",
         "Pod",

@@ -225,14 +225,45 @@ def test_main_refuses_a_node_whose_neuron_driver_is_too_old(
     version.write_text("2.26.5.0\n")
     monkeypatch.setattr(launch, "NEURON_DRIVER_VERSION_FILE", str(version))
     monkeypatch.setattr(launch, "supervise", lambda *a: pytest.fail("must not start torchrun"))
-    assert launch.main([]) == ExitCode.CONFIG_ERROR
+    # the node's fault, not the job's: the operator avoids the node instead of failing the job
+    assert launch.main([]) == ExitCode.NODE_FAULT
     assert "Neuron driver is 2.26.5.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("written", "expected"), [
+    ("2.26.5.0", ExitCode.NODE_FAULT),  # too old: this node cannot run the image
+    (None, None),  # no file: nothing claimed, the launcher goes on
+])
+def test_a_driver_file_the_pod_names_is_checked_on_any_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, written: str | None,
+    expected: int | None,
+) -> None:
+    """HLAT_NEURON_DRIVER_FILE (the local cluster's per-node stand-in for sysfs) is checked
+    whatever the backend; the tiny CPU job would not look at sysfs at all."""
+    config = tmp_path / "job.yaml"
+    config.write_text(json.dumps(spec_raw("cpu", 1, train={"globalBatch": 4, "steps": 2},
+                                          checkpoint={"dir": str(tmp_path / "fsx")})))
+    version = tmp_path / "node" / "version"
+    if written is not None:
+        version.parent.mkdir()
+        version.write_text(written + "\n")
+    _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config), Env.NNODES: "1",
+                                      Env.NPROC_PER_NODE: "1",
+                                      launch.NEURON_DRIVER_FILE_ENV: str(version)}))
+    started = []
+    monkeypatch.setattr(launch, "supervise", lambda *a: started.append(a) or 0)
+    code = launch.main([])
+    if expected is None:
+        assert code == 0 and started
+    else:
+        assert code == expected and not started
 
 
 @pytest.mark.parametrize(("script", "written", "expected"), [
     ("exit 0", None, 0),
     ("exit 1", None, 1),
     ("exit 1", "2", ExitCode.CONFIG_ERROR),  # a worker failed for good; torchrun says 1
+    ("exit 1", "4", ExitCode.NODE_FAULT),  # a worker found its Neuron device at fault
     ("exit 1", "garbage", 1),
     ("kill -KILL $$", None, 137),
 ])

@@ -28,7 +28,8 @@ is true; without it the first worker reserves every core of the node and the oth
   began, `hlat_trainer.oom`), and the launcher waits for the next
   attempt, at most `backoff.maxSeconds` + `WAIT_MARGIN_SECONDS`; then it exits with the code and
   the pod fails, which the operator handles by recreating it. `ExitCode.CONFIG_ERROR` exits at
-  once (permanent). All workers exiting 0 ends the pod successfully.
+  once (permanent), and so does `ExitCode.NODE_FAULT` (the pod must leave its node: a trainer
+  restarted in place would meet the same device). All workers exiting 0 ends the pod successfully.
 - Warm standby: for every local rank a process is kept started ahead of time with torch and
   the trainer imported (`hlat_trainer.standby`), waiting on its stdin for the attempt's
   environment; a restart costs the rendezvous and the checkpoint load, not the imports. The
@@ -522,7 +523,7 @@ class Agent:
             code = _exit_code(bad, self.exit_file)
             reason = OOM_KILLED if code == 128 + signal.SIGKILL and self.oom.since_mark() else None
             stop_all(procs, STOP_GRACE_SECONDS)
-            if code == ExitCode.CONFIG_ERROR:
+            if code in (ExitCode.CONFIG_ERROR, ExitCode.NODE_FAULT):  # the pod must end
                 return code
             _say(f"attempt {attempt}: a worker exited with {code}"
                  f"{' (out of memory: the kernel killed it)' if reason else ''}; waiting for "
@@ -543,7 +544,8 @@ def _exit_code(codes: Sequence[int | None], exit_file: Path | None) -> int:
     file, else the first failure's (128+n for a signal)."""
     if exit_file is not None:
         with contextlib.suppress(OSError, ValueError):
-            if int(exit_file.read_text().strip()) == ExitCode.CONFIG_ERROR:
-                return ExitCode.CONFIG_ERROR
+            said = int(exit_file.read_text().strip())
+            if said in (ExitCode.CONFIG_ERROR, ExitCode.NODE_FAULT):
+                return said
     first = next(c for c in codes if c is not None)
     return first if first >= 0 else 128 - first

@@ -2,7 +2,9 @@
 
 FILE is a PretrainJob manifest (its spec is used, its name names the checkpoint directory) or a
 bare spec. A bad config, dataset, tokenizer or checkpoint prints what to fix and exits with
-`ExitCode.CONFIG_ERROR`, which the operator treats as permanent.
+`ExitCode.CONFIG_ERROR`, which the operator treats as permanent. An error the Neuron runtime
+raises for a hardware fault (`neuron_env.neuron_device_error`) exits with `ExitCode.NODE_FAULT`:
+the operator restarts the job off that node.
 """
 
 from __future__ import annotations
@@ -61,6 +63,25 @@ def main(argv: list[str] | None = None, *, backend: BackendFactory | None = None
             with contextlib.suppress(OSError):
                 Path(exit_file).write_text(str(int(ExitCode.CONFIG_ERROR)))
         return ExitCode.CONFIG_ERROR
+    except Exception as err:
+        from hlat_trainer.neuron_env import neuron_device_error
+
+        found = neuron_device_error(f"{type(err).__name__}: {err}")
+        if found is None:
+            raise
+        log.exception("the Neuron runtime reported a hardware error (%s): this node's "
+                      "device is at fault; exiting %d so the job moves off it", found,
+                      int(ExitCode.NODE_FAULT))
+        _leave_exit_code(ExitCode.NODE_FAULT)
+        return ExitCode.NODE_FAULT
+
+
+def _leave_exit_code(code: ExitCode) -> None:
+    """torchrun reports any failed worker as 1: the exit file tells hlat-launch which code."""
+    exit_file = os.environ.get(Env.EXIT_FILE)
+    if exit_file:
+        with contextlib.suppress(OSError):
+            Path(exit_file).write_text(str(int(code)))
 
 
 def _run(args: argparse.Namespace, backend: BackendFactory | None) -> int:

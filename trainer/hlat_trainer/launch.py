@@ -26,8 +26,11 @@ Choices:
   `env:` in the pod is a deliberate override); the overrides are printed.
 - The launcher does not import torch: errors in the env or config are reported at once.
 
-On a Neuron backend the node's driver (`/sys/module/neuron/version`) is checked against the
-oldest the pinned image's runtime supports, before anything starts. Also on Neuron:
+On a Neuron backend the node's driver (`/sys/module/neuron/version`, or the file the pod names
+in HLAT_NEURON_DRIVER_FILE, checked then whatever the backend) is checked against the oldest
+the pinned image's runtime supports, before anything starts: a driver too old is the node's
+fault, not the job's, and exits `ExitCode.NODE_FAULT` (the operator avoids the node).
+Also on Neuron:
 - the node-local compile cache is seeded from the shared copy before the workers start and
   new graphs are published back while they run and when they end (`compile_cache.CacheSync`,
   bounded in time, failures reported and never fatal);
@@ -61,6 +64,7 @@ from hlat_api import Env, ExitCode, InvalidSpecError, PretrainJobSpec, load_job
 from hlat_trainer.backends import is_neuron, resolve_backend_name
 from hlat_trainer.compile_cache import CacheSync
 from hlat_trainer.neuron_env import (
+    NEURON_DRIVER_FILE_ENV,
     NEURON_DRIVER_VERSION_FILE,
     ROOT_COMM_ID,
     RootCommError,
@@ -139,10 +143,21 @@ def own_bin_first(path: str) -> str:
     return os.pathsep.join([own, *(p for p in path.split(os.pathsep) if p and p != own)])
 
 
-def read_driver_version() -> str | None:
+class NodeFaultError(Exception):
+    """The node cannot run this image (its Neuron driver is too old): a node fault, not the
+    job's: `ExitCode.NODE_FAULT`, so the operator moves the gang off this node."""
+
+
+def driver_file(env: Mapping[str, str]) -> str | None:
+    """The driver version file to check: the pod's HLAT_NEURON_DRIVER_FILE (checked on any
+    backend: the pod asked for it), else sysfs's on a Neuron backend (None: no check)."""
+    return env.get(NEURON_DRIVER_FILE_ENV) or None
+
+
+def read_driver_version(path: str = NEURON_DRIVER_VERSION_FILE) -> str | None:
     """The node's Neuron kernel driver version (sysfs is visible in containers), if readable."""
     try:
-        with open(NEURON_DRIVER_VERSION_FILE) as f:
+        with open(path) as f:
             return f.read().strip() or None
     except OSError:
         return None
@@ -174,13 +189,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         conflict = cache_url_conflict(env, spec) if neuron else None
         if conflict:
             raise LaunchError(conflict)
-        if neuron and not args.dry_run:
-            problem = check_neuron_driver(read_driver_version())
-            if problem:
-                raise LaunchError(problem)
+        version_file = driver_file(env) or (NEURON_DRIVER_VERSION_FILE if neuron else None)
+        if version_file and not args.dry_run:
+            problem = check_neuron_driver(read_driver_version(version_file))
+            if problem:  # a property of this node, not of the job: another node may do
+                raise NodeFaultError(problem)
     except (LaunchError, InvalidSpecError) as err:
         print(f"hlat-launch: {err}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
+    except NodeFaultError as err:
+        print(f"hlat-launch: {err} (node fault: exit {int(ExitCode.NODE_FAULT)})",
+              file=sys.stderr)
+        return ExitCode.NODE_FAULT
     out = sys.stdout if args.dry_run else sys.stderr
     nnodes = _int_var(env, Env.NNODES, spec.nodes, 1)  # validated by build_command
     kept = sorted(k for k in worker_environment(spec, nnodes=nnodes) if k in env)
@@ -277,8 +297,8 @@ def _root_comm_env(master_addr: str, attempt: int) -> dict[str, str]:
 
 
 def supervise(command: Sequence[str], env: Mapping[str, str], exit_file: Path) -> int:
-    """Run `command`, forwarding signals to it; its exit code, or CONFIG_ERROR when the
-    trainer left that code in `exit_file`."""
+    """Run `command`, forwarding signals to it; its exit code, or CONFIG_ERROR / NODE_FAULT
+    when the trainer left that code in `exit_file`."""
     proc = subprocess.Popen(list(command), env=dict(env))
 
     def forward(sig: int, _frame: object) -> None:
@@ -289,8 +309,9 @@ def supervise(command: Sequence[str], env: Mapping[str, str], exit_file: Path) -
         signal.signal(sig, forward)
     code = proc.wait()
     with contextlib.suppress(OSError, ValueError):
-        if int(exit_file.read_text().strip()) == ExitCode.CONFIG_ERROR:
-            return ExitCode.CONFIG_ERROR
+        said = int(exit_file.read_text().strip())
+        if said in (ExitCode.CONFIG_ERROR, ExitCode.NODE_FAULT):
+            return said
     return code if code >= 0 else 128 - code
 
 

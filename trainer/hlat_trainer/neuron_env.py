@@ -67,6 +67,10 @@ PARALLEL_COMPILE: Final = "neuron_parallel_compile"
 NEURON_SDK: Final = "2.30"
 """The Neuron SDK of the trainer image Dockerfile.trainer pins."""
 NEURON_DRIVER_VERSION_FILE: Final = "/sys/module/neuron/version"
+NEURON_DRIVER_FILE_ENV: Final = "HLAT_NEURON_DRIVER_FILE"
+"""A pod's own choice of the driver version file (the pod sets it, not the operator: a
+template may): checked whatever the backend (the local cluster's per-node stand-in for sysfs,
+or sysfs mounted elsewhere)."""
 MIN_NEURON_DRIVER: Final = (2, 27)
 """The SDK 2.30 runtime needs a host driver newer than 2.26 (Neuron 2.30 release notes)."""
 EXTRACT_GRAPHS_ONLY: Final = "NEURON_EXTRACT_GRAPHS_ONLY"
@@ -226,6 +230,25 @@ def check_neuron_driver(version: str | None) -> str | None:
                 f"the trainer image's Neuron SDK {NEURON_SDK} runtime supports: upgrade the "
                 "aws-neuronx-dkms package on the nodes (or use a current EKS Neuron AMI)")
     return None
+
+
+NEURON_HW_ERRORS: Final = (
+    "NRT_EXEC_HW_ERR_COLLECTIVES", "NRT_EXEC_HW_ERR_HBM_UE", "NRT_EXEC_HW_ERR_NC_UE",
+    "NRT_EXEC_HW_ERR_DMA_ABORT", "NRT_EXEC_HW_ERR_REPAIRABLE_HBM_UE", "NRT_HW_ERROR",
+    "NEURON_HW_ERR=",
+)
+"""What names a Neuron device fault in an error the runtime raised: the runtime's hardware
+status codes (NRT_STATUS 1200-1205: collectives hang on a hardware error, HBM or NeuronCore
+uncorrectable error, DMA abort; NRT_HW_ERROR 6: the device failed to initialise;
+aws-neuron/aws-neuron-sdk, neuron-runtime/nrt-api-guide.rst, the NRT_STATUS table) and the
+driver's kernel line the EKS node monitoring agent matches (aws/eks-node-monitoring-agent,
+monitors/neuron/monitor.go: `NEURON_HW_ERR=HBM_UNCORRECTABLE_ERROR`, `...=DMA_ERROR`)."""
+
+
+def neuron_device_error(message: str) -> str | None:
+    """The Neuron hardware error an exception's text names, or None: such a failure is the
+    node's (`ExitCode.NODE_FAULT`), and a restart on the same device would repeat it."""
+    return next((code for code in NEURON_HW_ERRORS if code in message), None)
 
 
 def compile_command_prefix(spec: PretrainJobSpec) -> list[str]:

@@ -126,10 +126,17 @@ def node_labels(name: str, itype: InstanceType, provisioner: Provisioner,
                        "eks.amazonaws.com/capacityType": "ON_DEMAND"})
     elif provisioner in ("karpenter", "auto"):
         labels.update({"karpenter.sh/nodepool": pool, "karpenter.sh/capacity-type": "on-demand",
-                       "karpenter.sh/registered": "true", "karpenter.sh/initialized": "true",
-                       "karpenter.k8s.aws/instance-family": itype.name.split(".")[0]})
+                       "karpenter.sh/registered": "true", "karpenter.sh/initialized": "true"})
+        # Auto Mode names the instance attributes under eks.amazonaws.com/, community Karpenter
+        # under karpenter.k8s.aws/ (docs.aws.amazon.com/eks/latest/userguide/
+        # create-node-pool.html, "EKS Auto Mode Supported Labels"); only Auto Mode sets
+        # eks.amazonaws.com/compute-type=auto (associate-workload.html)
+        family = itype.name.split(".")[0]
         if provisioner == "auto":
-            labels["eks.amazonaws.com/compute-type"] = "auto"
+            labels.update({"eks.amazonaws.com/compute-type": "auto",
+                           "eks.amazonaws.com/instance-family": family})
+        else:
+            labels["karpenter.k8s.aws/instance-family"] = family
     else:
         labels.update({HYPERPOD_HEALTH_LABEL: "Schedulable",
                        HYPERPOD_DEEP_HEALTH_LABEL: "Passed"})

@@ -1,10 +1,12 @@
 """Jobs on nodes modelled as Karpenter and SageMaker HyperPod make them (hlat_testbed.eksnodes):
 AWS's published allocatable, labels and taints, with the scheduler, operator and trainers real.
 
-The module adds three one-node pools to the session's cluster (removed at its end): a Karpenter
+The module adds four one-node pools to the session's cluster (removed at its end): a Karpenter
 NodePool of trn1.32xlarge and one of trn2.48xlarge (481,894Mi / 1,938,410Mi allocatable, the
-`aws.amazon.com/neuron` taint), and a HyperPod instance group of trn1.32xlarge (labelled
-`ml.trn1.32xlarge`). The jobs ask for the real instance types, so their pods carry the real
+`aws.amazon.com/neuron` taint), an EKS Auto Mode NodePool of trn1.32xlarge (Karpenter's figures,
+Auto Mode's labels) and a HyperPod instance group of trn1.32xlarge (labelled
+`ml.trn1.32xlarge`). The session's own nodes are a managed node group's: every provisioner runs
+a job. The jobs ask for the real instance types, so their pods carry the real
 requests (Neuron devices, EFA, cpu, memory), selectors and tolerations; the rig has no Trainium,
 so this module's operator starts the launcher with `-- --set instanceType=cpu` and the trainer
 runs the CPU backend inside those pods (the launcher itself still takes the Neuron path).
@@ -38,7 +40,8 @@ def pools(cluster: Cluster) -> Iterator[dict[str, str]]:
         for i, (pool, instance, provisioner) in enumerate([
                 ("karp-trn1", "trn1.32xlarge", "karpenter"),
                 ("karp-trn2", "trn2.48xlarge", "karpenter"),
-                ("hp-trn1", "trn1.32xlarge", "hyperpod")]):
+                ("hp-trn1", "trn1.32xlarge", "hyperpod"),
+                ("auto-trn1", "trn1.32xlarge", "auto")]):
             (made[pool],) = cluster.add_node_pool(pool, 1, instance, provisioner,  # type: ignore[arg-type]
                                                   FIRST_INDEX + i)
         yield made
@@ -123,3 +126,11 @@ def test_an_ml_instance_type_runs_on_the_hyperpod_pool(job_env: Env,
     job_env.create(spec)
     pod = _trains_on(job_env, pools["hp-trn1"])
     assert pod.spec.node_selector["node.kubernetes.io/instance-type"] == "ml.trn1.32xlarge"
+
+
+def test_trn1_on_an_auto_mode_pool_trains(job_env: Env, pools: dict[str, str]) -> None:
+    """Selected the way AWS's docs select Auto Mode nodes in a mixed cluster
+    (`eks.amazonaws.com/compute-type: auto`): the default request fits Auto Mode's Karpenter."""
+    job_env.create(_spec("trn1.32xlarge", {"eks.amazonaws.com/compute-type": "auto"}))
+    pod = _trains_on(job_env, pools["auto-trn1"])
+    assert pod.spec.containers[0].resources.requests["memory"] == "440Gi"

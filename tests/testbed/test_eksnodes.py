@@ -108,6 +108,19 @@ def test_karpenter_nodes_carry_their_nodepool_topology_and_the_neuron_taint() ->
     assert eksnodes.node_taints(trn1, "managed", taint=True)[0]["key"] == NEURON
 
 
+def test_auto_mode_nodes_name_their_attributes_as_auto_mode_does() -> None:
+    """A NodePool or selector written for Auto Mode uses eks.amazonaws.com/ labels, one for
+    community Karpenter karpenter.k8s.aws/: each pool carries only its own."""
+    trn1 = instance_type("trn1.32xlarge")
+    auto = eksnodes.node_labels("a-0", trn1, "auto", "trainium")
+    karpenter = eksnodes.node_labels("k-0", trn1, "karpenter", "trainium")
+    assert auto["eks.amazonaws.com/compute-type"] == "auto"
+    assert auto["eks.amazonaws.com/instance-family"] == "trn1"
+    assert "karpenter.k8s.aws/instance-family" not in auto
+    assert karpenter["karpenter.k8s.aws/instance-family"] == "trn1"
+    assert "eks.amazonaws.com/compute-type" not in karpenter
+
+
 def test_an_unknown_provisioner_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="karpenter"):
         eksnodes.provisioner("fargate")

@@ -52,6 +52,8 @@ class Activity(BaseModel):
     """Saves blocking the training loop."""
     data_wait: float = 0
     """The loop waiting for the data loader."""
+    evaluation: float = 0
+    """The held-out validation loss (spec.eval), between steps."""
     final_checkpoint: float = 0
     """Waiting, after the last step, for the last asynchronous write to complete."""
 
@@ -69,6 +71,9 @@ class Heartbeat(BaseModel):
     tokens_per_second: float | None = None
     step_seconds: float | None = None
     """Mean seconds per optimizer step recently; the operator's hang timeout learns from it."""
+    validation_loss: float | None = None
+    """The latest held-out validation loss (spec.eval), taken after step `validation_step`."""
+    validation_step: int | None = None
     checkpoint_step: int | None = None
     """Newest complete checkpoint's step."""
     checkpoint_seconds: float | None = None

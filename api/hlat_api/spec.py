@@ -194,6 +194,20 @@ class TrainSpec(_Model):
     """Log and publish metrics every this many steps."""
 
 
+class EvalSpec(_Model):
+    """Held-out validation loss in the training loop."""
+
+    path: Text
+    """Arrow files of held-out text (as data.path: a file, a directory or a glob), read with
+    data's tokenizer, text column and sequence length. Keep them out of data.path: training
+    must never see them."""
+    interval: PositiveInt = 1000
+    """Evaluate after every this many steps (and after the last)."""
+    batches: PositiveInt = 8
+    """Micro-batches each data-parallel rank evaluates: the same ones every time (the first
+    of the held-out set, dealt to the ranks as training data is), so evaluations compare."""
+
+
 class CheckpointSpec(_Model):
     """Where and how often state is saved; layout `<dir>/<job>/step_<N>/`, complete iff `done`."""
 
@@ -367,6 +381,9 @@ class PretrainJobSpec(_Model):
     """Corpus, tokenizer, sequence length."""
     train: TrainSpec = Field(default_factory=TrainSpec)
     """Batch sizes and run length."""
+    eval: EvalSpec | None = None
+    """Held-out validation loss every eval.interval steps: in the step's log line, the
+    heartbeat, status.progress and metrics. Unset: none."""
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     """Checkpoint location and cadence."""
     storage: StorageSpec = Field(default_factory=StorageSpec)
@@ -729,5 +746,13 @@ def _check_spares(spec: PretrainJobSpec) -> None:
                         "has no use for them)")
 
 
+def _check_eval(spec: PretrainJobSpec) -> None:
+    """`eval.path` is not the training data itself (a validation loss on data the model
+    trains on measures nothing held out)."""
+    if spec.eval is not None and spec.eval.path.rstrip("/") == spec.data.path.rstrip("/"):
+        raise SpecError("eval.path", f"{spec.eval.path} is data.path: give held-out files the "
+                        "training data does not include")
+
+
 _CHECKS = (_check_image, _check_devices, _check_model, _check_parallelism, _check_batch,
-           _check_lengths, _check_memory, _check_spares)
+           _check_lengths, _check_memory, _check_spares, _check_eval)

@@ -77,6 +77,12 @@ class Progress(_Model):
     """`step/totalSteps (percent)`, for `kubectl get pj`."""
     loss_text: str | None = None
     """The loss to 4 significant digits, for `kubectl get pj` (`loss` keeps every digit)."""
+    validation_loss: float | None = None
+    """The latest held-out validation loss (spec.eval), mean per token."""
+    validation_step: int | None = None
+    """The step after which `validationLoss` was taken."""
+    validation_loss_text: str | None = None
+    """`validationLoss` to 4 significant digits, for `kubectl get pj -o wide`."""
     eta_seconds: float | None = None
     """Steps left x the workers' recent mean step time (restarts not foreseen)."""
 
@@ -127,6 +133,8 @@ class Badput(_Model):
     """Saves blocking the training loop."""
     data_wait: float = 0
     """The training loop waiting for the data loader."""
+    evaluation: float = 0
+    """The held-out validation loss (spec.eval) computed between steps."""
     final_checkpoint: float = 0
     """Waiting for the last asynchronous write after the last step."""
     detection: float = 0

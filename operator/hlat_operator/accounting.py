@@ -71,6 +71,12 @@ def progress_of(beats: list[Heartbeat | None], total_steps: int | None = None
         tokens_per_second=lead.tokens_per_second,
         loss_text=None if lead.loss is None else f"{lead.loss:.4g}",
     )
+    evaluated = max((b for b in live if b.validation_loss is not None),
+                    key=lambda b: b.validation_step or 0, default=None)
+    if evaluated is not None and evaluated.validation_loss is not None:
+        progress.validation_loss = evaluated.validation_loss
+        progress.validation_step = evaluated.validation_step
+        progress.validation_loss_text = f"{evaluated.validation_loss:.4g}"
     if total_steps:
         progress.total_steps = total_steps
         progress.summary = f"{step}/{total_steps} ({100 * step / total_steps:.1f}%)"

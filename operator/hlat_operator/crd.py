@@ -340,6 +340,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
      "description": "Step / total steps (percent)."},
     {"name": "Loss", "type": "string", "jsonPath": ".status.progress.lossText",
      "description": "Loss of the latest step, 4 significant digits."},
+    {"name": "Val Loss", "type": "string", "jsonPath": ".status.progress.validationLossText",
+     "description": "Latest held-out validation loss (spec.eval), 4 significant digits."},
     {
         "name": "Goodput",
         "type": "number",

@@ -98,8 +98,11 @@ FLEET: tuple[Panel, ...] = (
 )  # fmt: skip
 
 JOB_PANELS: tuple[Panel, ...] = (
-    Panel("Training loss", "none", ((f"hlat_train_loss{JOB}", "{{pretrainjob}}"),),
-          "Loss of each step (mean over micro-batches and data-parallel ranks)."),
+    Panel("Training and validation loss", "none", (
+        (f"hlat_train_loss{JOB}", "{{pretrainjob}} train"),
+        (f"hlat_train_validation_loss{JOB}", "{{pretrainjob}} validation"),
+    ), "Loss of each step (mean over micro-batches and data-parallel ranks), and the held-out "
+       "validation loss of the latest evaluation (spec.eval)."),
     Panel("Gradient norm and spikes", "none", (
         (f"hlat_train_grad_norm{JOB}", "grad norm"),
         (f"increase(hlat_train_grad_spikes_total{JOB}[$__rate_interval])", "spike steps"),

@@ -220,6 +220,7 @@ GOODPUT_ROWS = (
     ("recompute", "steps trained again after the fault"),
     ("checkpoint", "saves blocking the loop"),
     ("dataWait", "waiting for the data loader"),
+    ("evaluation", "held-out validation loss"),
     ("finalCheckpoint", "waiting for the last asynchronous write"),
     ("detection", "last report before the fault -> operator acting"),
     ("teardown", "deleting the failed gang"),

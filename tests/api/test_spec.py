@@ -104,6 +104,10 @@ INVALID = [
     ({"suspend": "false"}, "spec.suspend", "valid boolean"),
     ({"faultTolerance": {"heartbeat": {"timeoutSeconds": 2.5}}}, "spec.faultTolerance.heartbeat.timeoutSeconds", "valid integer"),
     ({"instance_type": "cpu"}, "spec.instance_type", "unknown field"),
+    # held-out evaluation: held out, and a positive cadence
+    ({"eval": {"path": "/fsx/data"}}, "spec.eval.path", "is data.path"),
+    ({"eval": {"path": "/fsx/held-out", "interval": 0}}, "spec.eval.interval", "greater than or equal to 1"),
+    ({"eval": {"interval": 10}}, "spec.eval.path", "Field required"),
 ]
 
 

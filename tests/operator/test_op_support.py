@@ -369,6 +369,24 @@ def test_progress_for_kubectl_step_of_total_loss_to_4_digits_and_eta() -> None:
     assert progress_of([Heartbeat(phase="compiling")], 400) is None  # not resumed yet
 
 
+def test_progress_shows_the_newest_validation_loss_any_worker_reported() -> None:
+    """Every node's rank 0 evaluates (the loss is all-reduced): the newest evaluation is shown,
+    whichever worker's beat carried it first; none before the first evaluation."""
+    from hlat_operator.accounting import progress_of
+
+    beats: list[Heartbeat | None] = [
+        Heartbeat(phase="training", step=41, loss=2.5, validation_loss=2.71234, validation_step=20),
+        Heartbeat(phase="training", step=41, loss=2.5, validation_loss=2.6, validation_step=40),
+    ]
+    p = progress_of(beats, total_steps=100)
+    assert p is not None
+    assert (p.validation_loss, p.validation_step, p.validation_loss_text) == (2.6, 40, "2.6")
+    p = progress_of(beats[:1], total_steps=100)
+    assert p is not None and p.validation_loss_text == "2.712"
+    p = progress_of([Heartbeat(phase="training", step=3, loss=2.5)], total_steps=100)
+    assert p is not None and p.validation_loss is None and p.validation_loss_text is None
+
+
 def test_goodput_counters_follow_the_status_and_never_go_back() -> None:
     """Counters start at the status's figures when a job is first seen (an operator restarted
     mid-job does not replay its history as an increase from 0 in one scrape), advance by what

@@ -1,5 +1,5 @@
 """Fixtures of the trainer tests (shared with tests/xla)."""
 
-from jobfixtures import make_job, sample_data, write_config
+from jobfixtures import held_out_data, make_job, sample_data, write_config
 
-__all__ = ["make_job", "sample_data", "write_config"]
+__all__ = ["held_out_data", "make_job", "sample_data", "write_config"]

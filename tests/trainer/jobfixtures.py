@@ -26,6 +26,23 @@ def sample_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def held_out_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An Arrow file of stdlib pieces the sample dataset does not hold (a held-out set for
+    spec.eval): every 97th piece of the library that `sample_data`'s 400 left out."""
+    import pyarrow as pa
+
+    from hlat_trainer.data.sample import sample_documents
+
+    trained = set(sample_documents(400))
+    held = [d for d in sample_documents(None)[1::97] if d not in trained][:80]
+    out = tmp_path_factory.mktemp("held-out") / "held_out.arrow"
+    table = pa.table({"text": pa.array(held, type=pa.string())})
+    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return out
+
+
 def small_spec(data: Path, ckpt: Path, tokenizer: str = "bytes", **over: Any) -> dict[str, Any]:
     """A job small enough to run tens of steps in seconds on 2 cores."""
     spec: dict[str, Any] = {

@@ -181,6 +181,35 @@ class Engine(ABC):
         backend.step_end()
         return StepResult(loss_sum, grad_norm, data_wait, staging_wait)
 
+    def eval_loss(self, batches: list[tuple[Tensor, Tensor]],
+                  each: Callable[[], None] = lambda: None) -> Tensor:
+        """Mean token loss over `batches` (host tensors) and the data-parallel ranks, without
+        gradients, the optimizer or the RNG: training resumes as if it had not run. `each`
+        after every micro-batch (a sign of life). A 0-d tensor left on the device."""
+        backend, model = self.backend, self.model
+        was_training = model.training
+        model.eval()
+        total = torch.zeros((), device=self.device)
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                for inputs, targets in batches:
+                    inputs = backend.to_device(inputs, self.device)
+                    targets = backend.to_device(targets, self.device)
+                    with backend.autocast():
+                        logits = model(inputs)
+                    total += backend.loss(logits, targets).float()
+                    backend.micro_batch_end()
+                    each()
+                total /= len(batches)
+                if self.world.dp > 1:
+                    dist.all_reduce(total, group=self.world.dp_group)
+                    total /= self.world.dp
+                backend.step_end()
+        finally:
+            model.train(was_training)
+        return total
+
     def _wait_staged(self) -> float:
         """Wait until an asynchronous save's copy of the state is taken; the seconds waited."""
         return 0.0

@@ -21,6 +21,8 @@ _GAUGES = {
     "step_seconds": "Mean wall time of an optimizer step since the last report (saves excluded)",
     "data_wait_seconds": "Time the last step waited for the data loader",
     "checkpoint_blocking_seconds": "Time the last checkpoint blocked training",
+    "validation_loss": "Held-out validation loss of the latest evaluation (spec.eval), mean "
+                       "per token over data-parallel ranks",
 }
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -45,9 +46,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hlat_api import INSTANCE_TYPES, Env, Job
+from hlat_api import INSTANCE_TYPES, Env, Job, PretrainJobSpec
 from hlat_trainer.backends import Backend, select_backend
-from hlat_trainer.data import PackedLoader, load_tokenizer
+from hlat_trainer.data import PackedLoader, Tokenizer, load_tokenizer
 from hlat_trainer.distributed import World
 from hlat_trainer.engine import Engine, StepResult, build_engine, pack, unpack
 from hlat_trainer.errors import UserError
@@ -198,6 +199,21 @@ def known_peak_flops(device: torch.device, dtype: torch.dtype, path: str | None)
     return peak
 
 
+def held_out_batches(spec: PretrainJobSpec, tokenizer: Tokenizer, world: World
+                     ) -> list[tuple[Tensor, Tensor]]:
+    """This rank's share of the held-out set (spec.eval): its first `eval.batches`
+    micro-batches, packed and dealt to the data-parallel ranks as training data is, read once
+    and kept on the host; none without spec.eval."""
+    ev = spec.eval
+    if ev is None:
+        return []
+    with PackedLoader(ev.path, tokenizer, text_column=spec.data.text_column,
+                      seq_len=spec.data.seq_len, micro_batch=spec.train.micro_batch,
+                      dp_rank=world.dp_rank, dp_size=world.dp,
+                      seed=spec.data.shuffle_seed) as loader:
+        return [next(loader) for _ in range(ev.batches)]
+
+
 class Trainer:
     def __init__(self, job: Job, *, sinks: list[Sink] | None = None,
                  backend: Backend | None = None) -> None:
@@ -225,6 +241,7 @@ class Trainer:
             seq_len=spec.data.seq_len, micro_batch=spec.train.micro_batch,
             dp_rank=self.world.dp_rank, dp_size=self.world.dp, seed=spec.data.shuffle_seed,
         )
+        self.eval_batches = held_out_batches(spec, self.tokenizer, self.world)
         self.state = TrainState()
         self._unobserved: list[Tensor] = []  # grad norms not yet fed to the spike monitor
         self.extracting_graphs = extracting_graphs_only(os.environ)
@@ -375,6 +392,17 @@ class Trainer:
         log.info("checkpoint step_%d: training blocked %.3fs", step, blocked)
         return blocked
 
+    def evaluates(self, step: int, total: int) -> bool:
+        """Whether the held-out loss is taken after `step` (spec.eval)."""
+        ev = self.spec.eval
+        return ev is not None and (step % ev.interval == 0 or step == total)
+
+    def evaluate(self) -> float:
+        """The held-out loss now (one value read back), the heartbeat kept alive meanwhile."""
+        loss = self.engine.eval_loss(self.eval_batches, each=lambda: self._beat(phase="training"))
+        (value,) = self.backend.to_host([loss])
+        return value
+
     def run(self) -> dict[str, Any]:
         """Train to the spec's step count; returns the last step's stats."""
         total = self.spec.total_steps
@@ -408,6 +436,8 @@ class Trainer:
                     log.info("graph extraction (%s): tracing a logged step's graphs",
                              EXTRACT_GRAPHS_ONLY)
                     self.report(done)  # to no sink: dummy values
+                    if self.eval_batches:
+                        self.evaluate()  # the evaluation's graphs too
                     self.ledger.charge("compile")  # all it is for
                 if step == (first + total) // 2 and self.extracting_graphs and self.backend.compiles:
                     compiled = self._charge_step(step, wait, compiled, staged)
@@ -427,8 +457,24 @@ class Trainer:
                     blocked = self.ledger.charge("checkpoint")
                     since, last_step, saved = self._window
                     self._window = (since, last_step, saved + blocked)
-                if step % self.spec.train.log_interval == 0 or step == total:
+                validation = None
+                if self.evaluates(step, total) and not self.extracting_graphs:
+                    self.observe_norms()  # waits for the step: its time is the step's
+                    compiled = self._charge_step(step, wait, compiled, staged)
+                    wait = staged = 0.0
+                    validation = self.evaluate()
+                    spent = self.ledger.charge("evaluation")
+                    since, last_step, saved = self._window
+                    self._window = (since, last_step, saved + spent)
+                    self._beat(phase="training", validation_loss=validation,
+                               validation_step=step)
+                    log.info("step %d: validation loss %.4f (%.3fs)", step, validation, spent)
+                if (step % self.spec.train.log_interval == 0 or step == total
+                        or validation is not None):
                     stats = self.report(done)
+                    if validation is not None:
+                        stats["validation_loss"] = validation
+                        stats["validation_perplexity"] = math.exp(min(validation, 700.0))
                     if blocked is not None:
                         stats["checkpoint_blocking_seconds"] = blocked
                     stats["recomputed"] = step <= self.steps_done

@@ -48,13 +48,19 @@ def test_every_dashboard_panel_has_data_from_a_real_prometheus(
         scrape_configs(chart_monitors(), cluster.kubeconfig))
     try:
         job = Env(cluster, namespace, fsx, {"op": operator})
-        job.create(tiny_spec(steps=40))
+        spec = tiny_spec(steps=40)
+        # the sample's held-out set (hlat-data sample --docs N): the loss panel's second query
+        spec["eval"] = {"path": "/fsx/data/sample/held-out", "interval": 5, "batches": 2}
+        job.create(spec)
         start = time.time()
         job.wait("a checkpoint", lambda s: s.get("phase") == "Running"
                  and (s.get("latestCheckpoint") or {}).get("step", 0) >= 2, 180)
         faults.kill(cluster.config, namespace, "tiny-a0-1")
         done = job.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 240)
         assert done["restarts"]["total"] == 1
+        progress = done["progress"]
+        assert progress["validationStep"] == 40 and progress["validationLoss"] > 0, progress
+        assert progress["validationLossText"] == f"{progress['validationLoss']:.4g}"
         _the_operator_reports_its_own_load(port)
         time.sleep(3)  # a few more scrapes
         end = time.time()

@@ -27,20 +27,11 @@ def sample_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def held_out_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An Arrow file of stdlib pieces the sample dataset does not hold (a held-out set for
-    spec.eval): every 97th piece of the library that `sample_data`'s 400 left out."""
-    import pyarrow as pa
-
-    from hlat_trainer.data.sample import sample_documents
-
-    trained = set(sample_documents(400))
-    held = [d for d in sample_documents(None)[1::97] if d not in trained][:80]
-    out = tmp_path_factory.mktemp("held-out") / "held_out.arrow"
-    table = pa.table({"text": pa.array(held, type=pa.string())})
-    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-    return out
+def held_out_data(sample_data: Path) -> Path:
+    """The sample's held-out set (spec.eval.path): pieces its training set does not hold."""
+    held = sample_data / "held-out"
+    assert (held / "held_out.arrow").is_file(), "hlat-data sample --docs N writes one"
+    return held
 
 
 def small_spec(data: Path, ckpt: Path, tokenizer: str = "bytes", **over: Any) -> dict[str, Any]:

@@ -22,7 +22,8 @@ def sample_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_sample_writes_an_arrow_file_and_a_tokenizer(
     sample_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert sorted(p.name for p in sample_dir.iterdir()) == ["tokenizer.json", "train.arrow"]
+    assert sorted(p.name for p in sample_dir.iterdir()) == [
+        "held-out", "tokenizer.json", "train.arrow"]
     table = pa.ipc.open_file(pa.memory_map(str(sample_dir / "train.arrow"))).read_all()
     assert table.column_names == ["text"] and table.num_rows == 120
     texts = table.column("text").to_pylist()
@@ -37,9 +38,33 @@ def test_sample_writes_an_arrow_file_and_a_tokenizer(
 def test_sample_is_deterministic_and_overwrites_cleanly(sample_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "train.arrow").write_text("stale, half-written")
     assert main(["sample", "--out", str(tmp_path), "--docs", "120", "--vocab-size", "1024"]) == 0
-    for name in ("train.arrow", "tokenizer.json"):
+    for name in ("train.arrow", "tokenizer.json", "held-out/held_out.arrow"):
         assert (tmp_path / name).read_bytes() == (sample_dir / name).read_bytes()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.json", "train.arrow"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "held-out", "tokenizer.json", "train.arrow"]
+
+
+def test_the_held_out_set_shares_no_document_with_training_and_training_never_reads_it(
+        sample_dir: Path) -> None:
+    def texts(path: Path) -> list[str]:
+        return list(pa.ipc.open_file(pa.memory_map(str(path))).read_all().column("text")
+                    .to_pylist())
+
+    held, trained = texts(sample_dir / "held-out" / "held_out.arrow"), texts(
+        sample_dir / "train.arrow")
+    assert len(held) == 12 and len(set(held)) == 12  # 120 / 10
+    assert not set(held) & set(trained)
+    from hlat_trainer.data.arrow import resolve_paths
+
+    # data.path = the sample directory reads its own top-level file only
+    assert resolve_paths(sample_dir) == [sample_dir / "train.arrow"]
+
+
+def test_without_docs_every_piece_trains_and_none_is_held_out(tmp_path: Path) -> None:
+    from hlat_trainer.data.sample import sample_split
+
+    train, held = sample_split(None)
+    assert held == [] and len(train) > 1000
 
 
 def test_loader_trains_on_the_sample(sample_dir: Path) -> None:

@@ -42,6 +42,9 @@ def run_sample(args: argparse.Namespace) -> None:
         f"{report.characters / 1e6:.1f}M characters, {report.tokens / 1e6:.2f}M tokens with EOS (estimated)"
     )
     print(f"wrote {report.tokenizer}: byte-level BPE, vocab {report.vocab_size}, EOS <|endoftext|>")
+    if report.held_out is not None:
+        print(f"wrote {report.held_out}: {report.held_out_documents} held-out documents "
+              f"(none in the training set): eval.path={report.held_out.parent}")
     print(
         f"took {time.perf_counter() - t0:.1f}s; train with data.path={report.dataset} "
         f"data.tokenizer={report.tokenizer}"

@@ -15,7 +15,11 @@ Design choices and trade-offs:
 - The tokenizer is a byte-level BPE (GPT-2 style, 4096 ids by default) with `<|endoftext|>` as
   its only special token, trained with `tokenizers` on the same documents.
 - Output: `DIR/train.arrow` (Arrow IPC *file* format, one `text` column) and
-  `DIR/tokenizer.json`. Each is written to a temporary name in DIR and renamed into place, so an
+  `DIR/tokenizer.json`; with `--docs N`, also `DIR/held-out/held_out.arrow`: up to N/10 (at
+  least 8, at most 200) pieces the training set left out, spread evenly over the rest of the
+  library, for `spec.eval` (a subdirectory: a directory `data.path` reads only its own
+  top-level files, so training never sees them). Without `--docs` every piece trains and no
+  held-out set is written. Each is written to a temporary name in DIR and renamed into place, so an
   interrupted run never leaves a half-written file where the trainer would load it.
 """
 
@@ -52,6 +56,8 @@ class SampleReport:
     characters: int
     tokens: int
     vocab_size: int
+    held_out: Path | None = None
+    held_out_documents: int = 0
 
 
 def stdlib_files(root: Path | None = None) -> list[Path]:
@@ -81,18 +87,35 @@ def split_source(text: str, target: int = DOC_CHARS) -> Iterator[str]:
         yield "".join(piece)
 
 
-def sample_documents(num_docs: int | None) -> list[str]:
-    """Up to `num_docs` distinct stdlib pieces spread evenly over the library (all if None)."""
+def _all_pieces() -> list[str]:
     docs: list[str] = []
     for path in stdlib_files():
         try:
             docs.extend(split_source(path.read_text(encoding="utf-8")))
         except (UnicodeDecodeError, OSError):
             continue  # a handful of stdlib files are deliberately not UTF-8
-    docs = list(dict.fromkeys(docs))  # a few stdlib files are copies of each other
+    return list(dict.fromkeys(docs))  # a few stdlib files are copies of each other
+
+
+def _spread(docs: list[str], n: int) -> list[str]:
+    return docs if n >= len(docs) else [docs[i * len(docs) // n] for i in range(n)]
+
+
+def sample_documents(num_docs: int | None) -> list[str]:
+    """Up to `num_docs` distinct stdlib pieces spread evenly over the library (all if None)."""
+    return sample_split(num_docs)[0]
+
+
+def sample_split(num_docs: int | None) -> tuple[list[str], list[str]]:
+    """The training pieces (`sample_documents`) and a held-out set of pieces they do not
+    hold: up to num_docs/10 (8..200) spread over the rest; none when every piece trains."""
+    docs = _all_pieces()
     if num_docs is None or num_docs >= len(docs):
-        return docs
-    return [docs[i * len(docs) // num_docs] for i in range(num_docs)]
+        return docs, []
+    train = _spread(docs, num_docs)
+    chosen = set(train)
+    rest = [d for d in docs if d not in chosen]
+    return train, _spread(rest, min(len(rest), max(8, min(200, num_docs // 10))))
 
 
 def train_tokenizer(docs: list[str], vocab_size: int) -> Tokenizer:
@@ -116,7 +139,7 @@ def write_sample(out: Path, num_docs: int | None = None, vocab_size: int = 4096)
         raise UserError(f"--docs must be at least 1, got {num_docs}")
     if vocab_size < 512:
         raise UserError(f"--vocab-size must be at least 512 (256 bytes + merges), got {vocab_size}")
-    docs = sample_documents(num_docs)
+    docs, held = sample_split(num_docs)
     if not docs:
         raise UserError(
             f"found no Python sources under {sysconfig.get_paths()['stdlib']}: this Python "
@@ -128,6 +151,11 @@ def write_sample(out: Path, num_docs: int | None = None, vocab_size: int = 4096)
     dataset, tokenizer = out / "train.arrow", out / "tokenizer.json"
     _atomic_write(tokenizer, lambda p: tok.save(str(p)))
     _atomic_write(dataset, lambda p: _write_arrow(p, docs))
+    held_out = None
+    if held:
+        held_out = out / "held-out" / "held_out.arrow"
+        _make_dir(held_out.parent)
+        _atomic_write(held_out, lambda p: _write_arrow(p, held))
     return SampleReport(
         dataset=dataset,
         tokenizer=tokenizer,
@@ -135,6 +163,8 @@ def write_sample(out: Path, num_docs: int | None = None, vocab_size: int = 4096)
         characters=sum(len(d) for d in docs),
         tokens=tokens + len(docs),  # one EOS after each document; an estimate
         vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        held_out=held_out,
+        held_out_documents=len(held),
     )
 
 

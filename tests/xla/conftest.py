@@ -10,6 +10,6 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "trainer"))
 
-from jobfixtures import make_job, sample_data, write_config
+from jobfixtures import held_out_data, make_job, sample_data, write_config
 
-__all__ = ["make_job", "sample_data", "write_config"]
+__all__ = ["held_out_data", "make_job", "sample_data", "write_config"]

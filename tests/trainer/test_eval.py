@@ -101,3 +101,13 @@ def test_the_validation_loss_is_a_prometheus_gauge() -> None:
     assert metrics.registry.get_sample_value("hlat_train_validation_loss") == 4.25
     metrics.update({"step": 4, "loss": 4.9})  # a step without evaluation keeps the last value
     assert metrics.registry.get_sample_value("hlat_train_validation_loss") == 4.25
+
+
+def test_a_missing_held_out_set_is_an_error_naming_eval_path(
+        make_job: Callable[..., Job], tmp_path: Path) -> None:
+    from hlat_trainer.errors import UserError
+
+    job = make_job(eval={"path": str(tmp_path / "nowhere")})
+    with pytest.raises(UserError, match="eval.path") as info:
+        Trainer(job)
+    assert "data.path" not in str(info.value)

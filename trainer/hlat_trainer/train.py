@@ -207,11 +207,15 @@ def held_out_batches(spec: PretrainJobSpec, tokenizer: Tokenizer, world: World
     ev = spec.eval
     if ev is None:
         return []
-    with PackedLoader(ev.path, tokenizer, text_column=spec.data.text_column,
-                      seq_len=spec.data.seq_len, micro_batch=spec.train.micro_batch,
-                      dp_rank=world.dp_rank, dp_size=world.dp,
-                      seed=spec.data.shuffle_seed) as loader:
-        return [next(loader) for _ in range(ev.batches)]
+    try:
+        with PackedLoader(ev.path, tokenizer, text_column=spec.data.text_column,
+                          seq_len=spec.data.seq_len, micro_batch=spec.train.micro_batch,
+                          dp_rank=world.dp_rank, dp_size=world.dp,
+                          seed=spec.data.shuffle_seed) as loader:
+            return [next(loader) for _ in range(ev.batches)]
+    except UserError as err:  # its messages speak of data.path
+        raise UserError(f"eval.path {ev.path}: {err}".replace("data.path", "eval.path")
+                        .replace("data path", "path")) from err
 
 
 class Trainer:

@@ -108,6 +108,6 @@ def test_a_missing_held_out_set_is_an_error_naming_eval_path(
     from hlat_trainer.errors import UserError
 
     job = make_job(eval={"path": str(tmp_path / "nowhere")})
-    with pytest.raises(UserError, match="eval.path") as info:
+    with pytest.raises(UserError, match=r"eval\.path") as info:
         Trainer(job)
     assert "data.path" not in str(info.value)

@@ -407,6 +407,19 @@ class Trainer:
         (value,) = self.backend.to_host([loss])
         return value
 
+    def _evaluate_after(self, step: int, compiled: float) -> tuple[float, float]:
+        """The held-out loss after `step`: its time charged to evaluation (less compilation,
+        `compiled` the compile seconds counted so far) and kept out of the logged step time;
+        returns the loss and the compile seconds now counted."""
+        value = self.evaluate()
+        compiled_now = self.backend.compile_seconds()
+        spent = self.ledger.charge("evaluation", compile=compiled_now - compiled)
+        since, last_step, saved = self._window
+        self._window = (since, last_step, saved + spent)
+        self._beat(phase="training", validation_loss=value, validation_step=step)
+        log.info("step %d: validation loss %.4f (%.3fs)", step, value, spent)
+        return value, compiled_now
+
     def run(self) -> dict[str, Any]:
         """Train to the spec's step count; returns the last step's stats."""
         total = self.spec.total_steps
@@ -466,13 +479,7 @@ class Trainer:
                     self.observe_norms()  # waits for the step: its time is the step's
                     compiled = self._charge_step(step, wait, compiled, staged)
                     wait = staged = 0.0
-                    validation = self.evaluate()
-                    spent = self.ledger.charge("evaluation")
-                    since, last_step, saved = self._window
-                    self._window = (since, last_step, saved + spent)
-                    self._beat(phase="training", validation_loss=validation,
-                               validation_step=step)
-                    log.info("step %d: validation loss %.4f (%.3fs)", step, validation, spent)
+                    validation, compiled = self._evaluate_after(step, compiled)
                 if (step % self.spec.train.log_interval == 0 or step == total
                         or validation is not None):
                     stats = self.report(done)

@@ -3,17 +3,23 @@ its pod's service-account token, and that token cannot touch another pod's Lease
 
 from __future__ import annotations
 
+import datetime
+import itertools
+import statistics
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes import client
+from kubernetes import client, watch
 
 from hlat_api import ExitCode, Heartbeat
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.testing import WaitTimeout, python_pod, terminated, wait_for, wait_pod_phase
+from hlat_trainer.heartbeat import LeaseHeartbeat
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -148,3 +154,41 @@ def test_a_trainer_whose_lease_is_taken_away_stops_itself(
     assert "its attempt is over" in log
     last, _ = read_beat(cluster, namespace, "w-0")
     assert fenced_at is not None and last is not None and last.step < 5000
+
+
+def test_the_renewal_loop_renews_once_per_period_as_it_runs(cluster: Cluster,
+                                                            namespace: str) -> None:
+    """The heartbeat thread against the real API server, its renewals counted from the
+    Lease's watch over twelve periods: one per period (a loop that slept twice the period, or
+    the period plus each call's latency, would show), none missed."""
+    grant_own_lease(cluster, namespace, "w-0")
+    coord = client.CoordinationV1Api(cluster.admin_api())
+    renewals: list[datetime.datetime] = []
+    ready, done = threading.Event(), threading.Event()
+
+    def observe() -> None:
+        w = watch.Watch()
+        ready.set()
+        for event in w.stream(coord.list_namespaced_lease, namespace,
+                              field_selector="metadata.name=w-0", timeout_seconds=60):
+            renewed = event["object"].spec.renew_time
+            if renewed is not None and (not renewals or renewals[-1] != renewed):
+                renewals.append(renewed)
+            if done.is_set():
+                w.stop()
+
+    watcher = threading.Thread(target=observe, daemon=True)
+    watcher.start()
+    ready.wait(10)
+    time.sleep(0.5)  # the watch established
+    period, periods = 0.5, 12
+    beat = LeaseHeartbeat(coord, namespace, "w-0", "w-0", period, attempt=0).start()
+    time.sleep(period * periods + 0.25)
+    beat.stop()
+    done.set()
+    coord.patch_namespaced_lease("w-0", namespace, {"metadata": {"labels": {"end": "1"}}})
+    watcher.join(10)
+    gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(renewals)]
+    assert periods <= len(renewals) <= periods + 2, (len(renewals), gaps)
+    assert statistics.median(gaps) == pytest.approx(period, abs=0.05), gaps
+    assert max(gaps) < 2 * period, gaps

@@ -176,9 +176,13 @@ class LeaseHeartbeat:
         return False
 
     def _loop(self) -> None:
+        """Renew every period, counted from one renewal's start to the next's: a slow API call
+        does not stretch the cadence (three late renewals in a row would let the Lease expire
+        while the process is alive)."""
         while not self._stop.is_set():
+            began = time.monotonic()
             self.renew()
-            self._stop.wait(self._wait())
+            self._stop.wait(max(0.0, began + self._wait() - time.monotonic()))
 
     def stop(self, phase: str | None = None) -> None:
         """Stop the thread; with a phase (e.g. finished), publish it once more first."""

@@ -48,6 +48,8 @@ def test_evaluation_changes_no_training_number_and_reports_on_its_steps(
     # the same micro-batches each time: two evaluations of one model agree exactly
     again = trainer.evaluate()
     assert again == losses[7]
+    # an eager backend compiles nothing: its evaluations are never reported as compiling
+    assert not trainer.backend.compiles
 
 
 def test_the_held_out_loss_is_the_mean_token_loss_of_the_held_out_batches(

@@ -246,6 +246,7 @@ class Trainer:
             dp_rank=self.world.dp_rank, dp_size=self.world.dp, seed=spec.data.shuffle_seed,
         )
         self.eval_batches = held_out_batches(spec, self.tokenizer, self.world)
+        self._evaluated = False  # this attempt has not evaluated yet
         self.state = TrainState()
         self._unobserved: list[Tensor] = []  # grad norms not yet fed to the spike monitor
         self.extracting_graphs = extracting_graphs_only(os.environ)
@@ -402,9 +403,15 @@ class Trainer:
         return ev is not None and (step % ev.interval == 0 or step == total)
 
     def evaluate(self) -> float:
-        """The held-out loss now (one value read back), the heartbeat kept alive meanwhile."""
-        loss = self.engine.eval_loss(self.eval_batches, each=lambda: self._beat(phase="training"))
+        """The held-out loss now (one value read back), the heartbeat kept alive meanwhile. On
+        a compiling backend an attempt's first evaluation compiles its graphs (the precompile
+        does not trace them yet): its workers report `compiling` meanwhile, so the operator
+        allows its startup bound, not the steady one."""
+        phase = "compiling" if self.backend.compiles and not self._evaluated else "training"
+        self._beat(phase=phase)
+        loss = self.engine.eval_loss(self.eval_batches, each=lambda: self._beat(phase=phase))
         (value,) = self.backend.to_host([loss])
+        self._evaluated = True
         return value
 
     def _evaluate_after(self, step: int, compiled: float) -> tuple[float, float]:
@@ -453,8 +460,6 @@ class Trainer:
                     log.info("graph extraction (%s): tracing a logged step's graphs",
                              EXTRACT_GRAPHS_ONLY)
                     self.report(done)  # to no sink: dummy values
-                    if self.eval_batches:
-                        self.evaluate()  # the evaluation's graphs too
                     self.ledger.charge("compile")  # all it is for
                 if step == (first + total) // 2 and self.extracting_graphs and self.backend.compiles:
                     compiled = self._charge_step(step, wait, compiled, staged)

@@ -414,6 +414,12 @@ class Trainer:
         self._evaluated = True
         return value
 
+    def _off_step_time(self, seconds: float) -> None:
+        """Keep `seconds` the loop spent on something else (a save, an evaluation) out of the
+        step time the next report logs."""
+        since, last_step, saved = self._window
+        self._window = (since, last_step, saved + seconds)
+
     def _evaluate_after(self, step: int, compiled: float) -> tuple[float, float]:
         """The held-out loss after `step`: its time charged to evaluation (less compilation,
         `compiled` the compile seconds counted so far) and kept out of the logged step time;
@@ -421,8 +427,7 @@ class Trainer:
         value = self.evaluate()
         compiled_now = self.backend.compile_seconds()
         spent = self.ledger.charge("evaluation", compile=compiled_now - compiled)
-        since, last_step, saved = self._window
-        self._window = (since, last_step, saved + spent)
+        self._off_step_time(spent)
         self._beat(phase="training", validation_loss=value, validation_step=step)
         log.info("step %d: validation loss %.4f (%.3fs)", step, value, spent)
         return value, compiled_now
@@ -466,8 +471,7 @@ class Trainer:
                     wait = staged = 0.0
                     self.trace_checkpoint_paths()
                 if staged:  # the update waited for the last save's copy: that save's time
-                    since, last_step, saved = self._window
-                    self._window = (since, last_step, saved + staged)
+                    self._off_step_time(staged)
                 blocked = None
                 if step % self.spec.checkpoint.interval == 0 or step == total:
                     self.observe_norms()  # waits for the step: its time is the step's
@@ -477,8 +481,7 @@ class Trainer:
                     # all the save held the loop (building the state included), not only the
                     # checkpointer's part: what the log, the step time and goodput all use
                     blocked = self.ledger.charge("checkpoint")
-                    since, last_step, saved = self._window
-                    self._window = (since, last_step, saved + blocked)
+                    self._off_step_time(blocked)
                 validation = None
                 if self.evaluates(step, total) and not self.extracting_graphs:
                     self.observe_norms()  # waits for the step: its time is the step's

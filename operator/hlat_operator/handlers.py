@@ -150,14 +150,19 @@ def reconcile_once(rt: Runtime, namespace: str, name: str) -> float | None:
     if quiet(decision, status) and observed.generation is not None:
         rt.quiet[(namespace, name)] = observed.generation
     if decision.status.phase != status.phase:
+        failure = decision.status.last_failure
+        why = (f": {failure.reason}: {failure.message}"
+               if failure is not None and decision.status.phase in ("Restarting", "Failed")
+               else "")
         log.info(
-            "%s/%s: %s -> %s (attempt %d, restarts %d)",
+            "%s/%s: %s -> %s (attempt %d, restarts %d)%s",
             namespace,
             name,
             status.phase or "-",
             decision.status.phase,
             decision.status.attempt,
             decision.status.restarts.total,
+            why,
         )
     return decision.requeue_after
 

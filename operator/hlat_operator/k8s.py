@@ -107,6 +107,22 @@ class Rejected(K8sError):
     """The API server refused to create an object the job needs, for good (see `permanent`)."""
 
 
+def _describe(action: Action) -> str:
+    """One action, short, for the debug log (the objects' kinds and names, not their bodies)."""
+    if isinstance(action, CreateObject):
+        meta = action.obj.get("metadata") or {}
+        return f"create {action.obj.get('kind')} {meta.get('name')}"
+    if isinstance(action, PatchStatus):
+        status = action.status
+        return (f"patch status (phase {status.get('phase')}, attempt {status.get('attempt')}, "
+                f"at version {action.resource_version})")
+    if isinstance(action, PatchState):
+        return f"patch state {action.annotation}"
+    if isinstance(action, EmitEvent):
+        return f"event {action.reason}: {action.message}"
+    return repr(action)
+
+
 def _wrap(what: str, err: Exception) -> K8sError:
     if isinstance(err, ApiException):
         status = int(err.status) if err.status else None
@@ -273,6 +289,7 @@ class Kube:
         written: str | None = None
         done = 0
         for action in decision.actions:
+            log.debug("%s/%s: %s", job.namespace, job.name, _describe(action))
             if isinstance(action, PatchState):
                 # the annotation patch bumps the resourceVersion the status patch carries:
                 # it is made with the version read (a stale pass loses here) and the status

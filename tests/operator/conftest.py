@@ -19,6 +19,16 @@ from kubernetes.client.exceptions import ApiException
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.demo import OperatorProcess, install_crd, venv_bin
 
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Iterator[None]:
+    """Keeps each phase's report on the test item (`rep_call`), for the fixtures' teardown."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
 # --- fixtures ------------------------------------------------------------------------------
 
 
@@ -49,12 +59,16 @@ def operator(cluster: Cluster, crd: None, tmp_path_factory: pytest.TempPathFacto
 
 @pytest.fixture
 def job_env(cluster: Cluster, namespace: str, sample_data: Path, tmp_path: Path,
-            operator: dict[str, OperatorProcess]) -> Iterator[Env]:
+            operator: dict[str, OperatorProcess], request: pytest.FixtureRequest
+            ) -> Iterator[Env]:
     fsx = tmp_path / "fsx"
     shutil.copytree(sample_data, fsx / "data" / "sample")
     cluster.create_shared_volume(namespace, "fsx", fsx)
     env = Env(cluster, namespace, fsx, operator)
     yield env
+    call = getattr(request.node, "rep_call", None)
+    if call is not None and call.failed:  # what CI's output then shows of the job
+        print(f"job diagnosis:\n{env.diagnosis()}")
     env.delete()
     with contextlib.suppress(ApiException):
         client.CoreV1Api(cluster.admin_api()).delete_persistent_volume(f"{namespace}-fsx")

@@ -169,6 +169,22 @@ class Env:
             self.ns, field_selector=f"involvedObject.name={self.name}").items
         return [e.reason for e in evs]
 
+    def diagnosis(self, lines: int = 25) -> str:
+        """What a failed test prints (CI keeps no pod logs): the job's events, and the last
+        `lines` lines of every pod's log the kubelets kept, each pod's newest incarnation."""
+        out: list[str] = []
+        with contextlib.suppress(ApiException):
+            evs = self.core.list_namespaced_event(self.ns).items
+            for e in sorted(evs, key=lambda e: str(e.last_timestamp or e.event_time or "")):
+                out.append(f"event {e.last_timestamp or e.event_time} {e.involved_object.name}"
+                           f" {e.reason}: {e.message}")
+        for directory in sorted(self.cluster.config.pods_dir.glob(f"{self.ns}_*")):
+            for log in sorted(directory.glob("*.log")):
+                tail = log.read_text(errors="replace").splitlines()[-lines:]
+                out.append(f"--- {directory.name}/{log.name} (last {len(tail)} lines)")
+                out.extend(tail)
+        return "\n".join(out)
+
 
 def steps_logged(log: str) -> list[int]:
     """The steps a trainer logged (its JSON metric lines), in order."""

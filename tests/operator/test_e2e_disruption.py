@@ -20,8 +20,6 @@ from hlat_api.manifest import API_GROUP, API_VERSION
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-OPERATOR_ENV = {"HLAT_OPERATOR_EXIT_AFTER_FINISH_SECONDS": "8"}
-
 
 def _budget(env: Env) -> Any | None:
     policy = client.PolicyV1Api(env.cluster.admin_api())

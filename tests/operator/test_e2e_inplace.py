@@ -197,6 +197,28 @@ def test_in_place_attempts_that_keep_failing_fall_back_to_a_new_gang(job_env: En
     assert {p.metadata.name for p in job_env.pods()} == {f"{JOB}-a3-0", f"{JOB}-a3-1"}
 
 
+def test_rank_0_s_failed_pod_moves_to_a_warm_spare_which_becomes_the_master(job_env: Env
+                                                                          ) -> None:
+    """Rank 0's pod fails as a whole (its launcher killed: no in-place restart for it): the
+    ready spare takes rank 0, and with it the rendezvous master's address; rank 1's pod is
+    kept, its trainer finds the new master, and the job finishes."""
+    victim = f"{JOB}-a0-0"
+
+    def pod_fails() -> None:
+        job_env.wait("the spare ready", lambda s: (s.get("spares") or {}).get("ready") == 1, 60)
+        faults.kill(job_env.cluster.config, job_env.ns, victim)
+
+    # steps enough that the job still trains once the spare is ready on a loaded machine
+    r = next(run_fault(job_env, pod_fails, {"Killed", "PodFailed"}, steps=100, spareNodes=1))
+    done, before = r["done"], r["before"]
+    assert isinstance(done, dict) and isinstance(before, dict)
+    assert done["spares"]["promoted"] == 1, done["spares"]
+    pods = {p.metadata.name: p for p in job_env.pods()}
+    assert pods[f"{JOB}-s0"].metadata.labels["hlat.dev/node-rank"] == "0"
+    assert pods[f"{JOB}-a0-1"].metadata.uid == before[f"{JOB}-a0-1"]
+    assert done["restarts"]["total"] == 1, done["restarts"]
+
+
 def test_a_lost_node_s_rank_moves_to_a_warm_spare(job_env: Env) -> None:
     """spareNodes 1 on the rig's 3 nodes: the spare's launcher waits with warm standbys; rank
     1's node goes down; the spare takes rank 1 at once (no pod scheduled, no force-delete

@@ -38,7 +38,7 @@ lint: setup
 # then two pytest workers, each with a local cluster of its own, take whole test files
 test: lint .venv-xla/.synced
 	$(PY) -m hlat_testbed.build
-	.venv/bin/pytest --ignore=tests/xla -n 2 --dist loadfile
+	.venv/bin/pytest --ignore=tests/xla -n 2 --dist loadfile --no-loadscope-reorder
 	$(MAKE) --no-print-directory test-xla
 
 test-fast: setup

@@ -289,7 +289,8 @@ class Kube:
         written: str | None = None
         done = 0
         for action in decision.actions:
-            log.debug("%s/%s: %s", job.namespace, job.name, _describe(action))
+            if log.isEnabledFor(logging.DEBUG):  # not formatted on every pass otherwise
+                log.debug("%s/%s: %s", job.namespace, job.name, _describe(action))
             if isinstance(action, PatchState):
                 # the annotation patch bumps the resourceVersion the status patch carries:
                 # it is made with the version read (a stale pass loses here) and the status

@@ -171,7 +171,8 @@ class Env:
 
     def diagnosis(self, lines: int = 25) -> str:
         """What a failed test prints (CI keeps no pod logs): the job's events, and the last
-        `lines` lines of every pod's log the kubelets kept, each pod's newest incarnation."""
+        `lines` lines of every log the kubelets kept for the namespace's pods (each incarnation of a
+        recreated pod has its own)."""
         out: list[str] = []
         with contextlib.suppress(ApiException):
             evs = self.core.list_namespaced_event(self.ns).items

@@ -438,3 +438,115 @@ def best_interval(intervals: Floats, goodput: Floats) -> float:
         if a < 0 and x[0] <= -b / (2 * a) <= x[-1]:
             return float(math.exp(-b / (2 * a)))
     return float(intervals[i])
+
+
+# --- fail-slow nodes (stragglers) --------------------------------------------------------------
+# A fail-slow node fails nothing: a synchronous gang runs at its pace until it recovers or the
+# operator moves its rank to a spare (spec.faultTolerance.stragglers, action Replace). Falcon
+# ("Pinpointing and Mitigating Stragglers for Large-Scale Hybrid-Parallel Training", Wu et al.,
+# USENIX ATC'25, arXiv 2410.12588) characterised them on a production cluster of over 10,000
+# GPUs; it publishes shares of jobs that met one, not rates per node, so a per-node rate is
+# derived from them below, two ways. The losses of overlapping fail-slows are added (a gang
+# slowed by two nodes at once runs at the slower one's pace: an overestimate, small while the
+# slowed time is a small share of the run).
+
+FALCON_SCALE_SLOWDOWN = 1.3459
+"""Falcon Table 1: the mean job completion time slowdown of the 27 large jobs (512-1,024 GPUs)
+of a one-month trace (July 2024), 16 of which met a fail-slow."""
+
+FALCON_SCALE_MEAN_S = 72 * 60.0
+"""Falcon section 3.4: "the mean fail-slow duration is 72 minutes" (at scale)."""
+
+FALCON_PROBES = (43, 107, 4, 5 * HOUR)
+"""Falcon section 3.3: 43 of 107 probe jobs on 4 nodes (8 A100 each), about 5 hours long each,
+met a fail-slow (42 of them network congestion)."""
+
+FALCON_PROBE_MEAN_S = 24 * 60.0
+"""Falcon section 3.3: the probe jobs' (communication) fail-slows lasted "about 24 minutes"."""
+
+FALCON_MITIGATED = 0.601
+"""Falcon's abstract: on injected fail-slows, its multi-level mitigation removed 60.1% of the
+slowdown (Table 7, 64 H800 GPUs)."""
+
+
+@dataclass(frozen=True)
+class FailSlow:
+    """Fail-slow nodes: how often, how long, how slow."""
+
+    node_mtbs_s: float
+    """Mean seconds between the fail-slows of one node."""
+    mean_s: float = FALCON_SCALE_MEAN_S
+    """Mean duration (exponential: Falcon reports tens of seconds to nearly ten hours)."""
+    factor: float = 1.5
+    """The gang's step time while one lasts, x its healthy step time. Assumption: Falcon gives
+    no per-event distribution; its cases range from a GPU 20% slower to congestion leaving 10%
+    of the throughput."""
+
+    def __post_init__(self) -> None:
+        _check(self.node_mtbs_s > 0, "node_mtbs_s", "must be > 0")
+        _check(self.mean_s > 0, "mean_s", "must be > 0")
+        _check(self.factor > 1, "factor", "must be > 1 (a fail-slow slows)")
+
+    @property
+    def lost_per_event_s(self) -> float:
+        """Mean training seconds lost to one fail-slow left alone."""
+        return self.mean_s * (1 - 1 / self.factor)
+
+
+def falcon_fitted_mtbs_s(nodes: int, mean_s: float = FALCON_SCALE_MEAN_S,
+                         factor: float = 1.5) -> float:
+    """The node rate at which a job of `nodes` left alone is slowed by Falcon's at-scale mean
+    (1.3459x): with fail-slows at rate r per second each losing L seconds, a job's wall time is
+    its work / (1 - r L). A fitted input, like `fitted_node_mtbf_s`."""
+    lost = 1 - 1 / FALCON_SCALE_SLOWDOWN
+    rate = lost / FailSlow(1.0, mean_s, factor).lost_per_event_s
+    return nodes / rate
+
+
+def falcon_probe_mtbs_s() -> float:
+    """The node rate implied by Falcon's probe jobs: P(at least one in a job) = 43/107 over 4
+    nodes x 5 h, with independent Poisson arrivals per node."""
+    slowed, jobs, nodes, seconds = FALCON_PROBES
+    return nodes * seconds / -math.log(1 - slowed / jobs)
+
+
+@dataclass(frozen=True)
+class Replace:
+    """What moving a slow node's rank to a warm spare costs (action Replace)."""
+
+    detection_s: float
+    """From the start of a fail-slow until it is flagged (the straggler window, plus a
+    heartbeat period for the medians to move)."""
+    checkpoint_interval_s: float
+    """The move waits for the next complete checkpoint: uniform in [0, this)."""
+    move_s: float
+    """The in-place restart onto the spare, from the checkpoint to the first step."""
+
+    def worth_it(self, slow: FailSlow) -> bool:
+        """Whether moving pays on average: durations are exponential (memoryless), so a
+        fail-slow still on when flagged lasts `mean_s` more on average."""
+        return slow.lost_per_event_s > self.move_s
+
+
+def fail_slow_lost(nodes: int, duration_s: float, slow: FailSlow, runs: int, seed: int,
+                   replace_: Replace | None = None) -> Floats:
+    """Per run: the share of the job's `duration_s` lost to fail-slows (training seconds not
+    done, and the moves' restarts), left alone or moved off at the next checkpoint when that
+    pays (`Replace.worth_it`). Seeded; both policies meet the same fail-slows."""
+    _check(runs > 0, "runs", "must be > 0")
+    out = np.zeros(runs)
+    move = replace_ is not None and replace_.worth_it(slow)
+    for run in range(runs):
+        rng = np.random.default_rng([seed, run, 2])
+        count = rng.poisson(nodes * duration_s / slow.node_mtbs_s)
+        lasts = rng.exponential(slow.mean_s, count)
+        waits = rng.uniform(0, 1, count)
+        slowed = lasts
+        moved = np.zeros(count, dtype=bool)
+        if move and replace_ is not None:
+            at = replace_.detection_s + waits * replace_.checkpoint_interval_s
+            moved = lasts > at
+            slowed = np.where(moved, at, lasts)
+        lost = slowed * (1 - 1 / slow.factor) + moved * (replace_.move_s if replace_ else 0.0)
+        out[run] = min(float(lost.sum()) / duration_s, 1.0)
+    return out

@@ -165,3 +165,34 @@ def test_api_bad_input_raises_value_error_naming_the_field(build: Callable[[], o
                                                           named: str) -> None:
     with pytest.raises(ValueError, match=named):
         build()
+
+
+# --- fail-slow nodes ------------------------------------------------------------------------
+
+def test_the_falcon_fitted_rate_reproduces_falcon_s_slowdown_when_left_alone() -> None:
+    """A 64-node job for four weeks at the fitted rate, left alone, is slowed by Falcon's
+    at-scale mean (1.3459x); the probe jobs' rate is of the same order (a check of the fit)."""
+    slow = fs.FailSlow(fs.falcon_fitted_mtbs_s(64))
+    lost = fs.fail_slow_lost(64, 28 * DAY, slow, runs=300, seed=0)
+    assert 1 / (1 - lost.mean()) == pytest.approx(fs.FALCON_SCALE_SLOWDOWN, rel=0.02)
+    assert 0.2 < fs.falcon_probe_mtbs_s() / slow.node_mtbs_s < 5
+
+
+def test_moving_off_a_slow_node_at_the_next_checkpoint_recovers_most_of_the_loss() -> None:
+    """Replace at the next checkpoint: less lost than left alone on the same fail-slows, more
+    than a move that cost nothing; a move dearer than what a fail-slow costs is not made."""
+    slow = fs.FailSlow(fs.falcon_fitted_mtbs_s(64))
+    alone = fs.fail_slow_lost(64, 28 * DAY, slow, runs=200, seed=1)
+    cheap = fs.Replace(detection_s=35.0, checkpoint_interval_s=600.0, move_s=60.0)
+    moved = fs.fail_slow_lost(64, 28 * DAY, slow, runs=200, seed=1, replace_=cheap)
+    free = fs.fail_slow_lost(64, 28 * DAY, slow, runs=200, seed=1,
+                             replace_=replace(cheap, move_s=0.0, checkpoint_interval_s=0.0))
+    assert free.mean() < moved.mean() < 0.5 * alone.mean()
+    dear = replace(cheap, move_s=2 * slow.lost_per_event_s)
+    assert not dear.worth_it(slow)
+    assert np.array_equal(fs.fail_slow_lost(64, 28 * DAY, slow, 50, 1, dear), alone[:50])
+
+
+def test_fail_slow_bad_input_names_the_field() -> None:
+    with pytest.raises(ValueError, match="factor"):
+        fs.FailSlow(3600.0, factor=1.0)

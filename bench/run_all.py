@@ -67,6 +67,9 @@ def benches(data: str | None) -> list[Bench]:
         Bench("recovery", "Time from a fault to the next training step, per fault kind and "
               "restart strategy (local cluster)",
               ("bench_recovery.py",)),
+        # a sweep of injected slowdowns on the same local cluster (about 12 minutes)
+        Bench("stragglers", "Straggler detection: precision and recall over injected "
+              "slowdowns (local cluster)", ("bench_stragglers.py",)),
         # 500 jobs on simulated nodes, same local cluster
         Bench("operator_scale", "The operator at 500 jobs", ("bench_operator_scale.py",)),
         # simulated: writes docs/images/fleet-goodput.png

@@ -71,6 +71,15 @@ class Heartbeat(BaseModel):
     tokens_per_second: float | None = None
     step_seconds: float | None = None
     """Mean seconds per optimizer step recently; the operator's hang timeout learns from it."""
+    compute_seconds: float | None = None
+    """Median, over this worker's recent steps, of the seconds it computed in a step (forward
+    and backward, less data wait), not counting its waits on its peers: a slow node's is higher
+    than its gang's (`spec.faultTolerance.stragglers`). None where the host cannot time the
+    device without a sync (XLA, CUDA: not measured yet)."""
+    sync_seconds: float | None = None
+    """Median, over the same steps, of the seconds its gradient synchronisation took: on a
+    healthy node mostly waiting for a slow one (a slow node's is the gang's shortest). With
+    `compute_seconds`, `step_seconds` and the data wait, where a node's step time goes."""
     validation_loss: float | None = None
     """The latest held-out validation loss (spec.eval), taken after step `validation_step`."""
     validation_step: int | None = None

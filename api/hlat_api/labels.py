@@ -75,6 +75,9 @@ Kubernetes 1.27)."""
 # --- well-known keys of other systems --------------------------------------------------------
 
 INSTANCE_TYPE_LABEL: Final = "node.kubernetes.io/instance-type"
+NETWORK_LAYERS: Final = tuple(f"topology.k8s.aws/network-node-layer-{i}" for i in (1, 2, 3))
+"""EC2's instance-topology labels EKS puts on trn1, trn2 and p5 nodes, top layer first (the
+bottom one, layer 3, is the most selective); spec.scheduling.topology's default levels."""
 NODE_HEALTH_LABEL: Final = "sagemaker.amazonaws.com/node-health-status"
 """SageMaker HyperPod's node health; any value but `NODE_HEALTHY` keeps new pods away."""
 NODE_HEALTHY: Final = "Schedulable"
@@ -183,6 +186,10 @@ class Reason(StrEnum):
     RESUMED = "Resumed"
     BACKOFF = "BackingOff"
     """The old gang is gone; waiting out the restart backoff."""
+    STRAGGLER = "Straggler"
+    """A node computes slower than the rest of its gang (spec.faultTolerance.stragglers)."""
+    NO_STRAGGLER = "NoStraggler"
+    """Every node computes within the threshold of its gang again."""
     FORCE_DELETED = "ForceDeleted"
     """A pod stuck terminating on a dead node was deleted without waiting for its kubelet."""
     # faults that end an attempt (retryable unless noted)
@@ -220,6 +227,19 @@ class Reason(StrEnum):
     """Worker pods the scheduler cannot place, for longer than the operator's bound."""
     SCHEDULED = "Scheduled"
     """Every worker pod of the attempt is placed on a node."""
+    TOPOLOGY_UNAVAILABLE = "TopologyUnavailable"
+    """No domain of spec.scheduling.topology.required has enough usable nodes: no pods yet."""
+    PLACED = "Placed"
+    """The nodes and rank order chosen by spec.scheduling.topology (an Event)."""
+    # Kueue (the job labelled kueue.x-k8s.io/queue-name; phase Suspended while it waits)
+    QUEUED = "Queued"
+    """Waiting in a Kueue LocalQueue for its Workload's admission: no pods (quota, priority or
+    admission checks; the message has Kueue's words)."""
+    ADMITTED = "Admitted"
+    """Kueue admitted the job's Workload: the gang starts (or resumes from its checkpoint)."""
+    EVICTED_BY_KUEUE = "EvictedByKueue"
+    """Kueue evicted the job's Workload (preempted by a higher priority, deactivated, ...): the
+    pods are stopped, no restart counted, and the job waits to be admitted again."""
     API_ERROR = "ApiError"
     """A request to the API server failed in a way a retry can fix; retried with backoff."""
 
@@ -229,7 +249,8 @@ INFRA_REASONS: Final = frozenset(
 )
 """Infrastructure faults: they use restart budget only when faultTolerance.infraFaultsCount."""
 
-NODE_REASONS: Final = frozenset({Reason.NODE_LOST, Reason.NODE_UNHEALTHY, Reason.HEARTBEAT_TIMEOUT})
+NODE_REASONS: Final = frozenset({Reason.NODE_LOST, Reason.NODE_UNHEALTHY, Reason.HEARTBEAT_TIMEOUT,
+                                 Reason.STRAGGLER})
 """Faults that implicate the node: with avoidFailedNodes its name is kept out of later attempts.
 A startup timeout does not: the whole gang usually waits on the one pod that is slow, and
 blaming every node would leave nowhere to run."""

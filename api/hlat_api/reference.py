@@ -73,7 +73,11 @@ def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
     for name, info in model.model_fields.items():
         key = prefix + (info.alias or name)
         ann = info.annotation
-        nested = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        # a section (`BackoffSpec`), or an optional one (`TopologySpec | None`)
+        nested = next((a for a in (ann, *get_args(ann))
+                       if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if nested is not None and nested is not ann and get_origin(ann) not in (Union, UnionType):
+            nested = None  # `list[Toleration]`: a list, not a section
         desc = (info.description or "").replace("\n", " ")
         type_name = "object" if nested else _type_name(ann)
         out.append(f"| `{key}` | {type_name} | {_default(info)} | {desc} |")

@@ -29,7 +29,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from hlat_api.errors import SpecError
-from hlat_api.labels import INSTANCE_TYPE_LABEL
+from hlat_api.labels import INSTANCE_TYPE_LABEL, NETWORK_LAYERS
 from hlat_api.memory import (
     GIB,
     Estimate,
@@ -255,6 +255,31 @@ class HeartbeatSpec(_Model):
     """Multiplier on the observed step time for the automatic timeout."""
 
 
+class StragglerSpec(_Model):
+    """Fail-slow nodes: a node whose workers compute slower than the rest of the gang holds
+    every step back (synchronous data parallel runs at its slowest rank's pace) without
+    failing anything. Each worker reports the median of its recent steps' compute time (its
+    forward and backward, less data wait: not the time it waited for its peers, which is
+    where a healthy rank spends a straggler's extra time); the operator compares every node
+    with the median of the others."""
+
+    action: Literal["Report", "Replace"] = "Report"
+    """Report: condition `Straggler` naming the node, its slowdown and since when, a Warning
+    event, and `hlat_node_step_slowdown_ratio` per node. Replace: the same, then, at the first
+    checkpoint completed after the flag (nothing trained is lost), the node's rank moves to a
+    ready spare (restartStrategy InPlace, spareNodes >= 1) in an in-place restart, and the node
+    goes on the avoid list; the move uses no restart budget. With no ready spare the job
+    restarts off the node (its pod recreated on another) once the time the node has cost
+    exceeds what a restart costs this job (its attempts' measured starts plus the backoff),
+    at a checkpoint; until then it stays, reported."""
+    threshold: Annotated[float, Field(gt=0, le=10)] = 0.2
+    """Flag a node whose compute time is more than (1 + threshold) x the median of the other
+    nodes' (0.2: 20% slower)."""
+    window_seconds: Annotated[float, Field(ge=0)] = 30
+    """How long a node must stay over the threshold before it is flagged (noise, a garbage
+    collection or a checkpoint's copy on one node, is not a straggler)."""
+
+
 RestartStrategy = Literal["InPlace", "RecreateGang"]
 
 
@@ -287,6 +312,8 @@ class FaultToleranceSpec(_Model):
     fewer usable nodes than `nodes` remain (the least recently failed are let back first)."""
     avoid_failed_nodes_seconds: Annotated[float, Field(ge=0)] = 3600
     """How long a failed node stays avoided; shown in status.avoidedNodes."""
+    stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
+    """Detecting nodes slower than their gang (fail-slow hardware)."""
 
 
 class Toleration(_Model):
@@ -297,6 +324,52 @@ class Toleration(_Model):
     value: str | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     toleration_seconds: int | None = None
+
+
+LabelKey = Annotated[str, Field(min_length=1, max_length=316,
+                                pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")]
+"""A node label key (an optional DNS-subdomain prefix and a name), e.g.
+topology.k8s.aws/network-node-layer-3."""
+
+
+class TopologySpec(_Model):
+    """Where the gang goes in the network, by the node labels that name each node's place in
+    it (on EKS, EC2's instance topology: `topology.k8s.aws/network-node-layer-1` the top
+    layer, the least selective, to `-3` the bottom one, nodes sharing it the closest; AWS EKS
+    user guide, "Place distributed AI/ML workloads with network topology labels"). The
+    operator picks the nodes (the tightest domain that holds the gang, as Kueue's
+    Topology-Aware Scheduling does) and orders node ranks by the levels, so consecutive ranks,
+    and so the data-parallel rings, share the lowest switch they can. Set exactly one of
+    `required` and `preferred`; see docs/operator.md, "Network topology"."""
+
+    required: LabelKey | None = None
+    """Every worker pod in one domain of this level (required node affinity on its value).
+    While no domain has enough usable nodes the job waits, Schedulable=False with reason
+    TopologyUnavailable, and creates no pods."""
+    preferred: LabelKey | None = None
+    """As few domains of this level as hold the gang, each pod steered to its planned node
+    (preferred node affinity): placed elsewhere when that node is taken, never left waiting."""
+    levels: list[LabelKey] = Field(
+        default_factory=lambda: list(NETWORK_LAYERS),
+        min_length=1, max_length=8)
+    """The network's levels, top first; node ranks follow them, then the node name. For
+    instance types with a fourth layer, add `topology.k8s.aws/network-node-layer-4`."""
+
+    @model_validator(mode="after")
+    def _one_level(self) -> TopologySpec:
+        """Exactly one of `required` and `preferred`, and it is one of `levels`."""
+        named = [(f, v) for f, v in (("required", self.required),
+                                      ("preferred", self.preferred)) if v is not None]
+        if len(named) != 1:
+            raise SpecError("scheduling.topology", "set exactly one of required and preferred "
+                            "(a level, e.g. topology.k8s.aws/network-node-layer-3)")
+        field, level = named[0]
+        if level not in self.levels:
+            raise SpecError(f"scheduling.topology.{field}",
+                            f"{level!r} is not one of scheduling.topology.levels {self.levels}")
+        if len(set(self.levels)) != len(self.levels):
+            raise SpecError("scheduling.topology.levels", "names a level twice")
+        return self
 
 
 class SchedulingSpec(_Model):
@@ -314,6 +387,9 @@ class SchedulingSpec(_Model):
     = nodes) so the gang is placed whole or not at all."""
     queue: ObjectName | None = None
     """Volcano queue of the job's PodGroup (with schedulerName volcano); unset: `default`."""
+    topology: TopologySpec | None = None
+    """Network-topology placement and rank order (unset: wherever the scheduler puts them,
+    ranks by pod name)."""
 
 
 class NeuronSpec(_Model):

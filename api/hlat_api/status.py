@@ -15,7 +15,8 @@ from hlat_api.heartbeat import Activity
 
 Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
 ConditionType = Literal[
-    "Ready", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "Schedulable"
+    "Ready", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "Schedulable",
+    "Straggler",
 ]
 
 
@@ -144,6 +145,11 @@ class Badput(_Model):
     """Deleting a failed gang until none of its pods is left."""
     backoff: float = 0
     """The restart backoff, after the old gang is gone."""
+    straggler: float = 0
+    """Training time lost to a slow node (spec.faultTolerance.stragglers): while a node is
+    flagged (condition Straggler), and over its window once it is, the part of each step by
+    which its compute exceeds the median of the other nodes' (the time they wait for it),
+    moved out of productive."""
     other: float = 0
     """The rest of an ended attempt the workers did not report (e.g. a finished gang's last
     report to the operator seeing it done)."""

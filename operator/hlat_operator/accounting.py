@@ -150,12 +150,17 @@ def _fold(settled: Breakdown, ledger: AttemptLedger, end: EndCause) -> Breakdown
 def goodput_after(old: Goodput, bucket: Bucket | None, since: datetime | None, now: datetime,
                   attempt: int, lead: Heartbeat | None, end: EndCause | None = None,
                   lost_work_seconds: float = 0.0, checkpoint_at: datetime | None = None,
-                  max_report_age: float = 30.0) -> Goodput:
+                  max_report_age: float = 30.0, straggler_share: float = 0.0,
+                  straggler_seconds: float = 0.0) -> Goodput:
     """`old` plus the time from `since` to `now` spent in `bucket`, with node rank 0's latest
     report (`lead`, of the running `attempt`); `end`: the attempt ended in this pass, and the
     cause of its unreported rest. `max_report_age` bounds how old the report is taken to be
     (its `progress_time` is the worker's clock: a clock off by a minute must not move a minute
-    between causes)."""
+    between causes). `straggler_share`: the share of the attempt's time since `since` a slow
+    node cost (its compute over the others' median, per step), moved from productive to the
+    `straggler` cause (it is in the trainer's productive steps; only the operator compares
+    nodes); `straggler_seconds`: moved as well, before that (a node's window, on the pass that
+    flags it)."""
     g = old.model_copy(deep=True)
     dt = (now - since).total_seconds() if since is not None and now > since else 0.0
     current = g.current
@@ -166,6 +171,13 @@ def goodput_after(old: Goodput, bucket: Bucket | None, since: datetime | None, n
         if bucket == "attempt":
             current = current or AttemptLedger(attempt=attempt)
             current.window_seconds = round(current.window_seconds + dt, 3)
+            if straggler_share > 0 or straggler_seconds > 0:  # never more than trained
+                trained = g.settled.productive + (
+                    current.reported.productive if current.reported is not None else 0.0)
+                lost = min(dt * min(straggler_share, 1.0) + max(0.0, straggler_seconds),
+                           max(0.0, trained))
+                g.settled = Breakdown(productive=round(g.settled.productive - lost, 3),
+                                      badput=_add(g.settled.badput, straggler=lost))
         else:
             g.settled = Breakdown(productive=g.settled.productive,
                                   badput=_add(g.settled.badput, **{bucket: dt}))

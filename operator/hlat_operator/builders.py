@@ -31,7 +31,7 @@ Design choices:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -348,6 +348,18 @@ def in_place(spec: PretrainJobSpec) -> bool:
 # --- worker pods -----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where one rank's pod must and should go (spec.scheduling.topology; topology.py)."""
+
+    node: str | None = None
+    """The planned node (preferred node affinity)."""
+    required: tuple[str, str] | None = None
+    """(level, value) every pod of the gang shares (required node affinity)."""
+    near: tuple[str, str] | None = None
+    """(bottom level, value) of the planned node: preferred next, when the node is taken."""
+
+
 def build_worker_pods(
     job: JobRef,
     spec: PretrainJobSpec,
@@ -355,10 +367,13 @@ def build_worker_pods(
     settings: OperatorSettings,
     avoid_nodes: Iterable[str] = (),
     steps_done: int = 0,
+    placement: Mapping[int, RankPlacement] | None = None,
 ) -> list[Pod]:
+    """`placement`: each rank's topology placement (none: the scheduler's choice)."""
     avoid = sorted(set(avoid_nodes))
     return [
-        build_worker_pod(job, spec, attempt, rank, settings, avoid, steps_done)
+        build_worker_pod(job, spec, attempt, rank, settings, avoid, steps_done,
+                         (placement or {}).get(rank))
         for rank in range(spec.nodes)
     ]
 
@@ -371,6 +386,7 @@ def build_worker_pod(
     settings: OperatorSettings,
     avoid_nodes: list[str] | None = None,
     steps_done: int = 0,
+    place: RankPlacement | None = None,
 ) -> Pod:
     """`steps_done`: the highest step an earlier attempt finished (the trainer counts steps up
     to it as recomputed work)."""
@@ -394,7 +410,7 @@ def build_worker_pod(
         pod_spec["initContainers"] = [_cache_owner(spec, settings)]
         pod_spec["securityContext"] = {"sysctls": [
             {"name": labels.NEURON_RESERVED_PORTS_SYSCTL, "value": labels.NEURON_RESERVED_PORTS}]}
-    _apply_scheduling(pod_spec, spec, avoid_nodes or [], settings)
+    _apply_scheduling(pod_spec, spec, avoid_nodes or [], settings, place)
     meta = _meta(job, name, extra)
     meta["annotations"] = {AVOIDED_ANNOTATION: ",".join(avoid_nodes or []),
                            DO_NOT_DISRUPT_ANNOTATION: "true"}
@@ -406,12 +422,13 @@ def build_worker_pod(
 
 
 def build_spare_pod(job: JobRef, spec: PretrainJobSpec, serial: int, attempt: int,
-                    settings: OperatorSettings, avoid_nodes: list[str] | None = None) -> Pod:
+                    settings: OperatorSettings, avoid_nodes: list[str] | None = None,
+                    place: RankPlacement | None = None) -> Pod:
     """A spare worker: the worker pod of rank 0 (so its launcher has a complete environment)
     with its own name and hostname, labelled spare instead of with an attempt and node rank,
     and HLAT_SPARE=1: its launcher waits with warm standby trainers until the restart record
     gives it a rank."""
-    pod = build_worker_pod(job, spec, attempt, 0, settings, avoid_nodes)
+    pod = build_worker_pod(job, spec, attempt, 0, settings, avoid_nodes, place=place)
     name = labels.spare_pod_name(job.name, serial)
     meta = pod["metadata"]
     meta["name"] = name
@@ -599,7 +616,7 @@ def node_selector(spec: PretrainJobSpec) -> dict[str, str]:
 
 
 def _apply_scheduling(pod: PodSpec, spec: PretrainJobSpec, avoid_nodes: list[str],
-                      settings: OperatorSettings) -> None:
+                      settings: OperatorSettings, place: RankPlacement | None = None) -> None:
     s = spec.scheduling
     selector = dict(s.node_selector)
     if spec.instance_type != "cpu":
@@ -616,8 +633,8 @@ def _apply_scheduling(pod: PodSpec, spec: PretrainJobSpec, avoid_nodes: list[str
     tolerations += [t.model_dump(by_alias=True, exclude_none=True) for t in s.tolerations]
     if tolerations:
         pod["tolerations"] = tolerations
-    if avoid_nodes:
-        pod["affinity"] = build_avoid_affinity(avoid_nodes)
+    if avoid_nodes or place:
+        pod["affinity"] = build_node_affinity(avoid_nodes, place)
     if s.priority_class_name:
         pod["priorityClassName"] = s.priority_class_name
     scheduler = s.scheduler_name or settings.scheduler_name
@@ -625,15 +642,38 @@ def _apply_scheduling(pod: PodSpec, spec: PretrainJobSpec, avoid_nodes: list[str
         pod["schedulerName"] = scheduler
 
 
-def build_avoid_affinity(nodes: list[str]) -> dict[str, Any]:
-    """Required node affinity `metadata.name NotIn [node]`, one expression per node (the API
-    server allows a single value per node-field expression; the expressions of a term are
-    ANDed): a hard rule, because a gang placed on a node that just failed tends to fail again,
-    and then the whole gang restarts."""
-    fields = [{"key": "metadata.name", "operator": "NotIn", "values": [n]} for n in nodes]
-    return {
-        "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [{"matchFields": fields}]}
-        }
-    }
+PLANNED_NODE_WEIGHT = 100
+"""Preferred-affinity weight of a rank's planned node (the most the API allows)..."""
+NEAR_WEIGHT = 50
+"""...and of its bottom network level's domain, for when that node is taken."""
+
+
+def build_node_affinity(avoid: list[str], place: RankPlacement | None = None
+                        ) -> dict[str, Any]:
+    """Node affinity: required, `metadata.name NotIn [node]` for each avoided node (one
+    expression per node: the API server allows a single value per node-field expression; the
+    expressions of a term are ANDed), a hard rule because a gang placed on a node that just
+    failed tends to fail again, and then the whole gang restarts; and the topology domain
+    every pod of the gang shares. Preferred: the rank's planned node, then its bottom-level
+    network domain (kube-scheduler's NodeAffinity score plugin sums the matching weights)."""
+    term: dict[str, Any] = {}
+    if avoid:
+        term["matchFields"] = [{"key": "metadata.name", "operator": "NotIn", "values": [n]}
+                               for n in avoid]
+    if place and place.required:
+        level, value = place.required
+        term["matchExpressions"] = [{"key": level, "operator": "In", "values": [value]}]
+    affinity: dict[str, Any] = {}
+    if term:
+        affinity["requiredDuringSchedulingIgnoredDuringExecution"] = {"nodeSelectorTerms": [term]}
+    preferred = []
+    if place and place.node:
+        preferred.append({"weight": PLANNED_NODE_WEIGHT, "preference": {"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": [place.node]}]}})
+    if place and place.near:
+        level, value = place.near
+        preferred.append({"weight": NEAR_WEIGHT, "preference": {"matchExpressions": [
+            {"key": level, "operator": "In", "values": [value]}]}})
+    if preferred:
+        affinity["preferredDuringSchedulingIgnoredDuringExecution"] = preferred
+    return {"nodeAffinity": affinity}

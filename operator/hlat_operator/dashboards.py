@@ -2,7 +2,8 @@
 
 Two dashboards, generated so their queries track the metric names in code:
 - **HLAT fleet** (`hlat-fleet`): jobs by phase, goodput and badput by cause, uptime per job,
-  restarts by reason, time to recover, lost steps, pods waiting for a node;
+  restarts by reason, time to recover, lost steps, pods waiting for a node, jobs waiting in a
+  Kueue queue;
 - **HLAT job** (`hlat-job`): one job's training (loss, grad norm with its spikes, learning rate,
   tokens/s, MFU, step time, data wait, checkpoint blocking and age, heartbeat age per worker) and
   the Neuron devices of its nodes (neuron-monitor's metric names: these panels have data only on
@@ -91,6 +92,10 @@ FLEET: tuple[Panel, ...] = (
     Panel("Waiting for a node", "s",
           ((f"hlat_job_unschedulable_seconds{NS}", "{{pretrainjob}}"),),
           "How long the longest-waiting worker pod of each job has been unschedulable."),
+    Panel("Waiting in a Kueue queue", "s",
+          ((f"hlat_job_queued_seconds{NS}", "{{pretrainjob}}"),),
+          "How long each job labelled kueue.x-k8s.io/queue-name has waited for Kueue to admit "
+          "it (quota, priority; again after a preemption): no pods meanwhile."),
     Panel("Spare pods ready", "short",
           ((f"hlat_job_spare_pods_ready{NS}", "{{pretrainjob}}"),),
           "Spare pods per job running with warm standby trainers (faultTolerance.spareNodes): "
@@ -128,6 +133,11 @@ JOB_PANELS: tuple[Panel, ...] = (
     Panel("Heartbeat age per worker", "s",
           ((f"hlat_job_worker_heartbeat_age_seconds{JOB}", "{{pod}}"),),
           "Seconds since each worker of the current gang renewed its Lease; a hang is a ramp."),
+    Panel("Node slowdown (stragglers)", "none",
+          ((f"hlat_node_step_slowdown_ratio{JOB}", "{{node}}"),),
+          "Each node's compute time per step over the median of the other nodes' (1: as fast as "
+          "its gang). A node above 1 + faultTolerance.stragglers.threshold for its window is "
+          "flagged (condition Straggler): it sets the pace of every step."),
     Panel("NeuronCore utilisation", "percentunit",
           (("avg by (instance_id) " + on_job_nodes(f"neuroncore_utilization_ratio{NEURON_NODE}"), "{{instance_id}}"),),
           "neuron-monitor: busy fraction of the NeuronCores per node of the job.", hardware=True),

@@ -222,6 +222,33 @@ def _check_claim(view: ClusterView) -> Finding:
     return Finding(name, "ok", "Bound, ReadWriteMany")
 
 
+TOPOLOGY_FIX = ("spec.scheduling.topology places gangs by these labels; EKS sets them on "
+                "trn1, trn2 and p5 nodes (EKS user guide, 'Place distributed AI/ML workloads "
+                "with network topology labels'); elsewhere, label the nodes or leave "
+                "scheduling.topology unset")
+
+
+def check_network_topology(view: ClusterView) -> Finding:
+    """Advisory: whether the accelerated nodes carry the bottom network layer's label, which
+    spec.scheduling.topology (required or preferred by layer) needs."""
+    name = "network topology labels"
+    if view.nodes is None:
+        return _unread(view, "nodes", name, TOPOLOGY_FIX)
+    bottom = labels.NETWORK_LAYERS[-1]
+    node_labels = [(n.get("metadata") or {}).get("labels") or {} for n in view.nodes]
+    accelerated = [lab for lab in node_labels
+                   if str(lab.get(INSTANCE_TYPE_LABEL, "")).removeprefix("ml.")
+                   in set(INSTANCE_TYPES) - {"cpu"}]
+    blocks = {lab[bottom] for lab in accelerated if lab.get(bottom)}
+    lacking = sum(not lab.get(bottom) for lab in accelerated)
+    if accelerated and not lacking:
+        return Finding(name, "ok", f"{bottom} on all {len(accelerated)} accelerated node(s), "
+                       f"{len(blocks)} block(s)", required=False)
+    return Finding(name, "warn", f"{lacking} of {len(accelerated)} accelerated node(s) lack "
+                   f"{bottom}: spec.scheduling.topology cannot place gangs on them",
+                   TOPOLOGY_FIX, required=False)
+
+
 def check_monitoring_agent(view: ClusterView) -> Finding:
     name = "node monitoring agent"
     sets = [_name(d) for d in view.daemonsets or []
@@ -248,6 +275,7 @@ def diagnose(view: ClusterView) -> list[Finding]:
         check_device_plugin(view, "EFA device plugin", labels.EFA_RESOURCE,
                             "efa-k8s-device-plugin", EFA_FIX),
         check_instance_types(view),
+        check_network_topology(view),
         *check_storage(view),
         check_monitoring_agent(view),
     ]

@@ -442,7 +442,7 @@ def best_interval(intervals: Floats, goodput: Floats) -> float:
 
 # --- fail-slow nodes (stragglers) --------------------------------------------------------------
 # A fail-slow node fails nothing: a synchronous gang runs at its pace until it recovers or the
-# operator moves its rank to a spare (action Replace, being built for issue 31). Falcon
+# operator moves its rank to a spare (spec.faultTolerance.stragglers, action Replace). Falcon
 # ("Pinpointing and Mitigating Stragglers for Large-Scale Hybrid-Parallel Training", Wu et al.,
 # USENIX ATC'25, arXiv 2410.12588) characterised them on a production cluster of over 10,000
 # GPUs; it publishes shares of jobs that met one, not rates per node, so a per-node rate is

@@ -123,8 +123,9 @@ def _observe(rt: Runtime, namespace: str, name: str) -> tuple[Any, observe.Obser
         rt.api_lost, rt.api_back_at = False, datetime.now(UTC)
         log.warning("the API server answers again: heartbeats and node readiness are judged "
                     "from now on, not from before it was lost")
-    return body, replace(observe.observe(body, pods, nodes, leases),
-                         seeing_since=rt.api_back_at)
+    observed = observe.observe(body, pods, nodes, leases)
+    queued = rt.kube.queueing(observed.job, (body.get("metadata") or {}).get("labels") or {})
+    return body, replace(observed, seeing_since=rt.api_back_at, queueing=queued)
 
 
 def reconcile_once(rt: Runtime, namespace: str, name: str) -> float | None:

@@ -39,6 +39,7 @@ from urllib3.exceptions import HTTPError
 
 from hlat_api import labels
 from hlat_api.manifest import API_GROUP, API_VERSION, KIND
+from hlat_operator import queueing
 from hlat_operator.builders import JobRef
 from hlat_operator.nodewatch import NodeWatch
 from hlat_operator.observe import node_ready
@@ -53,6 +54,7 @@ from hlat_operator.reconcile import (
     PatchPod,
     PatchState,
     PatchStatus,
+    WriteWorkloadStatus,
 )
 
 PLURAL = "pretrainjobs"
@@ -97,7 +99,7 @@ def permanent(err: K8sError, kind: str | None = None) -> bool:
     ResourceQuota is not: quota frees up when other work ends. A 404 on creating a kind whose
     API is not installed (Volcano's PodGroup without Volcano) is permanent too."""
     if err.status == 404:
-        return kind == "PodGroup"
+        return kind in _CUSTOM_KINDS
     if err.status not in _PERMANENT:
         return False
     return not any(hint in str(err) for hint in _QUOTA_HINTS)
@@ -140,6 +142,10 @@ def _wrap(what: str, err: Exception) -> K8sError:
 
 
 _API_ERRORS = (ApiException, HTTPError, OSError)
+
+_CUSTOM_KINDS = {"PodGroup": "podgroups", "Workload": "workloads"}
+"""Custom resources the operator creates (Volcano's, Kueue's), by plural: a 404 on creating one
+means that API is not installed."""
 
 _KINDS: dict[str, tuple[str, str, bool]] = {
     "Pod": ("core", "pod", False),
@@ -236,6 +242,45 @@ class Kube:
             raise _wrap(f"list {PLURAL}", err) from err
         items: Items = _json(resp).get("items") or []
         return items
+
+    def _get_custom(self, plural: str, name: str, namespace: str | None = None) -> Raw | None:
+        """A Kueue object as stored; None when it (or Kueue's API) is not there."""
+        where = f"{namespace}/{name}" if namespace else name
+        try:
+            if namespace:
+                resp = self.custom.get_namespaced_custom_object(
+                    queueing.GROUP, queueing.VERSION, namespace, plural, name,
+                    _preload_content=False)
+            else:
+                resp = self.custom.get_cluster_custom_object(
+                    queueing.GROUP, queueing.VERSION, plural, name, _preload_content=False)
+            return _json(resp)
+        except _API_ERRORS as err:
+            wrapped = _wrap(f"get {plural} {where}", err)
+            if isinstance(wrapped, NotFound):
+                return None
+            raise wrapped from err
+
+    def queueing(self, job: JobRef, job_labels: Mapping[str, str]) -> queueing.Queueing | None:
+        """A job in a Kueue queue (the queue-name label): its Workload, the flavors its
+        admission names, and (until the Workload exists) its priority class's value."""
+        queue = job_labels.get(queueing.QUEUE_LABEL)
+        if not queue:
+            return None
+        raw = self._get_custom("workloads", queueing.workload_name(job), job.namespace)
+        workload = queueing.parse_workload(raw) if raw is not None else None
+        priority_class = job_labels.get(queueing.PRIORITY_LABEL) or None
+        priority = None
+        if workload is None and priority_class:
+            found = self._get_custom("workloadpriorityclasses", priority_class)
+            priority = int(found.get("value") or 0) if found is not None else None
+        flavors = {}
+        if workload is not None:
+            for name in sorted({f for names in workload.flavors.values() for f in names}):
+                flavor = self._get_custom("resourceflavors", name)
+                if flavor is not None:
+                    flavors[name] = queueing.parse_flavor(flavor)
+        return queueing.Queueing(queue, priority_class, priority, workload, flavors)
 
     def job_pods(self, namespace: str, job: str) -> Items:
         selector = f"{labels.JOB}={job},{labels.COMPONENT}={labels.WORKER}"
@@ -352,6 +397,8 @@ class Kube:
             self.emit_event(job, action.type, action.reason, action.message)
         elif isinstance(action, DeleteJob):
             self._delete_job(job)
+        elif isinstance(action, WriteWorkloadStatus):
+            self._write_workload_status(job, action)
         else:  # pragma: no cover - exhaustive over Action
             raise TypeError(f"unknown action {action!r}")
 
@@ -387,10 +434,10 @@ class Kube:
 
     def _create_call(self, kind: str, ns: str, obj: Mapping[str, Any]) -> None:
         body: Any = obj
-        if kind == "PodGroup":  # a custom resource (Volcano's): through the custom objects API
+        if kind in _CUSTOM_KINDS:  # Volcano's, Kueue's: through the custom objects API
             group, version = str(obj["apiVersion"]).split("/")
             _discard(self.custom.create_namespaced_custom_object(
-                group, version, ns, "podgroups", body, _preload_content=False))
+                group, version, ns, _CUSTOM_KINDS[kind], body, _preload_content=False))
             return
         if kind not in _KINDS:
             raise K8sError(f"create {kind}: kind not supported by the operator")
@@ -408,6 +455,42 @@ class Kube:
         verb = "patch" if kind == "Lease" else "replace"
         _discard(getattr(getattr(self, api), f"{verb}_namespaced_{suffix}")(
             name, ns, body, _preload_content=False))
+
+    def _write_workload_status(self, job: JobRef, action: WriteWorkloadStatus) -> None:
+        """Set the action's conditions on the job's Workload (a condition's transition time
+        moves only when its status does), clearing its admission if asked, as one update at
+        the version read: a 409 (Kueue wrote meanwhile) is a Conflict, and the pass reruns."""
+        name = queueing.workload_name(job)
+        what = f"update status of Workload {job.namespace}/{name}"
+        raw = self._get_custom("workloads", name, job.namespace)
+        if raw is None:
+            return  # gone (the job is being deleted): nothing to release
+        status = dict(raw.get("status") or {})
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        generation = (raw.get("metadata") or {}).get("generation")
+        conditions = [dict(c) for c in status.get("conditions") or []]
+        for new in action.conditions:
+            old = next((c for c in conditions if c.get("type") == new["type"]), None)
+            moved = old is None or old.get("status") != new["status"]
+            merged = {**new, "lastTransitionTime": now if moved or old is None
+                      else old.get("lastTransitionTime", now)}
+            if generation is not None:
+                merged["observedGeneration"] = generation
+            if old is None:
+                conditions.append(merged)
+            else:
+                conditions[conditions.index(old)] = merged
+        status["conditions"] = conditions
+        if action.clear_admission:
+            status.pop("admission", None)
+        body = {"apiVersion": raw.get("apiVersion"), "kind": raw.get("kind"),
+                "metadata": raw.get("metadata"), "status": status}
+        try:
+            _discard(self.custom.replace_namespaced_custom_object_status(
+                queueing.GROUP, queueing.VERSION, job.namespace, "workloads", name, body,
+                _preload_content=False))
+        except _API_ERRORS as err:
+            raise _wrap(what, err) from err
 
     def _delete_pod(self, job: JobRef, action: DeletePod) -> None:
         what = f"delete pod {job.namespace}/{action.name}"

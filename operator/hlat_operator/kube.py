@@ -203,6 +203,22 @@ class PodDisruptionBudget(TypedDict):
     spec: PodDisruptionBudgetSpec
 
 
+class WorkloadSpec(TypedDict, total=False):
+    queueName: str
+    podSets: list[dict[str, Any]]
+    priorityClassRef: dict[str, str]
+    priority: int
+
+
+class Workload(TypedDict):
+    """Kueue's kueue.x-k8s.io/v1beta2 Workload."""
+
+    apiVersion: str
+    kind: str
+    metadata: ObjectMeta
+    spec: WorkloadSpec
+
+
 Object = (Pod | Service | ConfigMap | ServiceAccount | Role | RoleBinding | Lease | PodGroup
-          | PodDisruptionBudget)
+          | PodDisruptionBudget | Workload)
 """Anything the operator creates for a job."""

@@ -101,6 +101,13 @@ class OperatorMetrics:
             JOB_LABELS,
             registry=r,
         )
+        self.queued = Gauge(
+            "hlat_job_queued_seconds",
+            "How long the job has waited for Kueue to admit its Workload (again after an "
+            "eviction); 0 while admitted or when it is in no queue.",
+            JOB_LABELS,
+            registry=r,
+        )
         self.spares_ready = Gauge(
             "hlat_job_spare_pods_ready",
             "Spare pods running with warm standby trainers (faultTolerance.spareNodes; 0 when "
@@ -112,6 +119,14 @@ class OperatorMetrics:
             "hlat_job_worker_heartbeat_age_seconds",
             "Seconds since each worker of the current gang renewed its Lease.",
             (*JOB_LABELS, "pod"),
+            registry=r,
+        )
+        self.node_slowdown = Gauge(
+            "hlat_node_step_slowdown_ratio",
+            "Each node's compute time per step over the median of the other nodes' of its gang "
+            "(1: as fast; above 1 + faultTolerance.stragglers.threshold for its window: a "
+            "straggler). Eager CPU workers only so far.",
+            (*JOB_LABELS, "node"),
             registry=r,
         )
         self.checkpoint_age = Gauge(
@@ -148,6 +163,7 @@ class OperatorMetrics:
         )
         self._goodput: dict[tuple[str, str], dict[str, float]] = {}
         self._pods: dict[tuple[str, str], set[str]] = {}
+        self._nodes: dict[tuple[str, str], set[str]] = {}  # per job: nodes with a slowdown
         self.step = Gauge("hlat_job_step", "Latest training step reported.", JOB_LABELS, registry=r)
         self.attempt = Gauge("hlat_job_attempt", "Current restart attempt.", JOB_LABELS, registry=r)
         self.jobs = Gauge("hlat_jobs", "PretrainJobs by phase.", ("phase",), registry=r)
@@ -197,6 +213,7 @@ class OperatorMetrics:
         self.step.labels(*labels).set(s.progress.step)
         self.attempt.labels(*labels).set(s.attempt)
         self.unschedulable.labels(*labels).set(decision.unschedulable_seconds)
+        self.queued.labels(*labels).set(decision.queued_seconds)
         self.spares_ready.labels(*labels).set(s.spares.ready if s.spares else 0)
         if decision.restarted and decision.fault is not None:
             self.restarts.labels(*labels, str(decision.fault.reason)).inc()
@@ -210,6 +227,7 @@ class OperatorMetrics:
         if decision.heartbeat_ages:
             self.heartbeat_age.labels(*labels).set(max(decision.heartbeat_ages.values()))
         self._worker_ages(labels, decision.heartbeat_ages)
+        self._slowdowns(labels, decision.slowdowns)
         saved = s.latest_checkpoint.time if s.latest_checkpoint else None
         if saved:
             at = datetime.fromisoformat(saved.replace("Z", "+00:00")).timestamp()
@@ -239,14 +257,23 @@ class OperatorMetrics:
                 self.lost_work.labels(*labels).inc(gain)
         self._goodput[labels] = now
 
-    def _worker_ages(self, labels: tuple[str, str], ages: dict[str, float]) -> None:
-        """One series per worker of the current gang; an old gang's go with it."""
-        for pod in self._pods.get(labels, set()) - set(ages):
+    @staticmethod
+    def _per_member(gauge: Gauge, seen: dict[tuple[str, str], set[str]],
+                    labels: tuple[str, str], values: dict[str, float]) -> None:
+        """One series per member (a worker pod, a node) of the job's current gang; those of
+        members no longer in it go."""
+        for member in seen.get(labels, set()) - set(values):
             with contextlib.suppress(KeyError):
-                self.worker_heartbeat_age.remove(*labels, pod)
-        for pod, age in ages.items():
-            self.worker_heartbeat_age.labels(*labels, pod).set(age)
-        self._pods[labels] = set(ages)
+                gauge.remove(*labels, member)
+        for member, value in values.items():
+            gauge.labels(*labels, member).set(value)
+        seen[labels] = set(values)
+
+    def _worker_ages(self, labels: tuple[str, str], ages: dict[str, float]) -> None:
+        self._per_member(self.worker_heartbeat_age, self._pods, labels, ages)
+
+    def _slowdowns(self, labels: tuple[str, str], ratios: dict[str, float]) -> None:
+        self._per_member(self.node_slowdown, self._nodes, labels, ratios)
 
     def _start_at_zero(self, namespace: str, job: str) -> None:
         """Counter and histogram series exist at 0 from the first time a job is seen, so
@@ -271,6 +298,7 @@ class OperatorMetrics:
             self.step,
             self.attempt,
             self.unschedulable,
+            self.queued,
             self.spares_ready,
             self.checkpoint_age,
             self.goodput_ratio,
@@ -280,6 +308,7 @@ class OperatorMetrics:
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)
         self._worker_ages(labels, {})
+        self._slowdowns(labels, {})
         for reason in RESTART_REASONS:
             with contextlib.suppress(KeyError):
                 self.restarts.remove(*labels, str(reason))

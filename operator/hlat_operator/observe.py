@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hlat_api import labels
 from hlat_api.heartbeat import Heartbeat
 from hlat_api.status import PretrainJobStatus
 from hlat_operator.builders import AVOIDED_ANNOTATION, JobRef
 from hlat_operator.nodehealth import NodeProblem, label_problem, node_problems
+from hlat_operator.queueing import Queueing
 
 UNREACHABLE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
 UNPLACED_REASONS = ("Unschedulable", "SchedulingGated")
@@ -155,6 +156,14 @@ class OperatorState(BaseModel):
     """The latest attempt started in place (its kept pods are adopted, not torn down)."""
     spare_serial: int = 0
     """The next spare pod's number (spare pod names are never reused)."""
+    slow_since: dict[str, str] = Field(default_factory=dict)
+    """Nodes of the attempt computing over the straggler threshold, each since when (RFC 3339)."""
+    evicted_since: str | None = None
+    """When the operator first saw Kueue's eviction of the running attempt, while it lets the
+    workers finish their next checkpoint (RFC 3339)."""
+    evicted_until_checkpoint: int | None = None
+    """The step of the periodic checkpoint the workers train on to (the next after the step
+    they were at): once it is complete, they stop."""
     in_place_failures: int = 0
     """In-place attempts in a row that ended before all their workers trained: at
     `reconcile.IN_PLACE_FAILURES_BEFORE_RECREATE` the next restart recreates the gang."""
@@ -187,6 +196,8 @@ class Observed:
     generation: int | None = None
     resource_version: str | None = None
     creation_time: datetime | None = None
+    queueing: Queueing | None = None
+    """The job's Kueue queue and Workload, when it is labelled with a queue (else None)."""
     seeing_since: datetime | None = None
     """Since when the operator sees: its own start, or its getting the API server back after
     losing it (None: unknown). While it was away (or not yet running) no renewal or kubelet

@@ -28,7 +28,7 @@ Progress, checkpoints, uptime, goodput and lost steps are computed by
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -39,7 +39,8 @@ from hlat_api.labels import Reason
 from hlat_api.manifest import InvalidSpecError, parse_spec
 from hlat_api.spec import PretrainJobSpec
 from hlat_api.status import AvoidedNode, Condition, Failure, Phase, PretrainJobStatus, Spares
-from hlat_operator import accounting, builders
+from hlat_operator import accounting, builders, queueing, stragglers, topology
+from hlat_operator.builders import RankPlacement
 from hlat_operator.config import OperatorSettings
 from hlat_operator.faults import (
     Fault,
@@ -103,6 +104,14 @@ class CreateObject:
 
 
 @dataclass(frozen=True)
+class WriteWorkloadStatus:
+    """Set these conditions on the job's Kueue Workload (and clear its admission)."""
+
+    conditions: tuple[Mapping[str, str], ...]
+    clear_admission: bool = False
+
+
+@dataclass(frozen=True)
 class DeletePod:
     name: str
     grace_seconds: int | None = None
@@ -132,7 +141,7 @@ class DeleteJob:
 
 
 Action = (PatchState | PatchStatus | EmitEvent | CreateObject | DeletePod | PatchPod | DeleteObject
-          | DeleteJob)
+          | DeleteJob | WriteWorkloadStatus)
 
 
 @dataclass(frozen=True)
@@ -151,7 +160,11 @@ class Decision:
     """Set on the pass a restarted gang became Ready: seconds since the fault."""
     heartbeat_ages: dict[str, float] = field(default_factory=dict)
     unschedulable_seconds: float = 0.0
+    queued_seconds: float = 0.0
+    """How long the job has waited for Kueue to admit it (again); 0 while admitted."""
     """How long the longest-waiting worker pod of the attempt has been unschedulable."""
+    slowdowns: dict[str, float] = field(default_factory=dict)
+    """Each node's compute time over the median of the other nodes' (stragglers.slowdowns)."""
 
 
 # --- the pass --------------------------------------------------------------------------------
@@ -178,9 +191,17 @@ class _Pass:
         self.recovered: float | None = None
         self.force_write = False
         self.unschedulable = 0.0
+        self.queued = 0.0
         self.lead: Heartbeat | None = None
         """Node rank 0's heartbeat of the attempt the status had when the pass began."""
         self.lost_work = 0.0
+        self.slowdowns: dict[str, float] = {}
+        self.straggler_share = 0.0
+        """The share of each step a flagged slow node costs now (goodput's `straggler`
+        cause)."""
+        self.straggler_window_seconds = 0.0
+        """On the pass that flags a node: what it cost over its window, until the last pass
+        (known to be a straggler's only now)."""
 
     @property
     def stamp(self) -> str:
@@ -279,6 +300,8 @@ class _Pass:
             recovered_seconds=self.recovered,
             heartbeat_ages=ages,
             unschedulable_seconds=self.unschedulable,
+            queued_seconds=self.queued,
+            slowdowns=self.slowdowns,
         )
 
 
@@ -309,6 +332,7 @@ def decide(
     p = _Pass(status, observed, now, settings)
     if status.phase in TERMINAL:
         _terminal(p, spec)
+        _finish_workload(p)
         return p.finish(None)
     parsed = _parse(p, spec)
     if parsed is None:
@@ -317,15 +341,19 @@ def decide(
     _expire_avoided(p, parsed)
     if parsed.suspend:
         _suspend(p)
+        return p.finish(parsed)
+    admitted = _admission(p, parsed)
+    if admitted is None:
+        pass  # held by Kueue
     elif status.phase == "Suspended":
-        _resume(p, parsed)
-    elif _deadline_passed(p, parsed):
+        _resume(p, admitted)
+    elif _deadline_passed(p, admitted):
         pass
     elif status.phase == "Restarting":
-        _restarting(p, parsed)
+        _restarting(p, admitted)
     else:
-        _active(p, parsed)
-    return p.finish(parsed)
+        _active(p, admitted)
+    return p.finish(admitted or parsed)
 
 
 def reject(
@@ -403,7 +431,118 @@ def _resume(p: _Pass, spec: PretrainJobSpec) -> None:
         return
     ran_before = p.status.start_time is not None
     _new_attempt(p, spec, p.status.attempt + 1 if ran_before else p.status.attempt)
-    p.phase("Pending", Reason.RESUMED, f"resumed as attempt {p.status.attempt}")
+    q = p.observed.queueing
+    if q is None:
+        p.phase("Pending", Reason.RESUMED, f"resumed as attempt {p.status.attempt}")
+        return
+    how = (f"resumed as attempt {p.status.attempt} from the latest complete checkpoint"
+           if ran_before else f"attempt {p.status.attempt} starts")
+    p.phase("Pending", Reason.ADMITTED, f"{queueing.admitted_message(q)}; {how}")
+
+
+# --- Kueue -----------------------------------------------------------------------------------
+
+
+def _admission(p: _Pass, spec: PretrainJobSpec) -> PretrainJobSpec | None:
+    """A job in a Kueue queue runs only while its Workload is admitted: the spec with the
+    admission's flavors applied then; None while it waits or after an eviction (phase
+    Suspended, no pods, nothing counted). Not in a queue: the spec as it is."""
+    q = p.observed.queueing
+    if q is None:
+        return spec
+    p.after(queueing.POLL_SECONDS)
+    match queueing.state(q):
+        case "admitted":
+            if p.state.evicted_since is not None:
+                p.state = p.state.model_copy(update={"evicted_since": None,
+                                                     "evicted_until_checkpoint": None})
+            return queueing.admitted_spec(spec, q)
+        case "evicted" if _checkpoint_before_eviction(p, spec, q):
+            return queueing.admitted_spec(spec, q)
+        case "absent" if q.priority_class and q.priority is None:
+            _hold(p, Reason.QUEUED, f"WorkloadPriorityClass {q.priority_class} (the label "
+                  f"{queueing.PRIORITY_LABEL}) not found: create it or remove the label")
+        case "absent":
+            p.actions.append(CreateObject(queueing.build_workload(p.observed.job, spec, q,
+                                                                  p.settings)))
+            _hold(p, Reason.QUEUED, queueing.wait_message(q))
+        case "evicted":
+            if _hold(p, Reason.EVICTED_BY_KUEUE, queueing.eviction_message(q)):
+                p.actions.append(WriteWorkloadStatus(tuple(queueing.released_conditions(q)),
+                                                     clear_admission=True))
+        case _:
+            _hold(p, Reason.QUEUED, queueing.wait_message(q))
+    return None
+
+
+def _checkpoint_before_eviction(p: _Pass, spec: PretrainJobSpec, q: queueing.Queueing) -> bool:
+    """Whether an evicted job trains on to its next checkpoint before it stops: only a Ready
+    gang whose next periodic checkpoint is due within settings.eviction_checkpoint_seconds
+    (steps to it x the recent step time), and only until that checkpoint is complete or the
+    bound has passed. The preempted job then resumes where it stopped, not a checkpoint
+    interval back."""
+    latest = p.status.latest_checkpoint.step if p.status.latest_checkpoint else -1
+    bound = p.settings.eviction_checkpoint_seconds
+    since = parse_time(p.state.evicted_since)
+    if since is not None:
+        until = p.state.evicted_until_checkpoint
+        waited = (p.now - since).total_seconds()
+        if until is None or latest >= until or waited >= bound:
+            return False
+        p.after(min(queueing.POLL_SECONDS, bound - waited))
+        return True
+    ready = _has_condition(p, "Ready", "True") and p.status.phase == "Running"
+    due = _next_checkpoint_seconds(p, spec)
+    if not ready or due is None or due > bound:
+        return False
+    step, interval = p.status.progress.step, spec.checkpoint.interval
+    until = min(step + interval - step % interval, spec.total_steps)
+    p.state = p.state.model_copy(update={"evicted_since": p.stamp,
+                                         "evicted_until_checkpoint": until})
+    p.event(Reason.EVICTED_BY_KUEUE,
+            f"{queueing.eviction(q)}; the workers stop after their next checkpoint (step "
+            f"{until}, due in about {due:.0f}s)")
+    p.after(queueing.POLL_SECONDS)
+    return True
+
+
+def _next_checkpoint_seconds(p: _Pass, spec: PretrainJobSpec) -> float | None:
+    """Steps to the next periodic checkpoint x the recent step time (from the status's ETA);
+    None when unknown."""
+    progress = p.status.progress
+    total, eta = progress.total_steps, progress.eta_seconds
+    if total is None or eta is None or progress.step >= total:
+        return None
+    per_step = eta / (total - progress.step)
+    interval = spec.checkpoint.interval
+    return (interval - progress.step % interval) * per_step
+
+
+def _hold(p: _Pass, reason: Reason, message: str) -> bool:
+    """Phase Suspended for `reason` (its message kept current) with no pods; True once none is
+    left."""
+    if p.status.phase != "Suspended":
+        p.phase("Suspended", reason, message)
+    else:
+        p.condition("Suspended", True, reason, message)
+    held = next((c for c in p.status.conditions if c.type == "Suspended"), None)
+    since = parse_time(held.last_transition_time if held else None)
+    p.queued = (p.now - since).total_seconds() if since is not None else 0.0
+    if _teardown(p, p.observed.pods):
+        return True
+    p.after(p.settings.fast_requeue_seconds)
+    return False
+
+
+def _finish_workload(p: _Pass) -> None:
+    """An ended job's Workload is Finished, which frees its quota."""
+    q = p.observed.queueing
+    if q is None or q.workload is None or q.workload.true("Finished"):
+        return
+    said = next((c.message for c in p.status.conditions if c.type == p.status.phase), "")
+    p.actions.append(WriteWorkloadStatus(tuple(queueing.finished_conditions(p.status.phase,
+                                                                            said))))
+    p.after(queueing.POLL_SECONDS)
 
 
 def _deadline_passed(p: _Pass, spec: PretrainJobSpec) -> bool:
@@ -565,9 +704,86 @@ def _new_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> None:
         p.actions.append(CreateObject(builders.build_pod_group(job, spec)))
     p.actions.append(CreateObject(builders.build_pod_disruption_budget(job, spec)))
     _attempt_leases(p, spec, attempt)
+    placement = _topology(p, spec, range(spec.nodes))
+    if placement is None:
+        return  # no domain holds the gang yet: the pods come once one does (_create_missing)
+    _say_placed(p, spec, placement)
     pods = builders.build_worker_pods(job, spec, attempt, p.settings, _avoided_nodes(p, spec),
-                                      _steps_done(p))
+                                      _steps_done(p), placement)
     p.actions += [CreateObject(pod) for pod in pods]
+
+
+TOPOLOGY_RETRY_SECONDS = 10.0
+"""How often a job waiting for a network-topology domain looks at the nodes again."""
+
+
+def _topology(p: _Pass, spec: PretrainJobSpec, ranks: Iterable[int]
+              ) -> dict[int, RankPlacement] | None:
+    """Where each of `ranks`' pods goes under spec.scheduling.topology (unset: {}). A new
+    gang gets a plan (topology.plan); a rank created again in a live gang goes next to its
+    neighbours, in their domain. None: the required level has no domain with enough usable
+    nodes (the Schedulable condition and an Event say so; looked at again shortly)."""
+    topo = spec.scheduling.topology
+    ranks = sorted(ranks)
+    if topo is None or not ranks:
+        return {}
+    avoid = set(_avoided_nodes(p, spec))
+    selector = builders.node_selector(spec)
+    usable = [n for n in p.observed.nodes.values()
+              if _usable(n, selector) and n.healthy and n.name not in avoid]
+    live = [pod for pod in p.observed.pods
+            if pod.node and not pod.terminating and not pod.finished]
+    gang = {pod.rank: p.observed.nodes[pod.node] for pod in live
+            if not pod.spare and pod.rank is not None and pod.rank not in ranks
+            and pod.node in p.observed.nodes}
+    if gang:
+        taken = {pod.node for pod in live}
+        free = [n for n in usable if n.name not in taken]
+        out: dict[int, RankPlacement] = {}
+        for rank in ranks:
+            out[rank] = place = topology.replacement(rank, free, gang, topo)
+            if place.node:
+                free = [n for n in free if n.name != place.node]
+        return out
+    ranked = topology.plan(usable, spec.nodes, topo) if p.observed.nodes_known else None
+    if ranked is None and topo.preferred:
+        return {}  # fewer usable nodes than ranks, or none known yet: the scheduler's choice
+    if ranked is None:
+        _topology_waits(p, spec, usable)
+        return None
+    planned = topology.placements(ranked, topo)
+    return {rank: planned[rank] for rank in ranks}
+
+
+def _topology_waits(p: _Pass, spec: PretrainJobSpec, usable: list[ObservedNode]) -> None:
+    topo = spec.scheduling.topology
+    assert topo is not None and topo.required is not None  # preferred never waits
+    if p.observed.nodes_known:
+        value, size = topology.largest_domain(usable, topo.required)
+        why = (f"no {topo.required} domain has {spec.nodes} usable nodes (the largest, "
+               f"{value}, has {size})" if value else
+               f"no usable node carries the label {topo.required} (EKS sets the "
+               f"network-node-layer labels on trn1, trn2 and p5 nodes)")
+    else:
+        why = "the node list was not read yet"
+    message = (f"scheduling.topology.required: {why}; no worker pods are created until one "
+               f"does (looked at again every {TOPOLOGY_RETRY_SECONDS:g}s)")
+    if not any(c.type == "Schedulable" and c.message == message for c in p.status.conditions):
+        p.event(Reason.TOPOLOGY_UNAVAILABLE, message, warning=True)
+    p.condition("Schedulable", False, Reason.TOPOLOGY_UNAVAILABLE, message)
+    p.after(TOPOLOGY_RETRY_SECONDS)
+
+
+def _say_placed(p: _Pass, spec: PretrainJobSpec, placement: dict[int, RankPlacement]) -> None:
+    topo = spec.scheduling.topology
+    if topo is None or not placement:
+        return
+    first = placement[min(placement)]
+    where = (f"in {first.required[0]}={first.required[1]}" if first.required
+             else f"preferring as few {topo.preferred} domains as hold them")
+    nodes = ", ".join(f"{r}: {placement[r].node}" for r in sorted(placement))
+    p.event(Reason.PLACED, f"{len(placement)} worker pods placed by network topology {where}; "
+            f"planned nodes by rank (consecutive ranks share the lowest switch): {nodes}")
 
 
 def _attempt_leases(p: _Pass, spec: PretrainJobSpec, attempt: int) -> None:
@@ -676,8 +892,11 @@ def _adopt(p: _Pass, spec: PretrainJobSpec) -> set[int]:
 
 
 def _create_ranks(p: _Pass, spec: PretrainJobSpec, have: set[int]) -> int:
+    placement = _topology(p, spec, (r for r in range(spec.nodes) if r not in have))
+    if placement is None:
+        return 0
     pods = builders.build_worker_pods(p.observed.job, spec, p.status.attempt, p.settings,
-                                      _avoided_nodes(p, spec), _steps_done(p))
+                                      _avoided_nodes(p, spec), _steps_done(p), placement)
     missing = [pod for rank, pod in enumerate(pods) if rank not in have]
     p.actions += [CreateObject(pod) for pod in missing]
     return len(missing)
@@ -694,6 +913,8 @@ def _create_missing(p: _Pass, spec: PretrainJobSpec) -> None:
     """Pending with pods missing (first pass, or the operator stopped mid-creation)."""
     present = {pod.rank for pod in p.observed.pods_of(p.status.attempt)}
     if not present:
+        if _topology(p, spec, range(spec.nodes)) is None:
+            return  # waiting for a topology domain (said in Schedulable)
         _new_attempt(p, spec, p.status.attempt)
         if p.status.phase == "Pending" and not any(
             c.type == "Restarting" and c.status == "True" for c in p.status.conditions
@@ -702,9 +923,12 @@ def _create_missing(p: _Pass, spec: PretrainJobSpec) -> None:
                 Reason.CREATED, f"created {spec.nodes} worker pods (attempt {p.status.attempt})"
             )
         return
+    placement = _topology(p, spec, (r for r in range(spec.nodes) if r not in present))
+    if placement is None:
+        return
     pods = builders.build_worker_pods(
         p.observed.job, spec, p.status.attempt, p.settings, _avoided_nodes(p, spec),
-        _steps_done(p)
+        _steps_done(p), placement
     )
     p.actions += [CreateObject(pod) for rank, pod in enumerate(pods) if rank not in present]
 
@@ -792,6 +1016,7 @@ def _active(p: _Pass, spec: PretrainJobSpec) -> None:
         p.condition("Restarting", False, Reason.RUNNING, "the new gang runs")
     if p.status.phase == "Running":
         _update_ready(p, spec, pods)
+        _judge_stragglers(p, spec, pods)
         left = seconds_to_next_timeout(spec, attempt, p.observed, p.now, p.settings)
         if left is not None:  # judged when the first timeout runs out, not a resync later
             p.after(left + TIMEOUT_CHECK_MARGIN_SECONDS)
@@ -817,6 +1042,90 @@ def _update_ready(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) -> N
         if attempt > 0 and since is not None:
             p.recovered = (p.now - since).total_seconds()
         p.state = p.state.model_copy(update={"ready_attempt": attempt})
+
+
+def _judge_stragglers(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) -> None:
+    """Score each node's compute time against its gang's; condition Straggler, an event when
+    a node is flagged, and the per-node ratios for the metrics (see `stragglers`)."""
+    rule = spec.fault_tolerance.stragglers
+    compute = {}
+    for pod in pods:
+        beat = _beat_of(p, pod)
+        if (pod.node and beat is not None and beat.phase in ("training", "checkpointing")
+                and beat.compute_seconds):
+            compute[pod.node] = beat.compute_seconds
+    p.slowdowns = stragglers.slowdowns(compute)
+    before = {node: t for node, at in p.state.slow_since.items() if (t := parse_time(at))}
+    flagged, over = stragglers.judge(p.slowdowns, before, p.now, rule.threshold,
+                                     rule.window_seconds)
+    if flagged:  # goodput's straggler cause once flagged (a noisy step is no straggler)
+        step = p.lead.step_seconds if p.lead is not None else None
+        p.straggler_share = stragglers.share_lost(compute, p.slowdowns, rule.threshold, step)
+    if over != before:
+        p.state = p.state.model_copy(
+            update={"slow_since": {node: format_time(t) for node, t in over.items()}})
+    for since in over.values():  # judged when its window ends, not a resync later
+        left = rule.window_seconds - (p.now - since).total_seconds()
+        if left > 0:
+            p.after(left)
+    shown = next((c for c in p.status.conditions if c.type == "Straggler"), None)
+    if flagged:
+        slow = flagged[0]
+        if shown is None or shown.status != "True" or f"node {slow.node} " not in shown.message:
+            message = stragglers.describe(flagged, rule.threshold)
+            p.condition("Straggler", True, Reason.STRAGGLER, message)
+            p.event(Reason.STRAGGLER, message, warning=True)
+            accounted = _accounted_at(p)  # and over its window, before this pass
+            if accounted is not None and accounted > slow.since:
+                p.straggler_window_seconds = p.straggler_share * (
+                    accounted - slow.since).total_seconds()
+        if rule.action == "Replace":
+            _move_off_straggler(p, spec, slow, pods, rule.window_seconds)
+    elif shown is not None and shown.status == "True" and compute:
+        p.condition("Straggler", False, Reason.NO_STRAGGLER,
+                    f"every node computes within {1 + rule.threshold:.2f}x of the others")
+
+
+def _move_off_straggler(p: _Pass, spec: PretrainJobSpec, slow: stragglers.Slow,
+                        pods: list[ObservedPod], window: float) -> None:
+    """stragglers.action Replace, at the first checkpoint completed after the flag (the move
+    loses no step): with a ready spare, restart in place with the slow node's pod deleted (the
+    spare takes its rank); with none, restart off the node (its pod recreated elsewhere) once
+    the time it has cost exceeds what a restart costs this job (`stragglers.restart_pays`).
+    Either way the node is avoided and no budget used. Until then, nothing (the condition
+    says it is slow)."""
+    if p.fault is not None:
+        return
+    flagged_at = slow.since + timedelta(seconds=window)
+    checkpoint = p.status.latest_checkpoint
+    saved = parse_time(checkpoint.time if checkpoint else None)
+    spare = next((pod for pod in p.observed.spare_pods() if _ready_spare(p, pod)), None)
+    victim = next((pod for pod in pods if pod.node == slow.node), None)
+    if victim is None or checkpoint is None or saved is None or saved < flagged_at:
+        p.after(p.settings.resync_seconds)  # a checkpoint is awaited
+        return
+    head = f"node {slow.node} computed {slow.ratio:.2f}x the median of the other nodes"
+    if spare is not None:
+        why = f"{head}: its rank moves to spare {spare.name} at checkpoint step_{checkpoint.step}"
+    else:
+        lost = p.straggler_share * (p.now - slow.since).total_seconds()
+        cost = _restart_cost(p, spec)
+        if not stragglers.restart_pays(lost, cost):
+            p.after(p.settings.resync_seconds)  # a spare, or enough loss, is awaited
+            return
+        why = (f"{head} and has cost {lost:.0f}s, more than a restart ({cost:.0f}s measured): "
+               f"restarting off it at checkpoint step_{checkpoint.step} (no ready spare)")
+    _on_fault(p, spec, Fault(Reason.STRAGGLER, why, victim.name, slow.node))
+    if spec.fault_tolerance.restart_strategy == "InPlace":
+        p.actions.append(DeletePod(victim.name))  # not kept: a spare or a new node takes it
+
+
+def _restart_cost(p: _Pass, spec: PretrainJobSpec) -> float:
+    """What a restart costs this job, as measured so far: the mean of its attempts' starts
+    (pending, startup, compilation and restore, from goodput) plus the restart's backoff."""
+    b = p.old.goodput.badput_seconds
+    starts = (b.pending + b.startup + b.compile + b.restore) / (p.status.restarts.total + 1)
+    return starts + spec.fault_tolerance.backoff.initial_seconds
 
 
 def _beat_of(p: _Pass, pod: ObservedPod) -> Heartbeat | None:
@@ -885,7 +1194,10 @@ def _count_fault(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> int:
 
 
 def _counts(spec: PretrainJobSpec, fault: Fault) -> bool:
-    """Whether the fault uses restart budget (infrastructure faults may not)."""
+    """Whether the fault uses restart budget (infrastructure faults may not; moving off a
+    straggler never does: nothing failed)."""
+    if fault.reason == Reason.STRAGGLER:
+        return False
     return not fault.infrastructure or spec.fault_tolerance.infra_faults_count
 
 
@@ -970,6 +1282,19 @@ def _ready_spare(p: _Pass, pod: ObservedPod) -> bool:
                          p.observed.nodes_known) and (node is None or node.healthy)
 
 
+def _spare_placement(p: _Pass, spec: PretrainJobSpec) -> RankPlacement | None:
+    """A spare stays in the gang's required topology domain (a promoted spare must be
+    where its rank may be), on no node in particular."""
+    topo = spec.scheduling.topology
+    if topo is None or topo.required is None:
+        return None
+    domains = {node.labels.get(topo.required) for pod in p.observed.pods_of(p.status.attempt)
+               if pod.node and (node := p.observed.nodes.get(pod.node)) is not None}
+    if len(domains) != 1 or None in domains:
+        return None
+    return RankPlacement(required=(topo.required, str(domains.pop())))
+
+
 def _ensure_spares(p: _Pass, spec: PretrainJobSpec) -> None:
     """Keep `spareNodes` spare pods: the broken ones deleted, the missing ones created (never
     on the job's avoided nodes); the count shown in status.spares."""
@@ -996,7 +1321,7 @@ def _ensure_spares(p: _Pass, spec: PretrainJobSpec) -> None:
     for _ in range(max(0, wanted - live) if trains else 0):
         p.actions.append(CreateObject(builders.build_spare_pod(
             p.observed.job, spec, serial, p.status.attempt, p.settings,
-            _avoided_nodes(p, spec))))
+            _avoided_nodes(p, spec), _spare_placement(p, spec))))
         serial += 1
     if serial != p.state.spare_serial:
         p.state = p.state.model_copy(update={"spare_serial": serial})
@@ -1083,7 +1408,8 @@ def _account_goodput(p: _Pass) -> None:
         p.old.goodput, _goodput_bucket(p.old), _accounted_at(p), p.now,
         p.status.attempt, p.lead if live else None, end,
         p.lost_work, parse_time(saved.time) if saved else None,
-        p.settings.heartbeat_period_seconds * EXPIRY_PERIODS)
+        p.settings.heartbeat_period_seconds * EXPIRY_PERIODS, p.straggler_share,
+        p.straggler_window_seconds)
 
 
 def _state_moved(p: _Pass) -> bool:

@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     node.add_argument("node")
     gang = sub.add_parser("volcano", help="start or stop Volcano's gang scheduler (built once)")
     gang.add_argument("action", choices=["up", "down"])
+    queues = sub.add_parser("kueue", help="start or stop Kueue's manager (built once)")
+    queues.add_argument("action", choices=["up", "down"])
     volume = sub.add_parser("volume", help="create a PVC backed by a host directory")
     volume.add_argument("claim")
     volume.add_argument("--path", required=True, type=Path)
@@ -98,7 +100,7 @@ def _fault(cfg: ClusterConfig, args: argparse.Namespace) -> None:
     print(f"{args.action} {ns}/{args.pod} (pid {pid})")
 
 
-_NEEDS_ROOT = ("up", "down", "fault", "node", "volume", "volcano")
+_NEEDS_ROOT = ("up", "down", "fault", "node", "volume", "volcano", "kueue")
 
 
 def _light(cfg: ClusterConfig, args: argparse.Namespace) -> int | None:
@@ -164,6 +166,15 @@ def run(args: argparse.Namespace) -> int:
             print("vc-scheduler runs: pods with schedulerName volcano are gang-scheduled")
         else:
             volcano.stop(cluster)
+    elif args.command == "kueue":
+        from hlat_testbed import kueue
+
+        if args.action == "up":
+            kueue.start(cluster)
+            print(f"kueue runs: PretrainJobs labelled kueue.x-k8s.io/queue-name wait for "
+                  f"admission (log: {cluster.processes.log_path(kueue.PROCESS)})")
+        else:
+            kueue.stop(cluster)
     elif args.command == "volume":
         cluster.create_shared_volume(args.namespace, args.claim, args.path.resolve(), args.size)
         print(f"pvc {args.namespace}/{args.claim} -> {args.path.resolve()}")

@@ -21,6 +21,9 @@
   sends is lost, nothing reaches it, no FIN or RST) while its node, kubelet, processes and
   files stay: a trainer that can reach neither the API server nor its peers but still writes
   to the shared checkpoint volume (a filesystem mount here).
+- ``Slowdown``: a fail-slow node: a pod's trainer processes paused for a fraction of every 20 ms
+  (a SIGSTOP/SIGCONT duty cycle), computing slower without failing anything, on a CPU of
+  their own (the gang's other trainers kept off it, as on separate machines).
 
 Processes are found through the pid files the kubelet writes, never by name.
 """
@@ -30,6 +33,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -166,6 +172,35 @@ def with_resource(config: ClusterConfig, node: str, resource: str) -> None:
 
 TRAINER_PROCESS_NAME = "hlat-trainer"
 """/proc/PID/comm of a worker process an in-place launcher runs (hlat_trainer.standby)."""
+STANDBY_PROCESS_NAME = "hlat-standby"
+"""/proc/PID/comm of a warm standby waiting for its attempt (hlat_trainer.standby)."""
+
+
+def standby_cpu_seconds() -> float:
+    """CPU seconds used so far by the waiting warm standbys on this host (every pod's)."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            head, rest = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        if head.split("(", 1)[-1] == STANDBY_PROCESS_NAME:
+            fields = rest.split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def wait_standbys_idle(timeout: float = 120.0, period: float = 2.0) -> None:
+    """Until the waiting standbys use under a tenth of a core: after an in-place restart every
+    pod starts its next standby (importing torch), which on the rig takes the workers' shared
+    cores for tens of seconds; step times compared across a restart are taken after it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = standby_cpu_seconds()
+        time.sleep(period)
+        if standby_cpu_seconds() - before < 0.1 * period:
+            return
+    raise FaultError(f"the warm standbys were still busy after {timeout:.0f}s")
 
 
 def trainer_pids(config: ClusterConfig, namespace: str, pod: str) -> list[int]:
@@ -205,6 +240,79 @@ def hang_trainer(config: ClusterConfig, namespace: str, pod: str) -> list[int]:
     for pid in pids:
         _signal_tree(pid, signal.SIGSTOP)
     return pids
+
+
+class Slowdown:
+    """A fail-slow node for a while: the trainer processes of an in-place pod (`trainer_pids`)
+    paused for `fraction` of every `period` seconds (SIGSTOP, then SIGCONT), as a throttled
+    chip or a noisy neighbour slows them without failing anything: they compute at about
+    (1 - fraction) of their speed, provided a step's compute lasts several periods (a 20 ms
+    period against a step computing for 2 ms would miss most steps). A context manager; on exit
+    they run freely again.
+
+    `apart`: the gang's other pods, whose trainers are kept off the slowed one's CPU (and it
+    on that CPU) while it lasts. Every rig node shares the host's cores, so without it the time
+    a healthy trainer waits for the slow one in the gradient sync is lent to the slow one
+    whenever the host is busy (the rest of a test suite), and most of the slowdown is made up;
+    separate machines lend nothing. Needs two CPUs; with one, nothing is pinned."""
+
+    def __init__(self, config: ClusterConfig, namespace: str, pod: str, fraction: float,
+                 period: float = 0.02, apart: Sequence[str] = ()) -> None:
+        if not 0 < fraction < 1:
+            raise ValueError(f"fraction must be in (0, 1), not {fraction}")
+        self.pids = trainer_pids(config, namespace, pod)
+        if not self.pids:
+            raise FaultError(f"pod {namespace}/{pod} runs no {TRAINER_PROCESS_NAME} process")
+        self.others = [pid for other in apart for pid in trainer_pids(config, namespace, other)]
+        self.fraction, self.period = fraction, period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _signal(self, sig: int) -> None:
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._signal(signal.SIGSTOP)
+            time.sleep(self.fraction * self.period)
+            self._signal(signal.SIGCONT)
+            self._stop.wait((1 - self.fraction) * self.period)
+
+    def _pin(self, apart: bool) -> None:
+        """The slowed trainers on the host's last CPU and the others on the rest (`apart`), or
+        every one back on every CPU."""
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2 or not self.others:
+            return
+        if apart:
+            pin(self.pids, set(cpus[-1:]))
+            pin(self.others, set(cpus[:-1]))
+        else:
+            pin(self.pids + self.others, set(cpus))
+
+    def __enter__(self) -> Slowdown:
+        self._pin(apart=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._signal(signal.SIGCONT)
+        self._pin(apart=False)
+
+
+def pin(pids: Sequence[int], cpus: set[int]) -> None:
+    """Every thread of `pids` and of their descendants allowed on `cpus` only (an affinity is
+    a thread's own; threads started later inherit their starter's)."""
+    for pid in pids:
+        for proc in (pid, *_descendants(pid)):
+            with contextlib.suppress(OSError):  # ended meanwhile
+                for task in Path(f"/proc/{proc}/task").iterdir():
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(int(task.name), cpus)
 
 
 def _pod_uid(config: ClusterConfig, namespace: str, pod: str) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from e2e_env import Env
+from e2e_network import labelled_network
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -72,3 +73,10 @@ def job_env(cluster: Cluster, namespace: str, sample_data: Path, tmp_path: Path,
     env.delete()
     with contextlib.suppress(ApiException):
         client.CoreV1Api(cluster.admin_api()).delete_persistent_volume(f"{namespace}-fsx")
+
+
+@pytest.fixture(scope="module")
+def network(cluster: Cluster) -> Iterator[dict[str, str]]:
+    """Node -> its layer-3 block, on five nodes (the session's three and two more): e2e_network."""
+    with labelled_network(cluster) as blocks:
+        yield blocks

@@ -41,9 +41,9 @@ class Env:
         self.transitions: list[tuple[str, float]] = []
         self.max_gangs = 0
 
-    def create(self, spec: dict[str, Any]) -> None:
+    def create(self, spec: dict[str, Any], labels: dict[str, str] | None = None) -> None:
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "PretrainJob",
-                "metadata": {"name": self.name}, "spec": spec}
+                "metadata": {"name": self.name, "labels": labels or {}}, "spec": spec}
         self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, body)
 
     def patch_spec(self, patch: dict[str, Any]) -> None:
@@ -185,6 +185,27 @@ class Env:
                 out.append(f"--- {directory.name}/{log.name} (last {len(tail)} lines)")
                 out.extend(tail)
         return "\n".join(out)
+
+
+def after_a_fresh_beat(env: Env, lease: str, interval: int, act: Callable[[], None],
+                       timeout: float = 60) -> None:
+    """Run `act` right after the Lease `lease` carried a new step well inside a checkpoint
+    interval (at least 5 steps before the next save): its writer is training, not saving, and
+    will be for a few steps (a fault timed this way meets the training loop, not a save)."""
+    leases = client.CoordinationV1Api(env.cluster.admin_api())
+    last = None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        notes = leases.read_namespaced_lease(lease, env.ns).metadata.annotations or {}
+        step = notes.get("hlat.dev/step")
+        if (last is not None and step != last and step is not None
+                and notes.get("hlat.dev/phase") == "training"
+                and 1 <= int(step) % interval <= interval - 5):
+            act()
+            return
+        last = step
+        time.sleep(0.02)
+    raise AssertionError(f"{lease} carried no new step inside an interval for {timeout:.0f} s")
 
 
 def steps_logged(log: str) -> list[int]:

@@ -26,6 +26,7 @@ from hlat_operator.observe import (
     OperatorState,
     format_time,
 )
+from hlat_operator.queueing import Queueing
 from hlat_operator.reconcile import (
     CreateObject,
     Decision,
@@ -36,6 +37,7 @@ from hlat_operator.reconcile import (
     PatchPod,
     PatchState,
     PatchStatus,
+    WriteWorkloadStatus,
     decide,
 )
 
@@ -116,6 +118,10 @@ class World:
         self.state = OperatorState()
         self.pods: dict[str, ObservedPod] = {}
         self.avoid: dict[str, list[str]] = {}
+        self.requires: dict[str, list[tuple[str, list[str]]]] = {}
+        """Required node-label expressions (key In values) per pod."""
+        self.prefers: dict[str, list[dict[str, Any]]] = {}
+        """Preferred node-affinity terms per pod (kube-scheduler's NodeAffinity score)."""
         self.nodes = {n: ObservedNode(n) for n in nodes}
         self.leases: dict[str, ObservedLease] = {}
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
@@ -123,6 +129,9 @@ class World:
         self.deleted = False
         self.status_writes = 0
         self.seeing_since: datetime | None = None  # the operator got the API server back
+        self.queueing: Queueing | None = None
+        """The job's Kueue queue and Workload as the operator would read them."""
+        self.workload_writes: list[WriteWorkloadStatus] = []
 
     # --- the operator's side ------------------------------------------------------------------
 
@@ -135,6 +144,7 @@ class World:
             state=self.state,
             generation=1,
             seeing_since=self.seeing_since,
+            queueing=self.queueing,
         )
 
     def decide(self) -> Decision:
@@ -176,6 +186,8 @@ class World:
             self.leases.pop(action.name, None)
         elif isinstance(action, DeleteJob):
             self.deleted = True
+        elif isinstance(action, WriteWorkloadStatus):
+            self.workload_writes.append(action)
 
     def _create(self, action: CreateObject) -> None:
         obj: dict[str, Any] = dict(action.obj)
@@ -189,10 +201,14 @@ class World:
             avoid = [
                 v
                 for t in req.get("nodeSelectorTerms", [])
-                for e in t["matchFields"]
+                for e in t.get("matchFields", [])
                 for v in e["values"]
             ]
             self.avoid[name] = avoid
+            self.requires[name] = [(e["key"], e["values"])
+                                   for t in req.get("nodeSelectorTerms", [])
+                                   for e in t.get("matchExpressions", [])]
+            self.prefers[name] = terms.get("preferredDuringSchedulingIgnoredDuringExecution", [])
             noted = obj["metadata"].get("annotations", {}).get(AVOIDED_ANNOTATION)
             self.pods[name] = ObservedPod(
                 name, int(lab[labels.ATTEMPT]) if labels.ATTEMPT in lab else None,
@@ -232,11 +248,12 @@ class World:
         for name, pod in sorted(self.pods.items()):
             if pod.node is not None or pod.terminating:
                 continue
-            free = [
+            free = sorted((
                 n
                 for n, node in sorted(self.nodes.items())
                 if node.ready and n not in used and n not in self.avoid.get(name, [])
-            ]
+                and all(node.labels.get(k) in v for k, v in self.requires.get(name, []))
+            ), key=lambda n: -self._preference(name, n))
             if not free:
                 if pod.unschedulable_since is None:
                     self.pods[name] = replace(
@@ -246,6 +263,18 @@ class World:
             used.add(free[0])
             self.pods[name] = replace(pod, node=free[0], phase="Running", started_at=self.now,
                                       unschedulable_since=None, schedule_message="")
+
+    def _preference(self, pod: str, node: str) -> int:
+        """The sum of the weights of the pod's preferred terms the node matches."""
+        labels_ = self.nodes[node].labels
+        score = 0
+        for term in self.prefers.get(pod, []):
+            pref = term["preference"]
+            fields = all(node in e["values"] for e in pref.get("matchFields", []))
+            exprs = all(labels_.get(e["key"]) in e["values"]
+                        for e in pref.get("matchExpressions", []))
+            score += term["weight"] if fields and exprs else 0
+        return score
 
     def live(self) -> list[ObservedPod]:
         return [p for p in self.pods.values() if not p.finished]

@@ -19,7 +19,7 @@ def test_the_rules_are_valid(promtool: Path) -> None:
     proc = subprocess.run([str(promtool), "check", "rules", str(RULES)], capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "7 rules found" in proc.stdout
+    assert "8 rules found" in proc.stdout
 
 
 def test_each_alert_fires_when_it_should_and_not_before(promtool: Path) -> None:

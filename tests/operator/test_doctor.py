@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def node(name: str, itype: str = "trn1.32xlarge", neuron: str | None = "16",
-         efa: str | None = "8", health: bool = True) -> dict[str, Any]:
+         efa: str | None = "8", health: bool = True, topology: bool = True
+         ) -> dict[str, Any]:
     alloc = {"cpu": "127", "memory": "470Gi"}
     if neuron is not None:
         alloc["aws.amazon.com/neuron"] = neuron
@@ -27,7 +28,9 @@ def node(name: str, itype: str = "trn1.32xlarge", neuron: str | None = "16",
     conds = [{"type": "Ready", "status": "True"}]
     if health:
         conds.append({"type": "AcceleratedHardwareReady", "status": "True"})
-    return {"metadata": {"name": name, "labels": {"node.kubernetes.io/instance-type": itype}},
+    layers = {f"topology.k8s.aws/network-node-layer-{i}": f"nn-{i}-{name}" for i in (1, 2, 3)}
+    return {"metadata": {"name": name, "labels": {"node.kubernetes.io/instance-type": itype,
+                                                  **(layers if topology else {})}},
             "status": {"allocatable": alloc, "conditions": conds}}
 
 
@@ -110,6 +113,16 @@ def test_advisories_warn_without_failing() -> None:
         daemonsets=[{"metadata": {"name": "eks-node-monitoring-agent",
                                   "namespace": "kube-system"}}])))["node monitoring agent"]
     assert agent.state == "ok"
+
+
+def test_nodes_without_network_topology_labels_are_an_advisory() -> None:
+    f = by_name(diagnose(healthy(nodes=[node("n1"), node("n2", topology=False)])))[
+        "network topology labels"]
+    assert f.state == "warn" and not f.failed
+    assert "1 of 2 accelerated node(s) lack topology.k8s.aws/network-node-layer-3" in f.detail
+    assert "scheduling.topology" in f.fix
+    ok = by_name(diagnose(healthy()))["network topology labels"]
+    assert ok.state == "ok" and "all 2 accelerated node(s), 2 block(s)" in ok.detail
 
 
 def test_an_operator_scaled_to_zero_is_a_warning_not_a_pass() -> None:

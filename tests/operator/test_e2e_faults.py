@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_env import JOB, Env, report_recovery, resumed_from, steps_logged
+from e2e_env import JOB, Env, after_a_fresh_beat, report_recovery, resumed_from, steps_logged
 from e2e_spec import tiny_spec
 
 from hlat_api.layout import list_checkpoints
@@ -284,9 +284,11 @@ def test_worker_clocks_a_minute_off_neither_cause_nor_hide_a_hang(job_env: Env, 
     preloaded; monotonic clocks left alone, as NTP skew would): the heartbeats they stamp are
     a minute off. No hang is seen while they train, and a frozen worker is caught within its
     timeout, not a minute early or late."""
-    timeout = 6
-    spec = tiny_spec(steps=200, heartbeat={"startupTimeoutSeconds": 120,
+    timeout, interval = 6, 10
+    # enough steps to train on past the watch and the freeze (alone: ~0.08 s a step)
+    spec = tiny_spec(steps=800, heartbeat={"startupTimeoutSeconds": 120,
                                            "timeoutSeconds": timeout})
+    spec["checkpoint"]["interval"] = interval
     spec["template"] = {"spec": {"containers": [{"name": "trainer", "env": [
         {"name": "LD_PRELOAD", "value": str(_libfaketime())},
         {"name": "FAKETIME", "value": f"{skew:+d}s"},
@@ -299,8 +301,12 @@ def test_worker_clocks_a_minute_off_neither_cause_nor_hide_a_hang(job_env: Env, 
         f"the worker's clock is {low:+.0f}..{high:+.0f}s off, not {skew:+d}s")
     time.sleep(2 * timeout)  # training on: a skew taken at face value would have fired
     assert job_env.status()["phase"] == "Running" and "Restarting" not in job_env.phases()
+    # frozen right after it reported a step, well before a save: its last beat says training,
+    # so the steady timeout applies (a worker frozen in a save is given its saves' time, and
+    # one CI run froze it there: detected after 29.6 s)
+    after_a_fresh_beat(job_env, f"{JOB}-a0-1", interval,
+                       lambda: faults.hang(job_env.cluster.config, job_env.ns, f"{JOB}-a0-1"))
     fault_at = time.time() + skew  # on the workers' clock, which stamps the steps
-    faults.hang(job_env.cluster.config, job_env.ns, f"{JOB}-a0-1")
     frozen = time.monotonic()
     restarting = job_env.wait_phase("Restarting", 60)
     detected = time.monotonic() - frozen
@@ -311,7 +317,7 @@ def test_worker_clocks_a_minute_off_neither_cause_nor_hide_a_hang(job_env: Env, 
     # deadline it computes. So as early as timeout - 3 s. A minute off shows.
     assert timeout - 3 <= detected <= timeout + 12, detected
     print(f"clock {skew:+d}s: hang detected {detected:.1f}s after the freeze")
-    done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    done = job_env.wait_trained()
     assert done["restarts"]["total"] == 1 and job_env.max_gangs == 1
     report_recovery(job_env, f"hang with worker clocks {skew:+d}s off (6 s timeout)", fault_at)
 

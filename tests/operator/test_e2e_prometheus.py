@@ -30,6 +30,7 @@ from hlat_testbed.prometheus import (
 )
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+STEPS = 120
 
 def test_every_dashboard_panel_has_data_from_a_real_prometheus(
         cluster: Cluster, crd: None, namespace: str, sample_data: Path, tmp_path: Path,
@@ -48,18 +49,26 @@ def test_every_dashboard_panel_has_data_from_a_real_prometheus(
         scrape_configs(chart_monitors(), cluster.kubeconfig))
     try:
         job = Env(cluster, namespace, fsx, {"op": operator})
-        spec = tiny_spec(steps=40)
+        spec = tiny_spec(steps=STEPS)
+        spec["checkpoint"]["interval"] = 10
         # the sample's held-out set (hlat-data sample --docs N): the loss panel's second query
         spec["eval"] = {"path": "/fsx/data/sample/held-out", "interval": 5, "batches": 2}
         job.create(spec)
         start = time.time()
         job.wait("a checkpoint", lambda s: s.get("phase") == "Running"
-                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= 2, 180)
+                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= 10, 180)
+        # the per-node ratios exist while a gang trains, each node's heartbeat with its
+        # compute time: scraped before the kill (a tiny job's second gang may train for
+        # less than a scrape interval)
+        (slowdown,) = [instantiate(expr, namespace, job.name, 0) for _, panel, expr in
+                       dashboards.queries() if panel.title == "Node slowdown (stragglers)"]
+        job.wait("both nodes' slowdown ratios scraped", lambda _: len(
+            prom.query_range(slowdown, start, time.time())) == 2, 60)
         faults.kill(cluster.config, namespace, "tiny-a0-1")
         done = job.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 240)
         assert done["restarts"]["total"] == 1
         progress = done["progress"]
-        assert progress["validationStep"] == 40 and progress["validationLoss"] > 0, progress
+        assert progress["validationStep"] == STEPS and progress["validationLoss"] > 0, progress
         assert progress["validationLossText"] == f"{progress['validationLoss']:.4g}"
         _the_operator_reports_its_own_load(port)
         time.sleep(3)  # a few more scrapes

@@ -22,9 +22,11 @@ from test_e2e_soak import (
     SEED,
     SOAK_SECONDS,
     STEPS,
+    _due,
     _losses,
     _restart_operator,
     _spec,
+    fault_due,
 )
 
 from hlat_testbed import faults
@@ -74,24 +76,17 @@ def test_thirty_random_faults_restarted_in_place_end_with_an_uninterrupted_run_s
     rng = random.Random(SEED)
     kinds = rng.choices(list(IN_PLACE_KINDS), weights=list(IN_PLACE_KINDS.values()), k=FAULTS)
     job_env.create(_spec("InPlace"))
-    attempt, last_checkpoint, injected = 0, -1, Counter[str]()
+    attempt, at, injected = 0, list[int](), Counter[str]()
     with TrainerCensus(job_env) as census:
         for n, kind in enumerate(kinds):
-            # the attempt running, then a checkpoint of its own: its trainers exist and trained
-            # (the previous attempt may have committed one more before it was stopped)
-            status = job_env.wait(
-                f"attempt {attempt} running (fault {n})",
-                lambda s: s.get("phase") == "Running" and s.get("attempt") == attempt,  # noqa: B023
-                240)
-            base = max(last_checkpoint, (status.get("latestCheckpoint") or {}).get("step", -1))
-            status = job_env.wait(
-                f"attempt {attempt} past checkpoint {base} (fault {n})",
-                lambda s: s.get("attempt") == attempt  # noqa: B023
-                and (s.get("latestCheckpoint") or {}).get("step", -1) > base,  # noqa: B023
-                240)
-            if status["progress"]["step"] >= STEPS - 20:
+            # the attempt Ready (the operator saw every worker of it train: a fault before that
+            # is an in-place attempt failed before training, and two in a row rightly recreate
+            # the gang) at the fault's step
+            status = job_env.wait(f"attempt {attempt} Ready at step {fault_due(n)} (fault {n})",
+                                  lambda s: _due(s, attempt, n), 240)  # noqa: B023
+            if status.get("phase") == "Succeeded" or status["progress"]["step"] >= STEPS - 20:
                 break
-            last_checkpoint = status["latestCheckpoint"]["step"]
+            at.append(status["progress"]["step"])
             _inject_in_place(job_env, kind, rng)
             injected[kind] += 1
             if kind in IN_PLACE_WORKER_FAULTS:
@@ -99,7 +94,7 @@ def test_thirty_random_faults_restarted_in_place_end_with_an_uninterrupted_run_s
             else:
                 time.sleep(1)
         done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
-    print(f"faults injected: {dict(injected)}; pods: {len(census.names)}")
+    print(f"faults injected: {dict(injected)} at steps {at}; pods: {len(census.names)}")
     assert sum(injected.values()) >= 30, injected
 
     worker_faults = sum(injected[k] for k in IN_PLACE_WORKER_FAULTS)

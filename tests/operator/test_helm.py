@@ -79,10 +79,13 @@ NEEDED = {
                                         "patch"},
     ("", "events"): {"create"},
     ("scheduling.volcano.sh", "podgroups"): {"create"},
+    ("kueue.x-k8s.io", "workloads"): {"get", "create"},
+    ("kueue.x-k8s.io", "workloads/status"): {"update"},
     ("policy", "poddisruptionbudgets"): {"create", "delete"},
 }
 CLUSTER_READS = {("", "nodes"), ("apiextensions.k8s.io", "customresourcedefinitions"),
-                 ("", "namespaces")}
+                 ("", "namespaces"), ("kueue.x-k8s.io", "resourceflavors"),
+                 ("kueue.x-k8s.io", "workloadpriorityclasses")}
 
 
 # --- without a cluster -------------------------------------------------------------------------

@@ -307,6 +307,9 @@ class FakeKube:
     def nodes(self, wanted: Any = ()) -> list[Any] | None:
         return []
 
+    def queueing(self, job: Any, job_labels: Any) -> None:
+        return None  # in no Kueue queue
+
     def execute(self, job: Any, d: Decision, read: Any = None) -> int:
         self.executed.append(d)
         if self.fail:

@@ -65,7 +65,7 @@ def test_single_node_is_standalone_and_needs_no_rendezvous_vars() -> None:
     argv, extra = build_command(env, make_spec("cpu", 1, train={"globalBatch": 4, "steps": 2}))
     assert argv == ["torchrun", "--nnodes", "1", "--nproc-per-node", "2", "--standalone",
                     "--max-restarts", "0", "-m", "hlat_trainer", "--config", CONFIG]
-    assert extra == {}  # cpu: no Neuron environment
+    assert extra == {"OMP_NUM_THREADS": "1"}  # cpu: no Neuron environment; one thread a rank
 
 
 def test_nodes_and_processes_default_to_the_spec() -> None:

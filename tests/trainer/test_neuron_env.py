@@ -154,7 +154,7 @@ def test_fuse_softmax_and_inflight_follow_the_spec() -> None:
 @pytest.mark.parametrize(("instance", "backend"), [("cpu", "auto"), ("cpu", "cpu")])
 def test_cpu_gets_no_device_environment(instance: str, backend: str) -> None:
     spec = make_spec(instance, nodes=2, backend=backend, train__globalBatch=64)
-    assert worker_environment(spec, nnodes=2) == {}
+    assert worker_environment(spec, nnodes=2) == {"OMP_NUM_THREADS": "1"}  # the thread rule below
 
 
 def test_gpus_get_only_efa_and_only_across_nodes() -> None:
@@ -271,3 +271,19 @@ def test_an_address_that_never_resolves_is_a_clear_error_at_the_bound() -> None:
         resolve_ip("llama-0.llama", resolve=never, sleep=sleep, clock=lambda: now[0], bound=30)
     assert 30 <= now[0] < 36
     assert neuron_env.RESOLVE_SECONDS >= 60  # a pod's record may take a while to appear
+
+
+def test_a_rig_cpu_worker_computes_on_one_thread_and_an_accelerator_node_keeps_torchrun_s_rule(
+) -> None:
+    """The rig runs several `cpu` nodes on one host: each rank gets one intra-op thread, or one
+    node's pause would speed up its neighbours (their compute times, which the straggler
+    detector compares, would move together). Accelerator nodes are left to torchrun's rule."""
+    cpu = make_spec("cpu", nodes=2, train__globalBatch=4, processesPerNode=1)
+    assert worker_environment(cpu)["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in worker_environment(make_spec("trn1.32xlarge", nodes=2))
+    from hlat_api.env import Env
+    from hlat_trainer.launch import build_command
+    _, extra = build_command({Env.CONFIG: "/job.yaml", "OMP_NUM_THREADS": "4",
+                                Env.NODE_RANK: "0", Env.MASTER_ADDR: "10.0.0.1",
+                                Env.MASTER_PORT: "29500"}, cpu)
+    assert "OMP_NUM_THREADS" not in extra  # the user's own (the pod template's env) is kept

@@ -107,8 +107,12 @@ def test_prometheus_endpoint_serves_training_metrics(make_job: Callable[..., Job
     assert values["hlat_train_step"] == 3
     assert values["hlat_train_loss"] == pytest.approx(last["loss"])
     assert values["hlat_train_tokens_total"] == 3 * job.spec.tokens_per_step
+    # a CPU rank's own compute time (no wait on peers in it) is measured: the straggler score
+    assert 0 < last["compute_seconds"] == values["hlat_train_compute_seconds"]
+    assert 0 <= last["sync_seconds"] == values["hlat_train_sync_seconds"]  # no peers: ~0
     for name in ("grad_norm", "param_norm", "lr", "tokens_per_second", "mfu", "step_seconds",
-                 "data_wait_seconds", "checkpoint_blocking_seconds"):
+                 "data_wait_seconds", "checkpoint_blocking_seconds", "compute_seconds",
+                 "sync_seconds"):
         assert f"hlat_train_{name}" in values, name
 
 
@@ -166,6 +170,62 @@ def test_every_second_of_an_attempt_is_charged_to_one_activity(
     # the loop's step times, as logged, are the steps' activities (saves excluded)
     logged = sum(r["step_seconds"] for r in seen)
     assert spent.productive + spent.recompute + spent.data_wait == pytest.approx(logged, rel=0.1)
+
+
+def test_a_logged_step_is_charged_up_to_its_line_and_writing_the_line_to_the_next(
+    make_job: Callable[..., Job]
+) -> None:
+    """When a step's line goes out, the ledger (what the heartbeat carries) holds exactly the
+    steps logged so far: a worker lost while writing it has lost unreported time, not
+    productive time its log never showed. Writing a line (a slow sink here) is the next
+    step's time, as in the next line's stepSeconds."""
+    import time
+
+    job = make_job(train__steps=4, checkpoint__interval=4)
+    seen: list[tuple[float, float]] = []  # (ledger's training seconds, logged step seconds)
+    logged = 0.0
+
+    def slow_sink(stats: dict[str, Any]) -> None:
+        nonlocal logged
+        logged += stats["step_seconds"]
+        spent = trainer.ledger.snapshot()
+        seen.append((spent.productive + spent.data_wait, logged))
+        time.sleep(0.3)
+
+    trainer = Trainer(job, sinks=[slow_sink])
+    trainer.run()
+    assert len(seen) == 4
+    for charged, total in seen:
+        assert charged == pytest.approx(total, abs=0.02), seen
+
+
+def test_a_beat_during_a_save_names_the_step_its_ledger_counts(
+    make_job: Callable[..., Job]
+) -> None:
+    """The step a beat names and the productive time it carries move together: during step
+    2's save the beat says step 2 (its time is in the ledger), not the last line's step 1. The
+    operator tells the next gang which steps were done from that step: with 1, a worker lost
+    in the save had step 2 counted productive twice."""
+    beats: list[dict[str, Any]] = []
+
+    class Recorder:  # the Lease's place: what the loop hands over, in order
+        def update(self, **fields: Any) -> None:
+            beats.append(fields)
+
+        def stop(self, phase: str | None = None) -> None:
+            beats.append({"phase": phase, "stopped": True})
+
+    job = make_job(train__steps=4, checkpoint__interval=2, train__logInterval=4)
+    trainer = Trainer(job)
+    trainer.heartbeat = Recorder()  # type: ignore[assignment]
+    trainer.run()
+    saving = [(b["step"], b["activity"].productive) for b in beats
+              if b.get("phase") == "checkpointing"]
+    assert [step for step, _ in saving][:2] == [2, 4], beats
+    trained = [(b["step"], b["activity"].productive) for b in beats if b.get("phase") == "training"]
+    # step 2's time is in it, and nothing after step 2's
+    assert saving[0][1] > max(p for step, p in trained if step == 1)
+    assert saving[0][1] == pytest.approx(max(p for step, p in trained if step == 2), abs=0.002)
 
 
 def test_a_failed_asynchronous_write_never_gets_done_nor_purges_the_good_checkpoint(

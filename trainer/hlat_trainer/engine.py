@@ -99,6 +99,14 @@ class StepResult:
     """Time spent waiting for the loader's batches."""
     staging_wait_seconds: float = 0.0
     """Time the update waited for an asynchronous save's copy of the state (checkpoint time)."""
+    compute_seconds: float | None = None
+    """Host time of the step's forward and backward passes, less data wait, before the
+    gradients are synchronised (no wait on peers in it); None where the backend's host time is
+    not its device's (`Backend.host_timed`)."""
+    sync_seconds: float | None = None
+    """Host time of the step's gradient synchronisation over data parallel: mostly waiting for
+    the slowest peer's gradients (None where not host-timed, or where the backend's optimizer
+    synchronises inside its step)."""
 
 
 @dataclass
@@ -144,6 +152,8 @@ class Engine(ABC):
             spec, job, backend, world, device)
         self.root = Path(spec.checkpoint.dir)
         self.layout = Layout.of(world, spec.parallelism.zero1)
+        self.sync_seconds: float | None = None
+        """The last `_update`'s gradient synchronisation, where the engine times it."""
 
     def fence(self, fenced: Callable[[], bool]) -> None:
         """Ask `fenced` before marking a checkpoint complete: a trainer whose attempt is over
@@ -161,6 +171,7 @@ class Engine(ABC):
         self.set_lr(lr)
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
+        began = time.perf_counter()
         for _ in range(accum):
             start = time.perf_counter()
             inputs, targets = next(batches)
@@ -173,13 +184,16 @@ class Engine(ABC):
             loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach()
             backend.micro_batch_end()
+        compute = (time.perf_counter() - began - data_wait) if backend.host_timed else None
         staging_wait = self._wait_staged()  # the update must not change what a save copies
+        self.sync_seconds = None
         grad_norm = self._update(self.spec.optimizer.grad_clip)
+        sync = self.sync_seconds if backend.host_timed else None
         if self.world.dp > 1:
             dist.all_reduce(loss_sum, group=self.world.dp_group)
             loss_sum /= self.world.dp
         backend.step_end()
-        return StepResult(loss_sum, grad_norm, data_wait, staging_wait)
+        return StepResult(loss_sum, grad_norm, data_wait, staging_wait, compute, sync)
 
     def eval_loss(self, batches: list[tuple[Tensor, Tensor]],
                   each: Callable[[], None] = lambda: None) -> Tensor:
@@ -298,7 +312,9 @@ class TorchEngine(Engine):
                 f"(zero1={self.dp.zero1})")
 
     def _update(self, max_norm: float) -> Tensor:
+        began = time.perf_counter()
         self.dp.sync_grads()
+        self.sync_seconds = time.perf_counter() - began
         norm = self.dp.clip(max_norm)
         self.dp.step()
         return norm

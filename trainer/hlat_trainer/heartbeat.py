@@ -100,7 +100,9 @@ class LeaseHeartbeat:
             raise SystemExit(ExitCode.FENCED)
         self.update(phase="training", step=stats["step"], tokens=stats["tokens"],
                     loss=stats["loss"], tokens_per_second=stats["tokens_per_second"],
-                    step_seconds=stats["step_seconds"])
+                    step_seconds=stats["step_seconds"],
+                    compute_seconds=stats.get("compute_seconds"),
+                    sync_seconds=stats.get("sync_seconds"))
 
     def renew(self) -> bool:
         """Patch the Lease now; False (and a log line) on an API error."""

@@ -20,6 +20,10 @@ _GAUGES = {
     "mfu": "Model FLOPs utilisation of the last step (0..1)",
     "step_seconds": "Mean wall time of an optimizer step since the last report (saves excluded)",
     "data_wait_seconds": "Time the last step waited for the data loader",
+    "compute_seconds": "Median compute time (forward and backward, less data wait, no wait on "
+                       "peers) of this rank's recent steps; eager CPU only",
+    "sync_seconds": "Median gradient synchronisation time (mostly waiting for the slowest "
+                    "peer) of this rank's recent steps; eager CPU only",
     "checkpoint_blocking_seconds": "Time the last checkpoint blocked training",
     "validation_loss": "Held-out validation loss of the latest evaluation (spec.eval), mean "
                        "per token over data-parallel ranks",

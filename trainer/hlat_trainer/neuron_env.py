@@ -110,6 +110,12 @@ def worker_environment(spec: PretrainJobSpec, *, nnodes: int | None = None) -> d
     info, backend = INSTANCE_TYPES[spec.instance_type], resolve_backend_name(spec)
     neuron = is_neuron(backend)
     env = neuron_runtime_environment(spec) if neuron else {}
+    if spec.instance_type == "cpu":
+        # the rig's stand-in node: one core per rank. Torch sizes a process's thread pool by
+        # the host's cores, and the rig runs several nodes on one host: with a pool each, one
+        # node's compute time would depend on what the others do (a paused node speeding up
+        # its neighbours), which no real node's does. torchrun sets the same with nproc > 1.
+        env["OMP_NUM_THREADS"] = "1"
     if nnodes > 1 and info.efa_interfaces > 0 and backend != "cpu":  # gloo uses TCP
         env.update(EFA_ENV)
         if neuron:

@@ -37,7 +37,9 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +63,11 @@ from hlat_trainer.precision import precision_policy
 from hlat_trainer.schedule import lr_at
 
 log = logging.getLogger(__name__)
+
+COMPUTE_WINDOW_STEPS = 20
+"""Steps whose compute (and gradient sync) times the heartbeat's `compute_seconds` (and
+`sync_seconds`) is the median of: one slow step (a garbage collection, a save's copy) moves no
+median."""
 
 LINGER_ENV = "HLAT_FAULT_LINGER_WHILE_EXISTS"
 """Fault injection for tests and drills: after finishing, do not exit while this path exists
@@ -249,6 +256,10 @@ class Trainer:
         self._evaluated = False  # this attempt has not evaluated yet
         self.state = TrainState()
         self._unobserved: list[Tensor] = []  # grad norms not yet fed to the spike monitor
+        # the compute and gradient sync times of the last steps (Heartbeat.compute_seconds and
+        # sync_seconds: their medians)
+        self._computed: deque[float] = deque(maxlen=COMPUTE_WINDOW_STEPS)
+        self._synced: deque[float] = deque(maxlen=COMPUTE_WINDOW_STEPS)
         self.extracting_graphs = extracting_graphs_only(os.environ)
         self.longest_save = 0.0
         self.leak_path = os.environ.get(LEAK_ENV)
@@ -312,6 +323,10 @@ class Trainer:
         lr = lr_at(step, lr=spec.optimizer.lr, min_lr=spec.optimizer.min_lr,
                    warmup_steps=spec.optimizer.warmup_steps, total_steps=spec.total_steps)
         result = self.engine.train_step(batches, lr)
+        if result.compute_seconds is not None:
+            self._computed.append(result.compute_seconds)
+        if result.sync_seconds is not None:
+            self._synced.append(result.sync_seconds)
         self.state.step, self.state.tokens = step, self.state.tokens + spec.tokens_per_step
         self._unobserved.append(result.grad_norm)
         return StepStats(step, lr, result)
@@ -345,10 +360,19 @@ class Trainer:
             / (self.peak_flops * self.spec.world_size),
             "grad_spikes": spikes,
             "spike_lengths": self.state.monitor.histogram(),
+            "compute_seconds": statistics.median(self._computed) if self._computed else None,
+            "sync_seconds": statistics.median(self._synced) if self._synced else None,
         }
 
     def _beat(self, **fields: Any) -> None:
+        """Hand the heartbeat the loop's state: its step with the ledger that counts it (every
+        beat comes after the step's charge). A beat during a save or an evaluation after step
+        N says N, not the N - 1 of the last line written: a worker lost there had step N
+        counted productive, and the next gang, told N - 1 was the last step done, counted it
+        productive again."""
         if self.heartbeat is not None:
+            fields.setdefault("step", self.state.step)
+            fields.setdefault("tokens", self.state.tokens)
             self.heartbeat.update(checkpoint_step=self.engine.committed,
                                   activity=self.ledger.snapshot(), **fields)
 
@@ -491,6 +515,11 @@ class Trainer:
                 if (step % self.spec.train.log_interval == 0 or step == total
                         or validation is not None):
                     stats = self.report(done)
+                    # the step ends where its line says (its `time`): writing the line is the
+                    # next step's time, as in the next line's stepSeconds; a worker lost
+                    # after this step's report has then lost only unreported time
+                    compiled = self._charge_step(step, wait, compiled, staged)
+                    wait = staged = 0.0
                     if validation is not None:
                         stats["validation_loss"] = validation
                         stats["validation_perplexity"] = math.exp(min(validation, 700.0))
@@ -499,7 +528,8 @@ class Trainer:
                     stats["recomputed"] = step <= self.steps_done
                     for sink in self.sinks:
                         sink(stats)
-                compiled = self._charge_step(step, wait, compiled, staged)
+                else:
+                    compiled = self._charge_step(step, wait, compiled, staged)
                 self._beat(phase="training")
                 _leak_for_drills(self.leak_path)
             # the final asynchronous write: say so, or a long one looks like a hang and gets a

@@ -56,6 +56,13 @@ class Backend(ABC):
     def __init__(self, spec: PretrainJobSpec) -> None:
         self.spec = spec
 
+    @property
+    def host_timed(self) -> bool:
+        """True where the host's clock around a step's forward and backward is the device's
+        (eager CPU: the ops run as they are called), so a rank's compute time is measured
+        without a sync; False on asynchronous (CUDA) and lazy (XLA) devices."""
+        return False
+
     def compile_seconds(self) -> float:
         """Seconds this process has spent compiling graphs so far (0 on eager backends)."""
         return 0.0

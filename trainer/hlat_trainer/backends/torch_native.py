@@ -62,6 +62,10 @@ class TorchNativeBackend(Backend):
         self.dist_backend = stack.dist_backend
         self.autocast_device_type = stack.device_type
 
+    @property
+    def host_timed(self) -> bool:
+        return self.name == "cpu"
+
     def device(self, local_rank: int) -> torch.device:
         import torch
 

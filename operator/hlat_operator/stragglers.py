@@ -1,0 +1,84 @@
+"""Fail-slow nodes: which node of a gang computes slower than the others, by how much, since when.
+
+Synchronous data parallel runs at the pace of its slowest rank, so a slow node shows in every
+rank's step time alike; what tells it apart is the time each rank computes outside its waits on
+the others (`Heartbeat.compute_seconds`, the median of the worker's recent steps): the slow node
+computes longer, the healthy ones wait for it. A node is scored against the median of the
+*other* nodes (relative to its gang, not to an absolute figure: a bigger model or a busier host
+moves every node alike), and flagged only once it has stayed over the threshold for the window
+(a garbage collection, a save's copy on one node, is not a straggler). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+
+from hlat_operator.observe import format_time
+
+
+@dataclass(frozen=True)
+class Slow:
+    node: str
+    ratio: float
+    """Its compute time over the median of the other nodes'."""
+    since: datetime
+    """Since when it has been over the threshold without a break."""
+
+
+def slowdowns(compute: Mapping[str, float]) -> dict[str, float]:
+    """Each node's compute seconds over the median of the other nodes' (1: as fast as its
+    gang; 1.4: 40% slower). Empty when fewer than two nodes report: a single node has nothing
+    to be compared with."""
+    if len(compute) < 2:
+        return {}
+    out = {}
+    for node, seconds in compute.items():
+        base = statistics.median(v for n, v in compute.items() if n != node)
+        if base > 0:
+            out[node] = seconds / base
+    return out
+
+
+def share_lost(compute: Mapping[str, float], ratios: Mapping[str, float], threshold: float,
+               step_seconds: float | None) -> float:
+    """The share of each step the slowest node costs the gang while it is over the threshold:
+    its compute time less the median of the others' (what they wait for it), over the step
+    time; 0 while every node is within the threshold (noise is no straggler's badput)."""
+    if not ratios or not step_seconds or step_seconds <= 0:
+        return 0.0
+    node = max(ratios, key=lambda n: ratios[n])
+    if ratios[node] <= 1 + threshold:
+        return 0.0
+    return min(1.0, compute[node] * (1 - 1 / ratios[node]) / step_seconds)
+
+
+def restart_pays(lost_seconds: float, restart_seconds: float) -> bool:
+    """Without a spare, whether to restart off a slow node now: once the time it has cost the
+    job so far exceeds what a restart costs (the ski-rental rule Falcon escalates by: the
+    length of a fail-slow is not known in advance, and paying for the move only once its cost
+    has been lost bounds the loss to twice the best choice's)."""
+    return restart_seconds >= 0 and lost_seconds > restart_seconds
+
+
+def judge(ratios: Mapping[str, float], over_since: Mapping[str, datetime], now: datetime,
+          threshold: float, window: float) -> tuple[list[Slow], dict[str, datetime]]:
+    """The nodes flagged now (slowest first) and, for every node over `1 + threshold`, since
+    when it has been (a node seen over for the first time starts now; one back under leaves the
+    map, so its next time over starts afresh)."""
+    over = {node: over_since.get(node, now) for node, ratio in ratios.items()
+            if ratio > 1 + threshold}
+    flagged = [Slow(node, ratios[node], since) for node, since in over.items()
+               if (now - since).total_seconds() >= window]
+    return sorted(flagged, key=lambda s: (-s.ratio, s.node)), over
+
+
+def describe(flagged: list[Slow], threshold: float) -> str:
+    """The Straggler condition's message (and its event's): the slowest node first."""
+    slow, rest = flagged[0], flagged[1:]
+    others = "".join(f"; node {s.node} {s.ratio:.2f}x" for s in rest)
+    return (f"node {slow.node} computes {slow.ratio:.2f}x the median of the other nodes "
+            f"(threshold {1 + threshold:.2f}x) since {format_time(slow.since)}{others}; it "
+            "holds back every step")

@@ -1,0 +1,259 @@
+"""PretrainJobs admitted by a real Kueue (v0.17.0, built from its Go module) on the local
+cluster: a job waits in its LocalQueue, with no pods, while the ClusterQueue's quota is taken;
+a higher-priority job preempts a running one, which stops, waits and resumes from its
+checkpoint with no restart counted. The operator is Kueue's integration for PretrainJob (an
+external framework): it creates each job's Workload and follows what Kueue writes there.
+
+The ClusterQueue's quota is on `pods` (one worker pod takes one node): Kueue counts a pod set's
+pods when the ClusterQueue covers `pods` (pkg/scheduler/flavorassigner/flavorassigner.go,
+v0.17.0). On EKS the quota would be on aws.amazon.com/neuron; the tiny jobs here request none.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from e2e_env import Env, losses
+from e2e_network import L3
+from e2e_spec import tiny_spec
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from hlat_testbed import kueue
+from hlat_testbed.cluster import Cluster
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+QUEUE = "team"
+CLUSTER_QUEUE = "hlat-e2e"
+FLAVOR = "trn1"
+INSTANCE_LABEL = "node.kubernetes.io/instance-type"
+INTERVAL = 150
+"""The preempted job's checkpoint interval: 15 s apart at the ~10 steps/s the rig trains, so a
+stop right after one is told from a stop at the one before (a run with 100 trained 66 steps
+between the checkpoint's completion and its workers' stop: a heartbeat, a pass, SIGTERM)."""
+
+
+@pytest.fixture(scope="module")
+def kueue_up(cluster: Cluster) -> Iterator[None]:
+    """Kueue's manager with a flavor for the rig's trn1 nodes, a ClusterQueue with quota for
+    two worker pods that preempts lower priorities, and two WorkloadPriorityClasses."""
+    kueue.start(cluster)
+    api = cluster.admin_api()
+    kueue.apply(api, {"apiVersion": kueue.API, "kind": "ResourceFlavor",
+                      "metadata": {"name": FLAVOR},
+                      "spec": {"nodeLabels": {INSTANCE_LABEL: "trn1.32xlarge"}}})
+    kueue.apply(api, {"apiVersion": kueue.API, "kind": "ClusterQueue",
+                      "metadata": {"name": CLUSTER_QUEUE},
+                      "spec": {"namespaceSelector": {},
+                               "preemption": {"withinClusterQueue": "LowerPriority"},
+                               "resourceGroups": [{
+                                   "coveredResources": ["pods"],
+                                   "flavors": [{"name": FLAVOR, "resources": [
+                                       {"name": "pods", "nominalQuota": 2}]}]}]}})
+    for name, value in (("hlat-low", 10), ("hlat-high", 1000)):
+        kueue.apply(api, {"apiVersion": kueue.API, "kind": "WorkloadPriorityClass",
+                          "metadata": {"name": name}, "value": value})
+    yield
+    kueue.stop(cluster)
+
+
+@pytest.fixture
+def queue(kueue_up: None, job_env: Env) -> str:
+    kueue.apply(job_env.cluster.admin_api(), {
+        "apiVersion": kueue.API, "kind": "LocalQueue",
+        "metadata": {"name": QUEUE, "namespace": job_env.ns},
+        "spec": {"clusterQueue": CLUSTER_QUEUE}})
+    return QUEUE
+
+
+def _condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
+
+
+def _pods(env: Env) -> list[Any]:
+    return [p for p in env.pods() if p.metadata.labels.get("hlat.dev/job") == env.name]
+
+
+def _workload(env: Env) -> dict[str, Any]:
+    found: dict[str, Any] = client.CustomObjectsApi(env.cluster.admin_api()) \
+        .get_namespaced_custom_object(kueue.GROUP, kueue.VERSION, env.ns, "workloads",
+                                      f"pretrainjob-{env.name}")  # type: ignore[assignment]
+    return found
+
+
+def _workload_condition(env: Env, type_: str) -> dict[str, Any]:
+    try:
+        return _condition(_workload(env).get("status") or {}, type_)
+    except ApiException:
+        return {}
+
+
+def test_a_job_waits_in_its_queue_without_pods_until_the_quota_frees(
+        job_env: Env, queue: str) -> None:
+    first, second = job_env.other("first"), job_env.other("second")
+    first.create(tiny_spec(steps=30), labels={"kueue.x-k8s.io/queue-name": queue})
+    first.wait("first Running", lambda s: s.get("phase") == "Running", 120)
+    # the admission's flavor went into the pods: its node label in their node selector
+    for pod in _pods(first):
+        assert (pod.spec.node_selector or {}).get(INSTANCE_LABEL) == "trn1.32xlarge", pod.spec
+
+    second.create(tiny_spec(steps=6), labels={"kueue.x-k8s.io/queue-name": queue})
+    waiting = second.wait(
+        "second waiting in its queue",
+        lambda s: s.get("phase") == "Suspended"
+        and _condition(s, "Suspended").get("reason") == "Queued"
+        and "quota" in _condition(s, "Suspended").get("message", ""), 60)
+    message = _condition(waiting, "Suspended")["message"]
+    assert f"LocalQueue {queue}" in message, message
+    assert not _pods(second), "a job waiting for admission has pods"
+
+    def first_done(status: dict[str, Any]) -> bool:
+        """The second has no pod while the first runs (its pods, then the first's phase again:
+        the first may have ended between the two reads)."""
+        if _pods(second):
+            assert first.status().get("phase") == "Succeeded", "both jobs had pods at once"
+        return status.get("phase") == "Succeeded"
+
+    done = first.wait("first Succeeded", first_done, 300)
+    assert done["restarts"]["total"] == 0
+    # the ended job's Workload is Finished (the next pass writes it), which frees the quota
+    first.wait("first's Workload Finished",
+               lambda _s: _workload_condition(first, "Finished").get("status") == "True", 30)
+    assert _workload_condition(first, "Finished").get("reason") == "Succeeded"
+
+    finished = second.wait("second Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    assert finished["restarts"]["total"] == 0 and finished["attempt"] == 0
+    reasons = [r for r, _ in second.event_messages()]
+    assert "Queued" in reasons and "Admitted" in reasons, second.event_messages()
+
+
+def test_a_higher_priority_job_preempts_a_running_one_which_checkpoints_and_resumes_there(
+        job_env: Env, queue: str) -> None:
+    low, high = job_env.other("low"), job_env.other("high")
+    spec = tiny_spec(steps=900)
+    spec["checkpoint"].update({"interval": INTERVAL})
+    low.create(spec, labels={"kueue.x-k8s.io/queue-name": queue,
+                             "kueue.x-k8s.io/priority-class": "hlat-low"})
+    running = low.wait("low past its first checkpoint",
+                       lambda s: s.get("phase") == "Running"
+                       and (s.get("latestCheckpoint") or {}).get("step", -1) >= INTERVAL, 240)
+    assert running["progress"]["step"] < 600, "the job ran to its end before the preemption"
+
+    high.create(tiny_spec(steps=6), labels={"kueue.x-k8s.io/queue-name": queue,
+                                            "kueue.x-k8s.io/priority-class": "hlat-high"})
+    held = low.wait("low evicted by Kueue",
+                    lambda s: s.get("phase") == "Suspended"
+                    and _condition(s, "Suspended").get("reason") == "EvictedByKueue", 180)
+    assert "Preempted" in _condition(held, "Suspended")["message"], held
+    # the workers trained on to their next checkpoint, then stopped
+    said = [m for r, m in low.event_messages() if r == "EvictedByKueue"
+            and "after their next checkpoint" in m]
+    assert said, low.event_messages()
+    planned = int(re.search(r"next checkpoint \(step (\d+)", said[0]).group(1))  # type: ignore[union-attr]
+    stopped_at = held["latestCheckpoint"]["step"]
+    assert stopped_at >= planned, (held["latestCheckpoint"], said)
+    high_done = high.wait("high Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    assert high_done["restarts"]["total"] == 0
+
+    done = low.wait("low Succeeded", lambda s: s.get("phase") == "Succeeded", 600)
+    # no restart counted, one more attempt: the one Kueue admitted again, from the checkpoint
+    # the preemption waited for; less than an interval trained twice
+    assert done["restarts"]["total"] == 0, done["restarts"]
+    assert done["attempt"] == 1 and done["progress"]["step"] == 900
+    resumed = re.findall(r"resumed from checkpoint step_(\d+)", low.pod_log(1, 0))
+    assert resumed and int(resumed[0]) == stopped_at, (resumed, stopped_at)
+    trained = max(losses(low.pod_log(0, 0)))
+    print(f"preempted: stopped at step {trained} after checkpoint {stopped_at} (planned "
+          f"{planned}): {trained - stopped_at} steps trained again")
+    assert trained - stopped_at < INTERVAL, (trained, stopped_at)
+
+
+# --- topology through Kueue's topology-aware scheduling ----------------------------------------
+
+HOSTNAME = "kubernetes.io/hostname"
+
+
+@pytest.fixture
+def tas_queue(kueue_up: None, job_env: Env, network: dict[str, str]) -> str:
+    """A LocalQueue whose ClusterQueue's flavor has a Topology: the network's layer-3 blocks,
+    then the nodes (Kueue places a pod set within one block and returns the nodes)."""
+    api = job_env.cluster.admin_api()
+    kueue.apply(api, {"apiVersion": kueue.API, "kind": "Topology",
+                      "metadata": {"name": "hlat-e2e-network"},
+                      "spec": {"levels": [{"nodeLabel": L3}, {"nodeLabel": HOSTNAME}]}})
+    kueue.apply(api, {"apiVersion": kueue.API, "kind": "ResourceFlavor",
+                      "metadata": {"name": "trn1-network"},
+                      "spec": {"nodeLabels": {INSTANCE_LABEL: "trn1.32xlarge"},
+                               "topologyName": "hlat-e2e-network"}})
+    kueue.apply(api, {"apiVersion": kueue.API, "kind": "ClusterQueue",
+                      "metadata": {"name": "hlat-e2e-network"},
+                      "spec": {"namespaceSelector": {},
+                               "resourceGroups": [{
+                                   "coveredResources": ["pods", "cpu"],
+                                   "flavors": [{"name": "trn1-network", "resources": [
+                                       {"name": "pods", "nominalQuota": 10},
+                                       {"name": "cpu", "nominalQuota": 1000}]}]}]}})
+    kueue.apply(api, {"apiVersion": kueue.API, "kind": "LocalQueue",
+                      "metadata": {"name": "network", "namespace": job_env.ns},
+                      "spec": {"clusterQueue": "hlat-e2e-network"}})
+    return "network"
+
+
+NODE_CPU = "100"
+"""A worker's cpu request: more than half a rig node's allocatable (trn1.32xlarge, 127610m), so
+one worker per node, as a Trainium worker that requests all the node's devices (the tiny CPU
+jobs request nothing, and Kueue's topology-aware scheduling would pack them onto one node)."""
+
+
+def _spec_in_blocks(nodes: int) -> dict[str, Any]:
+    spec = tiny_spec(steps=4)
+    spec["nodes"] = nodes
+    spec["train"]["globalBatch"] = 2 * nodes
+    spec["scheduling"] = {"topology": {"required": L3}}
+    spec["template"] = {"spec": {"containers": [
+        {"name": "trainer", "resources": {"requests": {"cpu": NODE_CPU}}}]}}
+    return spec
+
+
+def test_kueue_places_a_job_requiring_a_block_in_one_block_by_rank(
+        job_env: Env, tas_queue: str, network: dict[str, str]) -> None:
+    job_env.create(_spec_in_blocks(3), labels={"kueue.x-k8s.io/queue-name": tas_queue})
+    workload = job_env.wait("admitted by topology",
+                            lambda _s: bool(_workload_condition(job_env, "Admitted")
+                                            .get("status") == "True"), 120)
+    assert workload
+    assignment = _workload(job_env)["status"]["admission"]["podSetAssignments"][0]
+    # with the hostname level in the Topology, Kueue assigns nodes (the lowest level only)
+    assert assignment["topologyAssignment"]["levels"] == [HOSTNAME], assignment
+
+    def bound() -> dict[int, Any] | None:
+        pods = [p for p in _pods(job_env) if p.metadata.labels.get("hlat.dev/attempt") == "0"]
+        if len(pods) < 3 or not all(p.spec.node_name for p in pods):
+            return None
+        return {int(p.metadata.labels["hlat.dev/node-rank"]): p for p in pods}
+    job_env.wait("3 pods bound", lambda _s: bound() is not None, 120)
+    pods = bound()
+    assert pods is not None
+    # Kueue's ungater lifted the gate and pinned each rank to its node of one block
+    nodes = {r: p.spec.node_name for r, p in pods.items()}
+    assert {network[n] for n in nodes.values()} == {"nn-blk-b"}, nodes
+    assert len(set(nodes.values())) == 3, nodes  # one worker per node: each takes a node's cpu
+    for pod in pods.values():
+        assert not pod.spec.scheduling_gates, pod.spec.scheduling_gates
+        assert pod.spec.node_selector.get(HOSTNAME) == pod.spec.node_name, pod.spec.node_selector
+    done = job_env.wait_trained()
+    assert done["progress"]["step"] == 4
+
+
+def test_a_job_no_block_holds_waits_in_its_queue_with_kueue_s_reason(
+        job_env: Env, tas_queue: str, network: dict[str, str]) -> None:
+    job_env.create(_spec_in_blocks(4), labels={"kueue.x-k8s.io/queue-name": tas_queue})
+    status = job_env.wait(
+        "waiting in the queue for a block",
+        lambda s: _condition(s, "Suspended").get("reason") == "Queued"
+        and "topology" in _condition(s, "Suspended").get("message", ""), 60)
+    assert status["phase"] == "Suspended" and not _pods(job_env)

@@ -1,0 +1,288 @@
+"""The operator as Kueue's integration for PretrainJob, without a cluster (queueing.py and its
+place in reconcile): the Workload a queued job gets, no pods until Kueue admits it, the
+admission's flavors in the pods, an eviction that stops the pods and releases the quota with no
+restart counted, re-admission resuming as a new attempt, and the Workload Finished at the end.
+test_e2e_kueue.py shows the same against a real Kueue."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from opfakes import JOB, SETTINGS, World, raw_spec
+
+from hlat_api.labels import Reason
+from hlat_api.manifest import parse_spec
+from hlat_operator import builders, queueing
+from hlat_operator.config import OperatorSettings
+from hlat_operator.queueing import Flavor, ObservedWorkload, Queueing, WorkloadCondition
+from hlat_operator.reconcile import CreateObject
+
+WL = "pretrainjob-tiny"
+L3 = "topology.k8s.aws/network-node-layer-3"
+RESERVED = {"QuotaReserved": WorkloadCondition("True", "QuotaReserved", "quota reserved"),
+            "Admitted": WorkloadCondition("True", "Admitted", "admitted")}
+FLAVOR = Flavor("trn1", {"node.kubernetes.io/instance-type": "trn1.32xlarge"},
+                ({"key": "aws.amazon.com/neuron", "operator": "Exists", "effect": "NoSchedule"},))
+
+
+def _waiting(message: str = "insufficient unused quota for pods in flavor trn1, 2 more needed"
+             ) -> ObservedWorkload:
+    return ObservedWorkload(WL, {"QuotaReserved": WorkloadCondition("False", "Pending", message)})
+
+
+def _admitted(**conditions: WorkloadCondition) -> ObservedWorkload:
+    return ObservedWorkload(WL, {**RESERVED, **conditions}, "team-cq", {"workers": ("trn1",)})
+
+
+def _queued_world(**spec: object) -> World:
+    w = World(raw_spec(**spec))
+    w.queueing = Queueing("team", "high", 1000)
+    return w
+
+
+def _workload(w: World) -> dict[str, object]:
+    return w.objects[("Workload", WL)]
+
+
+def test_a_queued_job_gets_a_workload_and_no_pods() -> None:
+    w = _queued_world(**{"faultTolerance.spareNodes": 1,
+                         "faultTolerance.restartStrategy": "InPlace"})
+    w.step()
+    body = _workload(w)
+    spec = body["spec"]
+    assert isinstance(spec, dict)
+    assert spec["queueName"] == "team" and spec["priority"] == 1000
+    assert spec["priorityClassRef"] == {"group": "kueue.x-k8s.io",
+                                        "kind": "WorkloadPriorityClass", "name": "high"}
+    # the spare node counts against quota like a worker
+    assert [(s["name"], s["count"]) for s in spec["podSets"]] == [("workers", 2), ("spares", 1)]
+    meta = body["metadata"]
+    assert isinstance(meta, dict) and meta["ownerReferences"][0]["uid"] == JOB.uid
+    assert w.status.phase == "Suspended" and not w.pods
+    assert w.reasons()[-1] == Reason.QUEUED
+
+    w.queueing = replace(w.queueing, workload=_waiting())  # type: ignore[arg-type]
+    w.run(30)
+    assert not w.pods and w.status.phase == "Suspended"
+    cond = next(c for c in w.status.conditions if c.type == "Suspended")
+    assert cond.reason == Reason.QUEUED
+    assert "LocalQueue team" in cond.message and "2 more needed" in cond.message
+    assert w.decide().queued_seconds >= 30  # hlat_job_queued_seconds, the fleet dashboard's
+
+
+def test_a_missing_priority_class_is_said_and_no_workload_is_made() -> None:
+    w = World()
+    w.queueing = Queueing("team", "urgent", None)
+    w.run(5)
+    assert ("Workload", WL) not in w.objects and not w.pods
+    cond = next(c for c in w.status.conditions if c.type == "Suspended")
+    assert "WorkloadPriorityClass urgent" in cond.message
+
+
+def test_admission_starts_the_gang_with_the_flavor_s_labels_and_tolerations() -> None:
+    w = _queued_world()
+    w.step()
+    w.queueing = replace(w.queueing, workload=_admitted(),  # type: ignore[arg-type]
+                         flavors={"trn1": FLAVOR})
+    decision = w.step()
+    assert w.status.phase == "Pending" and w.reasons()[-1] == Reason.ADMITTED
+    assert w.status.attempt == 0
+    said = next(c for c in w.status.conditions if c.type == "Suspended")
+    assert said.status == "False"
+    pods = [a.obj for a in decision.actions
+            if isinstance(a, CreateObject) and a.obj["kind"] == "Pod"]
+    assert len(pods) == 2
+    for pod in pods:
+        assert pod["spec"]["nodeSelector"]["node.kubernetes.io/instance-type"] == "trn1.32xlarge"
+        assert {"key": "aws.amazon.com/neuron", "operator": "Exists", "effect": "NoSchedule"} \
+            in pod["spec"]["tolerations"]
+    w.until("Running", step=1)
+
+
+def test_flavors_go_into_the_spec_the_pods_are_built_from() -> None:
+    spec = parse_spec(raw_spec())
+    q = Queueing("team", workload=_admitted(), flavors={"trn1": FLAVOR})
+    placed = queueing.admitted_spec(spec, q)
+    assert placed.scheduling.node_selector == {"node.kubernetes.io/instance-type": "trn1.32xlarge"}
+    assert [t.key for t in placed.scheduling.tolerations] == ["aws.amazon.com/neuron"]
+    # applied twice, the same
+    assert queueing.admitted_spec(placed, q) == placed
+
+
+PREEMPTED = WorkloadCondition("True", "Preempted", "Preempted to accommodate a workload "
+                              "(UID: x) due to prioritization in the ClusterQueue")
+
+
+def _training_world(settings: OperatorSettings = SETTINGS) -> World:
+    """A queued job admitted and training at step 25, its checkpoint 20 complete (interval 20,
+    0.5 s steps)."""
+    w = World(raw_spec(), settings=settings)
+    w.queueing = Queueing("team", "high", 1000)
+    w.step()
+    w.queueing = replace(w.queueing, workload=_admitted(), flavors={"trn1": FLAVOR})
+    w.until("Running", step=5)
+    w.schedule()
+    w.beat(25, checkpoint_step=20)
+    w.step()
+    assert w.status.latest_checkpoint and w.status.latest_checkpoint.step == 20
+    return w
+
+
+def test_an_eviction_lets_the_next_checkpoint_finish_then_stops_and_releases_the_quota() -> None:
+    w = _training_world()
+    w.queueing = replace(w.queueing, workload=_admitted(Evicted=PREEMPTED))  # type: ignore[arg-type]
+    w.step()
+    # step 25, next checkpoint 40: 15 steps of 0.5 s, within the bound: the gang trains on
+    assert w.status.phase == "Running" and len(w.live()) == 2
+    said = [e.message for e in w.events if e.reason == Reason.EVICTED_BY_KUEUE]
+    assert said and "next checkpoint (step 40" in said[-1], said
+    w.advance(5)
+    w.beat(35, checkpoint_step=20)
+    w.step()
+    assert w.status.phase == "Running" and not w.workload_writes
+    w.advance(3)
+    w.beat(41, checkpoint_step=40)  # the checkpoint after the eviction is complete: stop
+    w.step()
+    assert w.status.phase == "Suspended" and w.reasons()[-1] == Reason.EVICTED_BY_KUEUE
+    cond = next(c for c in w.status.conditions if c.type == "Suspended")
+    assert "Preempted" in cond.message and "LocalQueue team" in cond.message
+    assert not w.workload_writes, "quota released while pods still run"
+    w.run(3)
+    assert not w.pods
+    released = w.workload_writes[-1]
+    assert released.clear_admission
+    written = {c["type"]: c for c in released.conditions}
+    assert written["QuotaReserved"]["status"] == "False"
+    assert written["Requeued"]["status"] == "True"  # preempted: Kueue queues it again
+    assert w.status.restarts.total == 0
+
+    # Kueue admits it again: a new attempt, from the checkpoint at the stop, no restart counted
+    w.queueing = replace(w.queueing, workload=_admitted())  # type: ignore[arg-type]
+    w.until("Running", step=41)
+    assert w.status.attempt == 1 and w.status.restarts.total == 0
+    assert w.state.evicted_since is None
+
+
+def test_an_eviction_stops_at_once_when_the_next_checkpoint_is_too_far() -> None:
+    for settings, why in ((SETTINGS.model_copy(update={"eviction_checkpoint_seconds": 0}), "off"),
+                          (SETTINGS.model_copy(update={"eviction_checkpoint_seconds": 5}),
+                           "7.5 s away")):
+        w = _training_world(settings)
+        w.queueing = replace(w.queueing, workload=_admitted(Evicted=PREEMPTED))  # type: ignore[arg-type]
+        w.step()
+        assert w.status.phase == "Suspended", why
+
+
+def test_an_eviction_waits_no_longer_than_its_bound() -> None:
+    w = _training_world(SETTINGS.model_copy(update={"eviction_checkpoint_seconds": 10}))
+    w.queueing = replace(w.queueing, workload=_admitted(Evicted=PREEMPTED))  # type: ignore[arg-type]
+    w.step()
+    assert w.status.phase == "Running"
+    w.advance(9)
+    w.beat(30, checkpoint_step=20)  # slower than it said: the checkpoint is not there yet
+    w.step()
+    assert w.status.phase == "Running"
+    w.advance(2)
+    w.beat(32, checkpoint_step=20)
+    w.step()
+    assert w.status.phase == "Suspended"
+
+
+def test_an_ended_job_finishes_its_workload_once() -> None:
+    w = _queued_world()
+    w.step()
+    w.queueing = replace(w.queueing, workload=_admitted(), flavors={"trn1": FLAVOR})  # type: ignore[arg-type]
+    w.until("Running", step=5)
+    w.succeed_all()
+    w.until("Succeeded", step=120)
+    w.step()
+    finished = [c for a in w.workload_writes for c in a.conditions if c["type"] == "Finished"]
+    assert finished and finished[0]["status"] == "True" and finished[0]["reason"] == "Succeeded"
+    w.queueing = replace(w.queueing, workload=_admitted(  # type: ignore[arg-type]
+        Finished=WorkloadCondition("True", "Succeeded")))
+    count = len(w.workload_writes)
+    w.run(5)
+    assert len(w.workload_writes) == count
+
+
+def test_suspend_wins_over_an_admission() -> None:
+    w = _queued_world()
+    w.step()
+    w.queueing = replace(w.queueing, workload=_admitted(), flavors={"trn1": FLAVOR})  # type: ignore[arg-type]
+    w.until("Running", step=5)
+    w.spec["suspend"] = True
+    w.run(3)
+    assert w.status.phase == "Suspended" and not w.pods
+    assert w.reasons()[-1] == Reason.SUSPENDED
+
+
+def test_the_workload_is_parsed_from_what_kueue_writes() -> None:
+    raw = {"metadata": {"name": WL}, "status": {
+        "conditions": [{"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved",
+                        "message": "Quota reserved in ClusterQueue team-cq"},
+                       {"type": "Admitted", "status": "True", "reason": "Admitted"}],
+        "admission": {"clusterQueue": "team-cq", "podSetAssignments": [
+            {"name": "workers", "flavors": {"pods": "trn1", "cpu": "trn1"}, "count": 2}]}}}
+    wl = queueing.parse_workload(raw)
+    assert wl.cluster_queue == "team-cq" and wl.flavors == {"workers": ("trn1",)}
+    assert queueing.state(Queueing("team", workload=wl)) == "admitted"
+    assert not wl.placed_by_topology
+    raw["status"]["admission"]["podSetAssignments"][0]["topologyAssignment"] = {  # type: ignore[index]
+        "levels": [L3, "kubernetes.io/hostname"], "slices": []}
+    assert queueing.parse_workload(raw).placed_by_topology
+    flavor = queueing.parse_flavor({"metadata": {"name": "trn1"}, "spec": {
+        "nodeLabels": {"a": "b"}, "tolerations": [{"key": "k", "operator": "Exists"}]}})
+    assert flavor.node_labels == {"a": "b"} and flavor.tolerations[0]["key"] == "k"
+
+
+def test_a_topology_becomes_the_workers_topology_request_ranks_as_the_pod_index() -> None:
+    spec = parse_spec(raw_spec(**{"scheduling.topology": {"required": L3}}))
+    body = queueing.build_workload(JOB, spec, Queueing("team"), SETTINGS)
+    assert body["spec"]["podSets"][0]["topologyRequest"] == {
+        "required": L3, "podIndexLabel": "hlat.dev/node-rank"}
+    # spare pods hold no rank: the operator places by its own plan after admission
+    spared = parse_spec(raw_spec(**{"scheduling.topology": {"required": L3},
+                                    "faultTolerance.spareNodes": 1,
+                                    "faultTolerance.restartStrategy": "InPlace"}))
+    assert queueing.topology_request(spared) is None
+
+
+def test_an_admission_by_topology_gates_the_pods_for_kueue_s_ungater() -> None:
+    spec = parse_spec(raw_spec(**{"scheduling.topology": {"required": L3}}))
+    placed_by_kueue = replace(_admitted(), placed_by_topology=True)
+    q = Queueing("team", workload=placed_by_kueue, flavors={"trn1": FLAVOR})
+    placed = queueing.admitted_spec(spec, q)
+    assert placed.scheduling.topology is None  # no plan of the operator's own
+    assert placed.template is not None
+    pod = builders.build_worker_pod(JOB, placed, 0, 1, SETTINGS)
+    assert {"name": "kueue.x-k8s.io/topology"} in pod["spec"]["schedulingGates"]
+    meta = pod["metadata"]
+    assert meta["annotations"]["kueue.x-k8s.io/workload"] == WL
+    assert meta["annotations"]["kueue.x-k8s.io/podset-required-topology"] == L3
+    assert meta["labels"]["kueue.x-k8s.io/podset"] == "workers"
+    assert meta["labels"]["hlat.dev/node-rank"] == "1"
+    # admitted without a topology assignment: the operator's own plan, no gate
+    plain = queueing.admitted_spec(spec, Queueing("team", workload=_admitted(),
+                                                  flavors={"trn1": FLAVOR}))
+    assert plain.scheduling.topology is not None and plain.template is None
+
+
+def test_a_checkpoint_in_flight_at_the_eviction_is_not_the_one_waited_for() -> None:
+    """At step 45 with checkpoint 40 still being written (20 the latest complete), the workers
+    train on to 60: 40 completing is not the checkpoint after the eviction."""
+    w = _training_world()
+    w.advance(1)
+    w.beat(45, checkpoint_step=20)
+    w.step()
+    w.queueing = replace(w.queueing, workload=_admitted(Evicted=PREEMPTED))  # type: ignore[arg-type]
+    w.step()
+    said = [e.message for e in w.events if e.reason == Reason.EVICTED_BY_KUEUE]
+    assert said and "next checkpoint (step 60" in said[-1], said
+    w.advance(1)
+    w.beat(47, checkpoint_step=40)
+    w.step()
+    assert w.status.phase == "Running"
+    w.advance(6)
+    w.beat(61, checkpoint_step=60)
+    w.step()
+    assert w.status.phase == "Suspended"

@@ -1,0 +1,202 @@
+"""Straggler detection: scoring a node against its gang, the window, and what a job shows."""
+
+from __future__ import annotations
+
+import random
+import re
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from opfakes import World, raw_spec
+
+from hlat_api import labels
+from hlat_api.heartbeat import Activity, Heartbeat
+from hlat_operator import stragglers
+from hlat_operator.metrics import OperatorMetrics
+from hlat_operator.observe import ObservedLease, parse_time
+from hlat_operator.reconcile import Decision
+
+
+def test_a_node_is_scored_against_the_median_of_the_others_not_an_absolute_figure() -> None:
+    ratios = stragglers.slowdowns({"a": 0.13, "b": 0.10, "c": 0.10, "d": 0.11})
+    assert round(ratios["a"], 2) == 1.3 and round(ratios["b"], 2) == 0.91
+    # a bigger model or a busier host moves every node alike: the scores do not move
+    doubled = stragglers.slowdowns({"a": 0.26, "b": 0.20, "c": 0.20, "d": 0.22})
+    assert doubled == pytest.approx(ratios)
+    assert stragglers.slowdowns({"a": 9.0}) == {}  # one node: nothing to compare it with
+
+
+def test_a_node_is_flagged_only_after_the_window_and_starts_over_when_back_under() -> None:
+    now = World().now
+    ratios = {"a": 1.4, "b": 0.7}
+    flagged, over = stragglers.judge(ratios, {}, now, 0.2, 30)
+    assert flagged == [] and over == {"a": now}
+    later = now + timedelta(seconds=29)
+    assert stragglers.judge(ratios, over, later, 0.2, 30)[0] == []
+    flagged, _ = stragglers.judge(ratios, over, now + timedelta(seconds=30), 0.2, 30)
+    assert [(s.node, s.since) for s in flagged] == [("a", now)]
+    _, over = stragglers.judge({"a": 1.1, "b": 0.9}, over, later, 0.2, 30)
+    assert over == {}  # back under the threshold: its next time over starts afresh
+
+
+def test_healthy_nodes_with_noisy_step_times_raise_no_flag() -> None:
+    """8 nodes, each step's compute time drawn with 10% noise, each node's report the median of
+    its last 20 steps (what a worker sends): over 1000 reports no healthy node ever crosses
+    1.2x; a node 30% slower (compute x 1/0.7) is over in every report."""
+    rng = random.Random(7)
+    windows: dict[str, list[float]] = {f"n{i}": [] for i in range(8)}
+
+    def report(slow: dict[str, float]) -> dict[str, float]:
+        for node, window in windows.items():
+            window.append(0.1 * slow.get(node, 1.0) * rng.gauss(1.0, 0.1))
+            del window[:-20]
+        return {n: sorted(w)[len(w) // 2] for n, w in windows.items()}
+
+    for slow in ({}, {"n5": 1 / 0.7}):
+        for _ in range(40):
+            report(slow)  # the windows fill with this regime first
+        over = [{n for n, r in stragglers.slowdowns(report(slow)).items() if r > 1.2}
+                for _ in range(1000)]
+        assert all(nodes == set(slow) for nodes in over), (slow, [o for o in over if o][:5])
+
+
+def _beat_compute(w: World, compute: dict[int, float], step: int,
+                  checkpoint: int | None = None) -> None:
+    """Every running worker renews, node rank r reporting compute time `compute[r]`."""
+    for pod in w.pods.values():
+        if pod.phase != "Running" or pod.attempt is None or pod.rank is None or pod.spare:
+            continue
+        name = labels.worker_lease_name("tiny", pod.attempt, pod.rank)
+        hb = Heartbeat(phase="training", step=step, attempt=pod.attempt, step_seconds=0.5,
+                       compute_seconds=compute[pod.rank], checkpoint_step=checkpoint,
+                       activity=Activity(productive=step * 0.5), progress_time=w.now)
+        w.leases[name] = ObservedLease(name, w.now, hb)
+
+
+def _condition(w: World) -> dict[str, Any]:
+    return next((c.model_dump() for c in w.status.conditions if c.type == "Straggler"), {})
+
+
+def test_the_job_names_the_slow_node_after_the_window_then_clears_it() -> None:
+    w = World(raw_spec(faultTolerance={"stragglers": {"threshold": 0.2, "windowSeconds": 30}}))
+    w.until("Running")
+    slow_node = next(p.node for p in w.pods.values() if p.rank == 1)
+    step = 10
+    decision: Decision | None = None
+    for _ in range(20):  # healthy: nothing flagged
+        _beat_compute(w, {0: 0.10, 1: 0.104}, step)
+        decision = w.step()
+        w.advance(2)
+        step += 4
+    assert _condition(w) == {} and decision is not None
+    assert decision.slowdowns[slow_node] < 1.2
+    assert w.status.goodput.badput_seconds.straggler == 0  # within the threshold: no badput
+    flagged_at, slow_from = None, w.now
+    for t in range(0, 60, 2):  # rank 1's node slowed by 30%: compute x 1/0.7
+        _beat_compute(w, {0: 0.10, 1: 0.143}, step)
+        decision = w.step()
+        if _condition(w).get("status") == "True" and flagged_at is None:
+            flagged_at = t
+        w.advance(2)
+        step += 3
+    assert flagged_at == 30, flagged_at  # not before the window, not a resync later
+    shown = _condition(w)
+    assert shown["reason"] == "Straggler" and shown["message"].startswith(
+        f"node {slow_node} computes 1.43x the median of the other nodes"), shown
+    warnings = [e for e in w.events if e.reason == "Straggler"]
+    assert len(warnings) == 1 and warnings[0].type == "Warning"  # once, not every pass
+    assert w.status.restarts.total == 0 and w.status.phase == "Running"
+    # goodput: the time the others waited for it, (0.143 - 0.10) s of every 0.5 s step, for
+    # as long as it was slow up to the status's time (from its first slow report: the window
+    # counted on the pass that flags it, not before; a noisy node never flagged costs none)
+    g = w.status.goodput
+    slow_seconds = (parse_time(w.status.accounted_at) - slow_from).total_seconds()
+    assert slow_seconds > 40
+    assert g.badput_seconds.straggler == pytest.approx(slow_seconds * 0.043 / 0.5, rel=0.01)
+    assert g.productive_seconds + sum(g.badput_seconds.model_dump().values()) == pytest.approx(
+        g.wall_seconds, abs=0.01)
+    metrics = OperatorMetrics()
+    metrics.observe("default", "tiny", decision)
+    body = metrics.render().decode()
+    series = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+              if line.startswith("hlat_node_step_slowdown_ratio{")}
+    mine = [v for k, v in series.items() if f'node="{slow_node}"' in k and 'job="tiny"' in k]
+    assert mine == [pytest.approx(1.43)] and len(series) == 2, series
+    _beat_compute(w, {0: 0.10, 1: 0.10}, step)
+    w.step()
+    assert _condition(w)["status"] == "False" and _condition(w)["reason"] == "NoStraggler"
+
+
+def test_replace_moves_the_slow_node_s_rank_to_a_spare_at_the_next_checkpoint() -> None:
+    """action Replace with a ready spare: nothing moves before a checkpoint completed after the
+    flag; then an in-place restart (no budget used) deletes the slow node's pod, avoids the
+    node, and the spare takes its rank."""
+    w = World(raw_spec(**{"faultTolerance.restartStrategy": "InPlace",
+                          "faultTolerance.spareNodes": 1,
+                          "faultTolerance.stragglers": {"action": "Replace",
+                                                        "windowSeconds": 30}}))
+    w.until("Running")
+    for _ in range(3):  # the spare comes once the attempt trains
+        w.schedule()
+        _beat_compute(w, {0: 0.10, 1: 0.10}, 5, checkpoint=4)
+        w.step()
+    assert w.pods["tiny-s0"].phase == "Running"
+    slow = w.pod_of(1)
+    for t in range(0, 50, 2):  # flagged at 30 s, but the newest checkpoint predates the flag
+        _beat_compute(w, {0: 0.10, 1: 0.15}, 10 + t, checkpoint=4)
+        w.step()
+        w.advance(2)
+    assert _condition(w)["status"] == "True" and w.status.phase == "Running"
+    assert w.status.restarts.total == 0 and "tiny-a0-1" in w.pods
+    _beat_compute(w, {0: 0.10, 1: 0.15}, 62, checkpoint=60)  # the next checkpoint completes
+    w.step()
+    w.advance(1)
+    _beat_compute(w, {0: 0.10, 1: 0.15}, 63, checkpoint=60)
+    w.step()
+    assert w.status.phase == "Restarting", w.status.conditions
+    failure = w.status.last_failure
+    assert failure is not None and failure.reason == "Straggler" and failure.node == slow.node
+    assert "moves to spare tiny-s0 at checkpoint step_60" in failure.message
+    assert (w.status.restarts.total, w.status.restarts.counted) == (1, 0)  # no budget used
+    assert [a.node for a in w.status.avoided_nodes] == [slow.node]
+    assert "tiny-a0-1" not in w.pods  # deleted: the spare takes its rank
+    for _ in range(10):
+        w.schedule()
+        w.step()
+        w.advance(1)
+        if w.status.attempt == 1:
+            break
+    assert w.pods["tiny-s0"].rank == 1 and not w.pods["tiny-s0"].spare
+    assert w.pods["tiny-a0-0"].rank == 0 and w.status.attempt == 1
+
+
+def test_replace_without_a_spare_restarts_off_the_node_once_it_cost_more_than_a_restart(
+) -> None:
+    """No spare: the slow node stays while the time it cost is under what a restart of this
+    job costs (measured: its attempts' starts from goodput, plus the backoff); once over, at a
+    checkpoint, the job restarts off it (node avoided, no budget used, the message saying
+    both figures)."""
+    w = World(raw_spec(**{"faultTolerance.restartStrategy": "InPlace",
+                          "faultTolerance.stragglers": {"action": "Replace",
+                                                        "windowSeconds": 30}}))
+    w.until("Running")
+    w.advance(20)  # the gang's start, charged as pending at the first report
+    slow = w.pod_of(1)
+    step, t = 10, 0
+    while w.status.phase == "Running" and t < 600:
+        _beat_compute(w, {0: 0.10, 1: 0.15}, step, checkpoint=step - step % 4)
+        w.step()
+        if t == 60:  # flagged, 6 s lost (0.05 of every 0.5 s step): under a restart's cost
+            assert _condition(w)["status"] == "True" and w.status.restarts.total == 0
+        w.advance(2)
+        step, t = step + 1, t + 2
+    failure = w.status.last_failure
+    assert failure is not None and failure.reason == "Straggler" and failure.node == slow.node
+    lost, cost = (float(x) for x in re.findall(
+        r"has cost (\d+)s, more than a restart \((\d+)s measured\)", failure.message)[0])
+    assert lost >= cost > 4 + 10, failure.message  # the backoff + the measured start
+    assert 0.1 * t == pytest.approx(lost, abs=4), (t, failure.message)  # moved once it paid
+    assert (w.status.restarts.total, w.status.restarts.counted) == (1, 0)
+    assert [a.node for a in w.status.avoided_nodes] == [slow.node]
+    assert "tiny-a0-1" not in w.pods  # recreated elsewhere, not restarted on the slow node

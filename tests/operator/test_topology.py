@@ -1,0 +1,227 @@
+"""Network-topology placement (spec.scheduling.topology): which nodes a gang takes, which rank
+goes where, what a replaced rank gets, and a job that waits when no domain holds it. The plan
+is pure (topology.py); the World runs it through decide() and a scheduler that honours node
+affinity as kube-scheduler does (required terms filter, preferred weights rank)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from opfakes import World, raw_spec
+from pydantic import ValidationError
+
+from hlat_api.labels import Reason
+from hlat_api.spec import PretrainJobSpec, TopologySpec
+from hlat_operator import topology
+from hlat_operator.builders import RankPlacement, build_node_affinity
+from hlat_operator.observe import ObservedNode
+
+L1, L2, L3 = (f"topology.k8s.aws/network-node-layer-{i}" for i in (1, 2, 3))
+
+# two layer-2 switches; under them layer-3 blocks of 2 (a), 3 (b) and 4 (c); names interleave
+# across blocks, so name order is not topology order
+RIG = {
+    "n0": ("s1", "s2-x", "a"), "n3": ("s1", "s2-x", "a"),
+    "n1": ("s1", "s2-x", "b"), "n2": ("s1", "s2-x", "b"), "n4": ("s1", "s2-x", "b"),
+    "n5": ("s1", "s2-y", "c"), "n6": ("s1", "s2-y", "c"), "n7": ("s1", "s2-y", "c"),
+    "n8": ("s1", "s2-y", "c"),
+}
+
+
+def _node(name: str, where: tuple[str, str, str]) -> ObservedNode:
+    return ObservedNode(name, labels=dict(zip((L1, L2, L3), where, strict=True)))
+
+
+NODES = [_node(n, w) for n, w in sorted(RIG.items())]
+
+
+def _block(name: str) -> str:
+    return RIG[name][2]
+
+
+def _names(nodes: list[ObservedNode] | None) -> list[str]:
+    assert nodes is not None
+    return [n.name for n in nodes]
+
+
+def test_a_required_level_takes_the_tightest_domain_that_holds_the_gang() -> None:
+    required = TopologySpec(required=L3)
+    assert _names(topology.plan(NODES, 3, required)) == ["n1", "n2", "n4"]  # b, not c
+    assert _names(topology.plan(NODES, 2, required)) == ["n0", "n3"]  # a
+    assert _names(topology.plan(NODES, 4, required)) == ["n5", "n6", "n7", "n8"]
+    assert topology.plan(NODES, 5, required) is None
+    assert topology.largest_domain(NODES, L3) == ("c", 4)
+    # a layer-2 domain: the whole of s2-x (5 nodes) for 5; ranks follow the blocks in it
+    assert [_block(n) for n in _names(topology.plan(NODES, 5, TopologySpec(required=L2)))] \
+        == ["a", "a", "b", "b", "b"]
+
+
+def test_a_gang_over_several_domains_takes_as_few_as_it_can_its_ranks_contiguous() -> None:
+    preferred = TopologySpec(preferred=L3)
+    # 6: no layer-2 switch holds 6, so the largest (s2-x: a and b, 5) whole, then 1 of s2-y
+    six = _names(topology.plan(NODES, 6, preferred))
+    assert [_block(n) for n in six] == ["a", "a", "b", "b", "b", "c"]
+    # 7 within s2-x (5) and s2-y (4): s2-x whole, then 2 of c
+    seven = _names(topology.plan(NODES, 7, preferred))
+    assert [_block(n) for n in seven] == ["a", "a", "b", "b", "b", "c", "c"]
+    # 3: the tightest layer-2 switch that holds it (s2-y, 4), one block there: never spread
+    assert [_block(n) for n in _names(topology.plan(NODES, 3, preferred))] == ["c"] * 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 2), st.integers(0, 3)),
+                min_size=1, max_size=24),
+       st.integers(1, 24), st.sampled_from([None, L1, L2, L3]))
+def test_any_plan_is_distinct_usable_nodes_each_domain_s_ranks_contiguous(
+        places: list[tuple[int, int, int]], count: int, required: str | None) -> None:
+    nodes = [ObservedNode(f"node-{i}", labels={L1: f"p{a}", L2: f"p{a}-q{b}",
+                                               L3: f"p{a}-q{b}-r{c}"})
+             for i, (a, b, c) in enumerate(places)]
+    topo = TopologySpec(required=required) if required else TopologySpec(preferred=L3)
+    ranked = topology.plan(nodes, count, topo)
+    if ranked is None:
+        sizes = [topology.largest_domain(nodes, required)[1]] if required else [len(nodes)]
+        assert max(sizes) < count
+        return
+    names = _names(ranked)
+    assert len(names) == count == len(set(names))
+    if required:
+        assert len({n.labels[required] for n in ranked}) == 1
+    for level in (L1, L2, L3):  # at every level, one run of ranks per domain
+        runs = [v for i, v in enumerate(n.labels[level] for n in ranked)
+                if i == 0 or ranked[i - 1].labels[level] != v]
+        assert len(runs) == len(set(runs)), (level, [n.labels[level] for n in ranked])
+
+
+def test_a_replaced_rank_goes_next_to_its_neighbours_in_the_gang_s_domain() -> None:
+    by_name = {n.name: n for n in NODES}
+    gang = {0: by_name["n5"], 2: by_name["n7"]}  # rank 1 (on n6) was lost
+    free = [by_name[n] for n in ("n0", "n8")]
+    place = topology.replacement(1, free, gang, TopologySpec(required=L2))
+    assert place == RankPlacement(node="n8", required=(L2, "s2-y"), near=(L3, "c"))
+    # nothing free in the domain: the domain only, the scheduler picks (or it waits)
+    assert topology.replacement(1, free[:1], gang, TopologySpec(required=L3)) \
+        == RankPlacement(required=(L3, "c"))
+    # preferred: the closest free node anywhere
+    assert topology.replacement(1, free[:1], gang, TopologySpec(preferred=L3)).node == "n0"
+
+
+def test_the_affinity_keeps_the_avoided_nodes_out_and_the_gang_in_its_domain() -> None:
+    place = RankPlacement(node="n1", required=(L3, "b"), near=(L3, "b"))
+    affinity = build_node_affinity(["n9"], place)["nodeAffinity"]
+    (term,) = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    # one term: its expressions are ANDed (two terms would be ORed, and avoiding would not hold)
+    assert term["matchFields"] == [{"key": "metadata.name", "operator": "NotIn",
+                                    "values": ["n9"]}]
+    assert term["matchExpressions"] == [{"key": L3, "operator": "In", "values": ["b"]}]
+    weights = {t["weight"]: t["preference"]
+               for t in affinity["preferredDuringSchedulingIgnoredDuringExecution"]}
+    assert weights[100]["matchFields"][0]["values"] == ["n1"]
+    assert weights[50]["matchExpressions"][0] == {"key": L3, "operator": "In", "values": ["b"]}
+
+
+@pytest.mark.parametrize(("topo", "field"), [
+    ({}, "spec.scheduling.topology"),
+    ({"required": L3, "preferred": L3}, "spec.scheduling.topology"),
+    ({"required": "kubernetes.io/hostname"}, "spec.scheduling.topology.required"),
+    ({"preferred": L3, "levels": [L1, L3, L3]}, "spec.scheduling.topology.levels"),
+    ({"required": "not a label"}, "scheduling.topology.required"),
+])
+def test_a_topology_that_cannot_mean_anything_is_refused_naming_the_field(
+        topo: dict[str, object], field: str) -> None:
+    with pytest.raises(ValidationError, match=field.replace(".", r"\.")):
+        PretrainJobSpec.model_validate(raw_spec(**{"scheduling.topology": topo}))
+
+
+def _world(nodes: int, topo: dict[str, object], **spec: object) -> World:
+    w = World(raw_spec(nodes=nodes, **{"scheduling.topology": topo,
+                                       "train.globalBatch": 4 * nodes}, **spec),
+              nodes=tuple(sorted(RIG)))
+    w.nodes = {n: _node(n, RIG[n]) for n in RIG}
+    return w
+
+
+def test_a_job_requiring_a_block_runs_there_with_ranks_in_topology_order() -> None:
+    w = _world(3, {"required": L3})
+    w.until("Running", step=1)
+    placed = {p.rank: p.node for p in w.live()}
+    assert placed == {0: "n1", 1: "n2", 2: "n4"}  # block b; the default scheduler took n0..n2
+    assert "placed by network topology in " + L3 + "=b" in " ".join(
+        e.message for e in w.events if e.reason == Reason.PLACED)
+
+
+def test_a_job_no_domain_holds_waits_without_pods_and_starts_when_one_does() -> None:
+    w = _world(5, {"required": L3})
+    w.run(15)
+    assert w.status.phase == "Pending" and not w.pods
+    cond = next(c for c in w.status.conditions if c.type == "Schedulable")
+    assert cond.status == "False" and cond.reason == Reason.TOPOLOGY_UNAVAILABLE
+    assert f"no {L3} domain has 5 usable nodes (the largest, c, has 4)" in cond.message
+    assert w.reasons().count(Reason.TOPOLOGY_UNAVAILABLE) == 1  # said once, not every pass
+    w.nodes["n9"] = _node("n9", ("s1", "s2-y", "c"))  # capacity arrives in block c
+    w.until("Running", step=1, limit=30)
+    assert sorted(p.node for p in w.live()) == ["n5", "n6", "n7", "n8", "n9"]
+    w.run(2, step=1)
+    cond = next(c for c in w.status.conditions if c.type == "Schedulable")
+    assert cond.status == "True"
+
+
+def test_a_job_requiring_a_level_no_node_carries_says_so() -> None:
+    w = World(raw_spec(**{"scheduling.topology": {"required": L3}}))  # unlabelled nodes
+    w.run(3)
+    cond = next(c for c in w.status.conditions if c.type == "Schedulable")
+    assert f"no usable node carries the label {L3}" in cond.message and not w.pods
+
+
+def test_a_rank_whose_node_was_lost_comes_back_in_the_block_next_to_its_neighbours() -> None:
+    w = _world(3, {"required": L2}, **{"faultTolerance.restartStrategy": "InPlace"})
+    w.until("Running", step=1)
+    before = {p.rank: p.node for p in w.live()}
+    assert before == {0: "n5", 1: "n6", 2: "n7"}  # s2-y, the tightest switch holding 3
+    w.node_down("n6")
+    w.run(60, step=2)
+    assert w.status.restarts.in_place == 1 and w.status.phase == "Running"
+    after = {p.rank: p.node for p in w.live() if p.node != "n6"}
+    # ranks 0 and 2 kept in place; rank 1 on the free node of the domain (n0..n4 are free too,
+    # under the other switch; the default scheduler would take n0)
+    assert after == {0: "n5", 1: "n8", 2: "n7"}
+
+
+def test_without_topology_pods_carry_no_topology_affinity() -> None:
+    w = World(raw_spec())
+    w.until("Running", step=1)
+    assert not w.requires.get("tiny-a0-0") and not w.prefers.get("tiny-a0-0")
+    assert Reason.PLACED not in w.reasons()
+
+
+
+def test_a_gang_preferring_blocks_gets_its_planned_nodes_rank_by_rank() -> None:
+    """Six ranks over blocks a (2), b (3) and one of c: the scheduler, free to put any pod
+    anywhere, follows each pod's planned node (name order would give rank 1 a node of b)."""
+    w = _world(6, {"preferred": L3})
+    w.until("Running", step=1)
+    placed = [p.node for p in sorted(w.live(), key=lambda p: p.rank or 0)]
+    assert placed == ["n0", "n3", "n1", "n2", "n4", "n5"]
+    assert [_block(n) for n in placed] == ["a", "a", "b", "b", "b", "c"]
+
+
+def test_ultraserver_labels_as_levels_give_whole_ultraservers_ranks_by_node_id() -> None:
+    """The Neuron docs' UltraServer labels (aws-neuron-sdk deploy/eks/ultraserver.rst:337-363:
+    neuron.amazonaws.com/ultraserver-server-id-4 / -server-id-2 / -node-id-4) as levels: a
+    4-node job gets one whole UltraServer, ranks in NeuronLink node-id order (what the SDK's
+    k8s-ultraserver-init-script.sh orders its hostfile by); 8 nodes, two whole ones."""
+    us4, us2, nid = (f"neuron.amazonaws.com/ultraserver-{k}"
+                     for k in ("server-id-4", "server-id-2", "node-id-4"))
+    nodes = [ObservedNode(f"ip-{server}-{9 - i}", labels={
+        us4: f"us{server}", us2: f"us{server}-{i // 2}", nid: str(i)})
+        for server in (1, 2) for i in range(4)]
+    topo = TopologySpec(required=us4, levels=[us4, us2, nid])
+    four = topology.plan(nodes, 4, topo)
+    assert four is not None
+    assert [n.labels[nid] for n in four] == ["0", "1", "2", "3"]  # names run the other way
+    assert len({n.labels[us4] for n in four}) == 1
+    eight = topology.plan(nodes, 8, TopologySpec(preferred=us4, levels=[us4, us2, nid]))
+    assert eight is not None
+    assert [(n.labels[us4], n.labels[nid]) for n in eight] == [
+        (f"us{s}", str(i)) for s in (1, 2) for i in range(4)]

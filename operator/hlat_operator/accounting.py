@@ -51,12 +51,14 @@ RESUMING_PHASES = ("starting", "compiling")
 """A worker in these phases has not resumed yet: it reports step 0, not the job's progress."""
 
 
-def progress_of(beats: list[Heartbeat | None], total_steps: int | None = None
-                ) -> Progress | None:
+def progress_of(beats: list[Heartbeat | None], total_steps: int | None = None,
+                previous: Progress | None = None) -> Progress | None:
     """The gang's progress from its workers' heartbeats (`beats[0]`: rank 0's, whose loss and
     throughput are reported when it has any); None until one of them has resumed training, so
     that a restarted job is not shown back at step 0. With `total_steps`: the summary and ETA
-    `kubectl get pj` shows."""
+    `kubectl get pj` shows. The validation loss is the latest any gang reported: `previous`'s
+    until this gang evaluates (a gang resumed after the last evaluation, from the final
+    checkpoint say, reports none)."""
     live = [b for b in beats if b is not None and b.phase not in RESUMING_PHASES]
     if not live:
         return None
@@ -77,6 +79,10 @@ def progress_of(beats: list[Heartbeat | None], total_steps: int | None = None
         progress.validation_loss = evaluated.validation_loss
         progress.validation_step = evaluated.validation_step
         progress.validation_loss_text = f"{evaluated.validation_loss:.4g}"
+    elif previous is not None and previous.validation_loss is not None:
+        progress.validation_loss = previous.validation_loss
+        progress.validation_step = previous.validation_step
+        progress.validation_loss_text = previous.validation_loss_text
     if total_steps:
         progress.total_steps = total_steps
         progress.summary = f"{step}/{total_steps} ({100 * step / total_steps:.1f}%)"

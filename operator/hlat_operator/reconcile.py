@@ -1365,7 +1365,7 @@ def _update_progress(p: _Pass, spec: PretrainJobSpec) -> None:
     if lead is not None and p.old.phase in ACTIVE and (
             lead.phase not in accounting.RESUMING_PHASES) and lead.step > p.state.high_step:
         p.state = p.state.model_copy(update={"high_step": lead.step})
-    progress = accounting.progress_of(beats, spec.total_steps)
+    progress = accounting.progress_of(beats, spec.total_steps, p.status.progress)
     if progress is not None:
         p.status.progress = progress
     newer = accounting.newer_checkpoint(beats, p.status.latest_checkpoint, p.stamp)

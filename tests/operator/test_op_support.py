@@ -387,6 +387,22 @@ def test_progress_shows_the_newest_validation_loss_any_worker_reported() -> None
     assert p is not None and p.validation_loss is None and p.validation_loss_text is None
 
 
+def test_a_restarted_gang_keeps_showing_the_last_validation_loss_until_it_evaluates() -> None:
+    """A gang resumed after the last evaluation (from the final checkpoint, say) reports no
+    validation loss: the status keeps the one an earlier gang reported, not a blank."""
+    from hlat_operator.accounting import progress_of
+
+    earlier = progress_of([Heartbeat(phase="training", step=400, validation_loss=2.6,
+                                     validation_step=400)], total_steps=400)
+    resumed = [Heartbeat(phase="finished", step=400, loss=2.5)]
+    p = progress_of(resumed, 400, earlier)
+    assert p is not None
+    assert (p.validation_loss, p.validation_step, p.validation_loss_text) == (2.6, 400, "2.6")
+    p = progress_of([Heartbeat(phase="training", step=410, validation_loss=2.4,
+                               validation_step=410)], 400, earlier)
+    assert p is not None and (p.validation_loss, p.validation_step) == (2.4, 410)
+
+
 def test_goodput_counters_follow_the_status_and_never_go_back() -> None:
     """Counters start at the status's figures when a job is first seen (an operator restarted
     mid-job does not replay its history as an increase from 0 in one scrape), advance by what

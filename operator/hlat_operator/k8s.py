@@ -147,6 +147,15 @@ _CUSTOM_KINDS = {"PodGroup": "podgroups", "Workload": "workloads"}
 """Custom resources the operator creates (Volcano's, Kueue's), by plural: a 404 on creating one
 means that API is not installed."""
 
+_NOT_INSTALLED = {
+    "PodGroup": "Volcano's PodGroup API (scheduling.volcano.sh/v1beta1) is not served: install "
+                "Volcano, or unset spec.scheduling.schedulerName (volcano)",
+    "Workload": "Kueue's Workload API (kueue.x-k8s.io/v1beta2) is not served: install Kueue "
+                "v0.17 or later (docs/operator.md, Kueue), or remove the job's label "
+                "kueue.x-k8s.io/queue-name",
+}
+"""What a 404 on creating a custom kind means, and the two ways out."""
+
 _KINDS: dict[str, tuple[str, str, bool]] = {
     "Pod": ("core", "pod", False),
     "Service": ("core", "service", True),
@@ -420,7 +429,9 @@ class Kube:
                     self.sleep(FORBIDDEN_RETRY_SECONDS)
                     continue
                 if permanent(wrapped, kind):
-                    raise Rejected(str(wrapped), wrapped.status) from err
+                    hint = _NOT_INSTALLED.get(kind) if wrapped.status == 404 else None
+                    raise Rejected(f"{wrapped}: {hint}" if hint else str(wrapped),
+                                   wrapped.status) from err
                 if wrapped.status != 409:
                     raise wrapped from err
                 break

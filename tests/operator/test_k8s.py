@@ -214,6 +214,20 @@ def test_a_create_refused_for_good_is_rejected_and_a_passing_refusal_retried(
         k.execute(JOB, decision(CreateObject(obj)))
     assert isinstance(err.value, Rejected) is rejected
     assert message in str(err.value) and f"create {kind}" in str(err.value)
+    if kind == "PodGroup" and status == 404:  # the job's Failed message says what to do
+        assert "install Volcano, or unset spec.scheduling.schedulerName" in str(err.value)
+
+
+def test_a_job_in_a_kueue_queue_without_kueue_is_told_to_install_it_or_leave_the_queue() -> None:
+    obj = {"kind": "Workload", "apiVersion": "kueue.x-k8s.io/v1beta2",
+           "metadata": {"name": "pretrainjob-tiny"}}
+    k = kube(custom={"create_namespaced_custom_object": api_error(
+        404, "the server could not find the requested resource")})
+    with pytest.raises(Rejected) as err:
+        k.execute(JOB, decision(CreateObject(obj)))
+    assert "create Workload" in str(err.value)
+    assert "install Kueue v0.17 or later" in str(err.value)
+    assert "remove the job's label kueue.x-k8s.io/queue-name" in str(err.value)
 
 
 RBAC_REFUSAL = ('pods is forbidden: User "system:serviceaccount:hlat:hlat-operator" cannot '

@@ -54,6 +54,7 @@ from hlat_operator.reconcile import (
     PatchPod,
     PatchState,
     PatchStatus,
+    SetWorkloadActive,
     WriteWorkloadStatus,
 )
 
@@ -408,6 +409,8 @@ class Kube:
             self._delete_job(job)
         elif isinstance(action, WriteWorkloadStatus):
             self._write_workload_status(job, action)
+        elif isinstance(action, SetWorkloadActive):
+            self._set_workload_active(job, action.active)
         else:  # pragma: no cover - exhaustive over Action
             raise TypeError(f"unknown action {action!r}")
 
@@ -466,6 +469,19 @@ class Kube:
         verb = "patch" if kind == "Lease" else "replace"
         _discard(getattr(getattr(self, api), f"{verb}_namespaced_{suffix}")(
             name, ns, body, _preload_content=False))
+
+    def _set_workload_active(self, job: JobRef, active: bool) -> None:
+        """Merge-patch the Workload's spec.active; a Workload that is gone needs nothing."""
+        name = queueing.workload_name(job)
+        try:
+            _discard(self.custom.patch_namespaced_custom_object(
+                queueing.GROUP, queueing.VERSION, job.namespace, "workloads", name,
+                {"spec": {"active": active}}, _preload_content=False))
+        except _API_ERRORS as err:
+            wrapped = _wrap(f"set spec.active={str(active).lower()} on Workload "
+                            f"{job.namespace}/{name}", err)
+            if not isinstance(wrapped, NotFound):
+                raise wrapped from err
 
     def _write_workload_status(self, job: JobRef, action: WriteWorkloadStatus) -> None:
         """Set the action's conditions on the job's Workload (a condition's transition time

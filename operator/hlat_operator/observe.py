@@ -164,6 +164,10 @@ class OperatorState(BaseModel):
     evicted_until_checkpoint: int | None = None
     """The step of the periodic checkpoint the workers train on to (the next after the step
     they were at): once it is complete, they stop."""
+    deactivated_workload: bool = False
+    """The operator set the job's Kueue Workload inactive for spec.suspend (so that a suspended
+    job holds no quota); it activates it again when the job resumes. A Workload someone else
+    deactivated stays so."""
     in_place_failures: int = 0
     """In-place attempts in a row that ended before all their workers trained: at
     `reconcile.IN_PLACE_FAILURES_BEFORE_RECREATE` the next restart recreates the gang."""

@@ -86,6 +86,9 @@ class ObservedWorkload:
     """Pod set -> the ResourceFlavors its admission assigned (one per resource)."""
     placed_by_topology: bool = False
     """The admission carries a topologyAssignment for the workers (Kueue's TAS places them)."""
+    active: bool = True
+    """spec.active: false once deactivated (Kueue then evicts it and it waits outside the
+    queue, holding no quota, until it is active again)."""
 
     def true(self, type_: str) -> bool:
         found = self.conditions.get(type_)
@@ -311,8 +314,9 @@ def parse_workload(raw: Mapping[str, Any]) -> ObservedWorkload:
     }
     topology = any(a.get("name") == WORKERS and a.get("topologyAssignment")
                    for a in admission.get("podSetAssignments") or [])
+    active = (raw.get("spec") or {}).get("active") is not False  # the CRD defaults it true
     return ObservedWorkload(str((raw.get("metadata") or {}).get("name")), conditions,
-                            admission.get("clusterQueue"), flavors, topology)
+                            admission.get("clusterQueue"), flavors, topology, active)
 
 
 def parse_flavor(raw: Mapping[str, Any]) -> Flavor:

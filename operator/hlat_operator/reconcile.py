@@ -140,8 +140,16 @@ class DeleteJob:
     """ttlSecondsAfterFinished elapsed: delete the PretrainJob (and, by ownership, the rest)."""
 
 
+@dataclass(frozen=True)
+class SetWorkloadActive:
+    """Set the job's Kueue Workload's spec.active (false: Kueue evicts it, and it holds no quota
+    until it is active again)."""
+
+    active: bool
+
+
 Action = (PatchState | PatchStatus | EmitEvent | CreateObject | DeletePod | PatchPod | DeleteObject
-          | DeleteJob | WriteWorkloadStatus)
+          | DeleteJob | WriteWorkloadStatus | SetWorkloadActive)
 
 
 @dataclass(frozen=True)
@@ -341,6 +349,7 @@ def decide(
     _expire_avoided(p, parsed)
     if parsed.suspend:
         _suspend(p)
+        _suspend_workload(p)
         return p.finish(parsed)
     admitted = _admission(p, parsed)
     if admitted is None:
@@ -451,6 +460,13 @@ def _admission(p: _Pass, spec: PretrainJobSpec) -> PretrainJobSpec | None:
     if q is None:
         return spec
     p.after(queueing.POLL_SECONDS)
+    if p.state.deactivated_workload:  # resumed: back into the queue
+        p.state = p.state.model_copy(update={"deactivated_workload": False})
+        if q.workload is not None and not q.workload.active:
+            p.actions.append(SetWorkloadActive(True))
+            _hold(p, Reason.QUEUED, f"spec.suspend is false: Workload {q.workload.name} "
+                  f"activated again, waiting in LocalQueue {q.queue} for Kueue to admit it")
+            return None
     match queueing.state(q):
         case "admitted":
             if p.state.evicted_since is not None:
@@ -473,6 +489,28 @@ def _admission(p: _Pass, spec: PretrainJobSpec) -> PretrainJobSpec | None:
         case _:
             _hold(p, Reason.QUEUED, queueing.wait_message(q))
     return None
+
+
+def _suspend_workload(p: _Pass) -> None:
+    """A suspended job in a queue gives its quota back: its Workload is deactivated (Kueue
+    evicts it, reason Deactivated) and, once the pods are gone, its reservation released, as
+    after any eviction; `_admission` activates it again when the job resumes."""
+    q = p.observed.queueing
+    w = q.workload if q is not None else None
+    if q is None or w is None:
+        return
+    if w.active:
+        if not p.state.deactivated_workload:
+            p.state = p.state.model_copy(update={"deactivated_workload": True})
+            p.event(Reason.SUSPENDED, f"spec.suspend is true: Workload {w.name} deactivated, "
+                    f"its quota in LocalQueue {q.queue} released")
+        p.actions.append(SetWorkloadActive(False))
+        p.after(queueing.POLL_SECONDS)
+    elif queueing.state(q) == "evicted" and not p.observed.pods:
+        p.actions.append(WriteWorkloadStatus(tuple(queueing.released_conditions(q)),
+                                             clear_admission=True))
+    elif queueing.state(q) == "evicted":
+        p.after(queueing.POLL_SECONDS)
 
 
 def _checkpoint_before_eviction(p: _Pass, spec: PretrainJobSpec, q: queueing.Queueing) -> bool:

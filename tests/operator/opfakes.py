@@ -37,6 +37,7 @@ from hlat_operator.reconcile import (
     PatchPod,
     PatchState,
     PatchStatus,
+    SetWorkloadActive,
     WriteWorkloadStatus,
     decide,
 )
@@ -132,6 +133,8 @@ class World:
         self.queueing: Queueing | None = None
         """The job's Kueue queue and Workload as the operator would read them."""
         self.workload_writes: list[WriteWorkloadStatus] = []
+        self.workload_active: list[bool] = []
+        """The spec.active values the operator set on the Workload, in order."""
 
     # --- the operator's side ------------------------------------------------------------------
 
@@ -188,6 +191,8 @@ class World:
             self.deleted = True
         elif isinstance(action, WriteWorkloadStatus):
             self.workload_writes.append(action)
+        elif isinstance(action, SetWorkloadActive):
+            self.workload_active.append(action.active)
 
     def _create(self, action: CreateObject) -> None:
         obj: dict[str, Any] = dict(action.obj)

@@ -22,7 +22,7 @@ from e2e_spec import tiny_spec
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from hlat_testbed import kueue
+from hlat_testbed import faults, kueue
 from hlat_testbed.cluster import Cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -92,14 +92,34 @@ def _workload_condition(env: Env, type_: str) -> dict[str, Any]:
         return {}
 
 
+def _frozen(env: Env) -> list[str]:
+    """Freeze the job's running pods (SIGSTOP): it holds its quota, however fast the machine
+    trains, until `_thawed`. Its heartbeat timeout must be fixed (FROZEN_OK)."""
+    names = [p.metadata.name for p in _pods(env) if p.status.phase == "Running"]
+    assert names, f"{env.name} has no running pod to freeze"
+    for name in names:
+        faults.hang(env.cluster.config, env.ns, name)
+    return names
+
+
+def _thawed(env: Env, names: list[str]) -> None:
+    for name in names:
+        faults.resume(env.cluster.config, env.ns, name)
+
+
+FROZEN_OK = {"heartbeat": {"startupTimeoutSeconds": 120, "timeoutSeconds": 600}}
+"""Fault tolerance for a job the test freezes a while: no hang restart meanwhile."""
+
+
 def test_a_job_waits_in_its_queue_without_pods_until_the_quota_frees(
         job_env: Env, queue: str) -> None:
     first, second = job_env.other("first"), job_env.other("second")
-    first.create(tiny_spec(steps=30), labels={"kueue.x-k8s.io/queue-name": queue})
+    first.create(tiny_spec(steps=60, **FROZEN_OK), labels={"kueue.x-k8s.io/queue-name": queue})
     first.wait("first Running", lambda s: s.get("phase") == "Running", 120)
     # the admission's flavor went into the pods: its node label in their node selector
     for pod in _pods(first):
         assert (pod.spec.node_selector or {}).get(INSTANCE_LABEL) == "trn1.32xlarge", pod.spec
+    frozen = _frozen(first)  # it runs (and holds its quota) for as long as the test looks
 
     second.create(tiny_spec(steps=6), labels={"kueue.x-k8s.io/queue-name": queue})
     waiting = second.wait(
@@ -110,6 +130,7 @@ def test_a_job_waits_in_its_queue_without_pods_until_the_quota_frees(
     message = _condition(waiting, "Suspended")["message"]
     assert f"LocalQueue {queue}" in message, message
     assert not _pods(second), "a job waiting for admission has pods"
+    _thawed(first, frozen)
 
     def first_done(status: dict[str, Any]) -> bool:
         """The second has no pod while the first runs (its pods, then the first's phase again:
@@ -129,6 +150,41 @@ def test_a_job_waits_in_its_queue_without_pods_until_the_quota_frees(
     assert finished["restarts"]["total"] == 0 and finished["attempt"] == 0
     reasons = [r for r, _ in second.event_messages()]
     assert "Queued" in reasons and "Admitted" in reasons, second.event_messages()
+
+
+def test_a_suspended_job_frees_its_quota_and_queues_again_when_resumed(
+        job_env: Env, queue: str) -> None:
+    """spec.suspend on an admitted job deactivates its Workload: Kueue evicts it, the quota
+    goes to the job waiting behind it; resumed, it waits in its queue and then trains on from
+    its checkpoint, no restart counted."""
+    first, second = job_env.other("first"), job_env.other("second")
+    spec = tiny_spec(steps=600, **FROZEN_OK)
+    spec["checkpoint"]["interval"] = 20
+    first.create(spec, labels={"kueue.x-k8s.io/queue-name": queue})
+    first.wait("first past a checkpoint", lambda s: s.get("phase") == "Running"
+               and (s.get("latestCheckpoint") or {}).get("step", -1) >= 20, 120)
+    frozen = _frozen(first)
+    second.create(tiny_spec(steps=6), labels={"kueue.x-k8s.io/queue-name": queue})
+    second.wait("second waiting in its queue", lambda s: _condition(
+        s, "Suspended").get("reason") == "Queued", 60)
+    _thawed(first, frozen)
+    first.patch_spec({"suspend": True})
+    first.wait("first Suspended", lambda s: s.get("phase") == "Suspended"
+               and _condition(s, "Suspended").get("reason") == "Suspended", 60)
+    assert _workload(first)["spec"]["active"] is False
+    second.wait("second admitted while the first is suspended", lambda s: s.get("phase") in (
+        "Pending", "Running", "Succeeded"), 120)
+    assert first.status()["phase"] == "Suspended"
+    assert _workload_condition(first, "QuotaReserved").get("status") == "False"
+
+    first.patch_spec({"suspend": False})
+    second.wait("second Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    done = first.wait_trained()
+    assert _workload(first)["spec"]["active"] is True
+    assert done["restarts"]["total"] == 0 and done["attempt"] == 1, done
+    assert re.search(r"resumed from checkpoint step_\d+", first.pod_log(1, 0))
+    reasons = [r for r, _ in first.event_messages()]
+    assert "Suspended" in reasons and reasons.count("Admitted") >= 2, first.event_messages()
 
 
 def test_a_higher_priority_job_preempts_a_running_one_which_checkpoints_and_resumes_there(

@@ -216,7 +216,58 @@ def test_suspend_wins_over_an_admission() -> None:
     assert w.reasons()[-1] == Reason.SUSPENDED
 
 
+def test_a_suspended_job_gives_its_quota_back_and_queues_again_when_resumed() -> None:
+    """spec.suspend on an admitted job: the pods stop and the Workload is deactivated (Kueue
+    evicts it, reason Deactivated); once the pods are gone the reservation is released, not
+    requeued. Resumed: the Workload is activated again, and the job waits in its queue."""
+    w = _queued_world()
+    w.step()
+    w.queueing = replace(w.queueing, workload=_admitted(), flavors={"trn1": FLAVOR})  # type: ignore[arg-type]
+    w.until("Running", step=5)
+    w.spec["suspend"] = True
+    w.step()
+    assert w.workload_active == [False] and w.state.deactivated_workload
+    assert any("quota in LocalQueue team released" in e.message for e in w.events)
+    deactivated = WorkloadCondition("True", "Deactivated", "The workload is deactivated")
+    w.queueing = replace(w.queueing, workload=replace(  # type: ignore[arg-type]
+        _admitted(Evicted=deactivated), active=False))
+    w.run(3)
+    assert not w.pods and w.status.phase == "Suspended"
+    released = w.workload_writes[-1]
+    written = {c["type"]: c for c in released.conditions}
+    assert released.clear_admission and written["QuotaReserved"]["status"] == "False"
+    assert written["Requeued"]["status"] == "False"  # deactivated: out of the queue
+    assert w.workload_active == [False]  # once observed inactive, not set again
+
+    # Kueue released it: out of the queue until the job resumes
+    w.queueing = replace(w.queueing, workload=ObservedWorkload(  # type: ignore[arg-type]
+        WL, {"Evicted": deactivated}, active=False))
+    w.spec["suspend"] = False
+    w.step()
+    assert w.workload_active == [False, True] and not w.state.deactivated_workload
+    cond = next(c for c in w.status.conditions if c.type == "Suspended")
+    assert w.status.phase == "Suspended" and cond.reason == Reason.QUEUED and not w.pods
+    assert "activated again" in cond.message
+    w.queueing = replace(w.queueing, workload=_admitted())  # type: ignore[arg-type]
+    w.until("Running", step=8)
+    assert w.workload_active == [False, True] and w.status.restarts.total == 0
+
+
+def test_a_workload_someone_else_deactivated_stays_inactive_when_the_job_resumes() -> None:
+    w = _queued_world()
+    w.step()
+    w.queueing = replace(w.queueing, workload=replace(_waiting(), active=False))  # type: ignore[arg-type]
+    w.spec["suspend"] = True
+    w.run(2)
+    w.spec["suspend"] = False
+    w.run(2)
+    assert w.workload_active == [] and not w.pods
+
+
 def test_the_workload_is_parsed_from_what_kueue_writes() -> None:
+    assert not queueing.parse_workload({"metadata": {"name": WL},
+                                        "spec": {"active": False}}).active
+    assert queueing.parse_workload({"metadata": {"name": WL}, "spec": {}}).active
     raw = {"metadata": {"name": WL}, "status": {
         "conditions": [{"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved",
                         "message": "Quota reserved in ClusterQueue team-cq"},

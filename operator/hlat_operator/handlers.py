@@ -32,7 +32,7 @@ from hlat_api.apitimeouts import bound_requests
 from hlat_api.labels import COMPONENT, JOB, TRAINER_EXITED, WORKER, Reason
 from hlat_api.manifest import API_GROUP, API_VERSION
 from hlat_api.status import PretrainJobStatus
-from hlat_operator import heap, observe
+from hlat_operator import heap, observe, queueing
 from hlat_operator.builders import JobRef
 from hlat_operator.config import OperatorSettings
 from hlat_operator.k8s import PLURAL, Conflict, K8sError, Kube, Rejected
@@ -285,6 +285,7 @@ def configure_kopf(settings: kopf.OperatorSettings, ours: OperatorSettings) -> N
     settings.watching.label_selectors["v1", "pods"] = POD_SELECTOR
     settings.watching.label_selectors["coordination.k8s.io", "v1", "leases"] = (
         f"{JOB},{TRAINER_EXITED}")
+    settings.watching.label_selectors[queueing.GROUP, queueing.VERSION, "workloads"] = JOB
 
 
 @kopf.on.startup()
@@ -361,6 +362,17 @@ async def on_trainer_exit(labels: kopf.Labels, namespace: str | None, **_: Any) 
     """A launcher reported its trainer's exit (in-place restarts keep the pod, so no pod
     event says so): decide now, not at the next resync."""
     runtime().metrics.watch_events.labels("Lease").inc()
+    job = labels.get(JOB)
+    if job and namespace:
+        _poke(namespace, job)
+
+
+@kopf.on.event(queueing.GROUP, queueing.VERSION, "workloads", labels={JOB: kopf.PRESENT})
+async def on_workload(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
+    """Kueue wrote a job's Workload (admitted, evicted, requeued): decide now. Without Kueue
+    installed kopf logs once that it cannot serve this resource (`Unresolved resources`), and
+    starts the watch if Kueue's CRDs appear later."""
+    runtime().metrics.watch_events.labels("Workload").inc()
     job = labels.get(JOB)
     if job and namespace:
         _poke(namespace, job)

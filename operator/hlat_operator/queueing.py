@@ -54,8 +54,10 @@ TOPOLOGY_ANNOTATIONS = {"required": "kueue.x-k8s.io/podset-required-topology",
 `IsTAS`)."""
 WORKERS, SPARES = "workers", "spares"
 POLL_SECONDS = 2.0
-"""How often a job in a queue reads its Workload again: admission and eviction are Kueue's
-writes to the Workload, which the operator does not watch."""
+"""How often a job re-reads what it waits for on Kueue's side that no watch event announces:
+an evicted gang's next checkpoint, its own writes to the Workload taking effect. Kueue's own
+writes (admission, eviction) wake the job through the Workload watch
+(`handlers.on_workload`); between them the operator's resync reads the Workload again."""
 
 State = Literal["absent", "waiting", "admitted", "evicted", "finished"]
 

@@ -459,7 +459,6 @@ def _admission(p: _Pass, spec: PretrainJobSpec) -> PretrainJobSpec | None:
     q = p.observed.queueing
     if q is None:
         return spec
-    p.after(queueing.POLL_SECONDS)
     if p.state.deactivated_workload:  # resumed: back into the queue
         p.state = p.state.model_copy(update={"deactivated_workload": False})
         if q.workload is not None and not q.workload.active:

@@ -79,7 +79,7 @@ NEEDED = {
                                         "patch"},
     ("", "events"): {"create"},
     ("scheduling.volcano.sh", "podgroups"): {"create"},
-    ("kueue.x-k8s.io", "workloads"): {"get", "create", "patch"},  # patch: spec.active
+    ("kueue.x-k8s.io", "workloads"): {"get", "list", "watch", "create", "patch"},  # patch: spec.active
     ("kueue.x-k8s.io", "workloads/status"): {"update"},
     ("policy", "poddisruptionbudgets"): {"create", "delete"},
 }

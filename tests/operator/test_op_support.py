@@ -263,6 +263,10 @@ def test_the_operator_asks_the_api_server_for_worker_pods_only() -> None:
     assert list(settings.watching.label_selectors.collect(pods)) == [
         "hlat.dev/job,app.kubernetes.io/component=worker"]
     assert not list(settings.watching.label_selectors.collect(jobs))
+    # Kueue's Workloads: only the operator's own (labelled with their job), server-side
+    workloads = Resource("kueue.x-k8s.io", "v1beta2", "workloads", kind="Workload",
+                         namespaced=True, preferred=True, verbs=["list", "watch"])
+    assert list(settings.watching.label_selectors.collect(workloads)) == ["hlat.dev/job"]
 
 
 @pytest.mark.parametrize(("chunk", "pages"), [(200, ["200", "200"]), (0, [None])])

@@ -19,6 +19,7 @@ from kubernetes.client.exceptions import ApiException
 
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.demo import OperatorProcess, install_crd, venv_bin
+from hlat_testbed.prometheus import free_port
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -52,7 +53,9 @@ def operator(cluster: Cluster, crd: None, tmp_path_factory: pytest.TempPathFacto
     """The module's operator, in a holder so a test can replace it (kill + start again)."""
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     extra = getattr(request.module, "OPERATOR_ENV", None)  # a module's operator settings
-    holder = {"op": OperatorProcess(cluster, log, ["test-*"], extra).start()}
+    # a module that reads the operator's own metrics (OPERATOR_METRICS = True) gets a port
+    port = free_port() if getattr(request.module, "OPERATOR_METRICS", False) else 0
+    holder = {"op": OperatorProcess(cluster, log, ["test-*"], extra, metrics_port=port).start()}
     yield holder
     holder["op"].stop()
     print(f"operator log: {log}")

@@ -12,6 +12,7 @@ v0.17.0). On EKS the quota would be on aws.amazon.com/neuron; the tiny jobs here
 from __future__ import annotations
 
 import re
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,11 +22,14 @@ from e2e_network import L3
 from e2e_spec import tiny_spec
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from prometheus_client.parser import text_string_to_metric_families
 
 from hlat_testbed import faults, kueue
 from hlat_testbed.cluster import Cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+OPERATOR_METRICS = True
+"""The module's operator serves its metrics: Workload watch events are counted there."""
 
 QUEUE = "team"
 CLUSTER_QUEUE = "hlat-e2e"
@@ -150,6 +154,17 @@ def test_a_job_waits_in_its_queue_without_pods_until_the_quota_frees(
     assert finished["restarts"]["total"] == 0 and finished["attempt"] == 0
     reasons = [r for r, _ in second.event_messages()]
     assert "Queued" in reasons and "Admitted" in reasons, second.event_messages()
+    # Kueue's writes reached the operator as watch events (it started before Kueue's CRDs
+    # existed: kopf found them when they appeared), not only by its resync
+    assert _watch_events(job_env, "Workload") >= 4
+
+
+def _watch_events(env: Env, kind: str) -> float:
+    port = env.operator["op"].metrics_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == "hlat_operator_watch_events_total"
+               and s.labels.get("kind") == kind)
 
 
 def test_a_suspended_job_frees_its_quota_and_queues_again_when_resumed(
@@ -175,7 +190,12 @@ def test_a_suspended_job_frees_its_quota_and_queues_again_when_resumed(
     second.wait("second admitted while the first is suspended", lambda s: s.get("phase") in (
         "Pending", "Running", "Succeeded"), 120)
     assert first.status()["phase"] == "Suspended"
-    assert _workload_condition(first, "QuotaReserved").get("status") == "False"
+    # Kueue frees an inactive Workload's quota in its own books at once (v0.17.0
+    # pkg/controller/core/workload_controller.go, Update: !active -> cache.DeleteWorkload);
+    # the operator releases the reservation on the Workload once the pods are gone
+    first.wait("first's reservation released", lambda _s: _workload_condition(
+        first, "QuotaReserved").get("status") == "False", 60)
+    assert _workload_condition(first, "Requeued").get("status") == "False"
 
     first.patch_spec({"suspend": False})
     second.wait("second Succeeded", lambda s: s.get("phase") == "Succeeded", 300)

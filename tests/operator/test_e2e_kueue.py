@@ -318,6 +318,12 @@ def test_kueue_places_a_job_requiring_a_block_in_one_block_by_rank(
     nodes = {r: p.spec.node_name for r, p in pods.items()}
     assert {network[n] for n in nodes.values()} == {"nn-blk-b"}, nodes
     assert len(set(nodes.values())) == 3, nodes  # one worker per node: each takes a node's cpu
+    # ranks follow the topology, as the operator's own plan orders them (levels, then node
+    # name): Kueue sorts the assigned domains by their level values, the hostname last
+    # (v0.17.0 pkg/cache/scheduler/tas_flavor_snapshot.go buildAssignment), and its ungater
+    # gives rank i the i-th pod of that order (pkg/controller/tas/topology_ungater.go
+    # rankToDomainID) by the pods' podIndexLabel, hlat.dev/node-rank
+    assert [nodes[r] for r in sorted(nodes)] == sorted(nodes.values()), nodes
     for pod in pods.values():
         assert not pod.spec.scheduling_gates, pod.spec.scheduling_gates
         assert pod.spec.node_selector.get(HOSTNAME) == pod.spec.node_name, pod.spec.node_selector

@@ -205,6 +205,11 @@ class Goodput(_Model):
 
 class PretrainJobStatus(_Model):
     phase: Phase = "Pending"
+    reason: str | None = None
+    """Why the job is in its phase, one word (`kubectl get pj` column Why): the reason of the
+    phase's condition, e.g. Suspended: Queued, EvictedByKueue or Suspended (spec.suspend);
+    Pending: the Schedulable condition's while it is False (TopologyUnavailable, ...), else
+    what started the attempt. The message is on the condition."""
     conditions: list[Condition] = Field(default_factory=list)
     attempt: int = 0
     restarts: Restarts = Field(default_factory=Restarts)

@@ -335,6 +335,9 @@ def status_schema() -> Schema:
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Why", "type": "string", "jsonPath": ".status.reason",
+     "description": "Why the job is in its phase (its condition's reason: Queued, "
+     "EvictedByKueue, TopologyUnavailable, ...)."},
     {"name": "Nodes", "type": "integer", "jsonPath": ".spec.nodes"},
     {"name": "Progress", "type": "string", "jsonPath": ".status.progress.summary",
      "description": "Step / total steps (percent)."},

@@ -273,6 +273,7 @@ class _Pass:
         self.event(reason, message, warning)
 
     def finish(self, spec: PretrainJobSpec | None) -> Decision:
+        self.status.reason = phase_reason(self.status)
         _account_uptime(self)
         _account_goodput(self)
         # microseconds: a stamp truncated to the second would add up to 1 s of uptime per
@@ -363,6 +364,21 @@ def decide(
     else:
         _active(p, admitted)
     return p.finish(admitted or parsed)
+
+
+def phase_reason(status: PretrainJobStatus) -> str | None:
+    """status.reason: the reason of the phase's condition (Pending has none of its own: the
+    Schedulable condition's while False, else the reason the phase conditions went False with
+    when the job became Pending)."""
+    by_type = {c.type: c for c in status.conditions}
+    if status.phase == "Pending":
+        held = by_type.get("Schedulable")
+        if held is not None and held.status == "False":
+            return held.reason
+        running = by_type.get("Running")
+        return running.reason if running is not None else None
+    cond = by_type.get(status.phase)
+    return cond.reason if cond is not None and cond.status == "True" else None
 
 
 def reject(

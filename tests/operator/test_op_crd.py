@@ -41,8 +41,8 @@ def test_crd_identity() -> None:
     (version,) = spec["versions"]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     cols = [col["name"] for col in version["additionalPrinterColumns"]]
-    assert cols[:9] == ["Phase", "Nodes", "Progress", "Loss", "Val Loss", "Goodput", "Uptime",
-                        "Restarts", "Age"]
+    assert cols[:10] == ["Phase", "Why", "Nodes", "Progress", "Loss", "Val Loss", "Goodput",
+                         "Uptime", "Restarts", "Age"]
 
 
 def _walk(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:

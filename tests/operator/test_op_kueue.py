@@ -59,7 +59,7 @@ def test_a_queued_job_gets_a_workload_and_no_pods() -> None:
     meta = body["metadata"]
     assert isinstance(meta, dict) and meta["ownerReferences"][0]["uid"] == JOB.uid
     assert w.status.phase == "Suspended" and not w.pods
-    assert w.reasons()[-1] == Reason.QUEUED
+    assert w.reasons()[-1] == Reason.QUEUED and w.status.reason == Reason.QUEUED
 
     w.queueing = replace(w.queueing, workload=_waiting())  # type: ignore[arg-type]
     w.run(30)
@@ -144,6 +144,7 @@ def test_an_eviction_lets_the_next_checkpoint_finish_then_stops_and_releases_the
     w.beat(41, checkpoint_step=40)  # the checkpoint after the eviction is complete: stop
     w.step()
     assert w.status.phase == "Suspended" and w.reasons()[-1] == Reason.EVICTED_BY_KUEUE
+    assert w.status.reason == Reason.EVICTED_BY_KUEUE
     cond = next(c for c in w.status.conditions if c.type == "Suspended")
     assert "Preempted" in cond.message and "LocalQueue team" in cond.message
     assert not w.workload_writes, "quota released while pods still run"
@@ -232,7 +233,7 @@ def test_a_suspended_job_gives_its_quota_back_and_queues_again_when_resumed() ->
     w.queueing = replace(w.queueing, workload=replace(  # type: ignore[arg-type]
         _admitted(Evicted=deactivated), active=False))
     w.run(3)
-    assert not w.pods and w.status.phase == "Suspended"
+    assert not w.pods and w.status.phase == "Suspended" and w.status.reason == Reason.SUSPENDED
     released = w.workload_writes[-1]
     written = {c["type"]: c for c in released.conditions}
     assert released.clear_admission and written["QuotaReserved"]["status"] == "False"
@@ -247,6 +248,7 @@ def test_a_suspended_job_gives_its_quota_back_and_queues_again_when_resumed() ->
     assert w.workload_active == [False, True] and not w.state.deactivated_workload
     cond = next(c for c in w.status.conditions if c.type == "Suspended")
     assert w.status.phase == "Suspended" and cond.reason == Reason.QUEUED and not w.pods
+    assert w.status.reason == Reason.QUEUED  # Suspended (spec.suspend) before: now Queued
     assert "activated again" in cond.message
     w.queueing = replace(w.queueing, workload=_admitted())  # type: ignore[arg-type]
     w.until("Running", step=8)

@@ -157,11 +157,13 @@ def test_a_job_no_domain_holds_waits_without_pods_and_starts_when_one_does() -> 
     assert w.status.phase == "Pending" and not w.pods
     cond = next(c for c in w.status.conditions if c.type == "Schedulable")
     assert cond.status == "False" and cond.reason == Reason.TOPOLOGY_UNAVAILABLE
+    assert w.status.reason == Reason.TOPOLOGY_UNAVAILABLE  # kubectl get pj's Why column
     assert f"no {L3} domain has 5 usable nodes (the largest, c, has 4)" in cond.message
     assert w.reasons().count(Reason.TOPOLOGY_UNAVAILABLE) == 1  # said once, not every pass
     w.nodes["n9"] = _node("n9", ("s1", "s2-y", "c"))  # capacity arrives in block c
     w.until("Running", step=1, limit=30)
     assert sorted(p.node for p in w.live()) == ["n5", "n6", "n7", "n8", "n9"]
+    assert w.status.reason not in (None, Reason.TOPOLOGY_UNAVAILABLE)  # the wait is over
     w.run(2, step=1)
     cond = next(c for c in w.status.conditions if c.type == "Schedulable")
     assert cond.status == "True"

@@ -133,6 +133,7 @@ def test_a_job_waits_in_its_queue_without_pods_until_the_quota_frees(
         and "quota" in _condition(s, "Suspended").get("message", ""), 60)
     message = _condition(waiting, "Suspended")["message"]
     assert f"LocalQueue {queue}" in message, message
+    assert waiting.get("reason") == "Queued", waiting  # kubectl get pj's Why column
     assert not _pods(second), "a job waiting for admission has pods"
     _thawed(first, frozen)
 

@@ -14,8 +14,12 @@ from pathlib import Path
 import pytest
 from e2e_env import Env
 from e2e_spec import tiny_spec
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 from prometheus_client.parser import text_string_to_metric_families
 
+from hlat_api import labels
+from hlat_api.heartbeat import Heartbeat
 from hlat_operator import dashboards
 from hlat_testbed import chart, faults
 from hlat_testbed.cluster import Cluster
@@ -61,9 +65,12 @@ def test_every_dashboard_panel_has_data_from_a_real_prometheus(
                  and (s.get("latestCheckpoint") or {}).get("step", 0) >= 10, 180)
         # the per-node ratios exist while a gang trains, from each node's heartbeat with its
         # compute time. A tiny gang trains faster than Prometheus scrapes (CI's did 120 steps
-        # in 3 s and finished unscraped), so the gang is frozen (its beats stay) until both
-        # ratios are scraped, then loses a worker mid-run: the next gang resumes from a
+        # in 3 s and finished unscraped), so the gang is frozen (its beats stay) once both
+        # nodes' Leases carry a training beat with its compute time (a freeze before one
+        # renewed after its first report kept it `starting`: CI, 2026-11-27), until both
+        # ratios are scraped; then it loses a worker mid-run: the next gang resumes from a
         # checkpoint below STEPS and trains, evaluating, to the end
+        _wait_computing_beats(job, 2)
         for rank in (0, 1):
             faults.hang(cluster.config, namespace, f"tiny-a0-{rank}")
         frozen = job.status()
@@ -105,6 +112,28 @@ def test_every_dashboard_panel_has_data_from_a_real_prometheus(
     finally:
         prom.stop()
         operator.stop()
+
+
+def _wait_computing_beats(job: Env, nodes: int, timeout: float = 120) -> None:
+    """Until every node rank's Lease (attempt 0) carries a training beat with its compute time,
+    read every 50 ms: what the operator's per-node ratios are made of."""
+    leases = client.CoordinationV1Api(job.cluster.admin_api())
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        beats: list[Heartbeat | None] = []
+        for rank in range(nodes):
+            try:
+                lease = leases.read_namespaced_lease(
+                    labels.worker_lease_name(job.name, 0, rank), job.ns)
+            except ApiException:  # not created yet
+                beats.append(None)
+                continue
+            meta = lease.metadata
+            beats.append(Heartbeat.from_annotations(meta.annotations if meta else None))
+        if all(b is not None and b.phase == "training" and b.compute_seconds for b in beats):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not every node reported its compute time within {timeout:.0f}s")
 
 
 def _the_operator_reports_its_own_load(port: int) -> None:

@@ -33,7 +33,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from hlat_testbed import chart, faults, prometheus
+from hlat_testbed import build, chart, faults, prometheus
 from hlat_testbed.cluster import Cluster, kubectl_binary
 
 GROUP, VERSION, PLURAL = "hlat.dev", "v1alpha1", "pretrainjobs"
@@ -137,6 +137,13 @@ def install_crd(api: client.ApiClient, path: Path = CRD, timeout: float = 30) ->
             return
         time.sleep(0.3)
     raise TimeoutError(f"CRD {name} not Established after {timeout}s")
+
+
+def install_component_crds(api: client.ApiClient, component: build.Component) -> None:
+    """Build `component` (once, cached) and install the CRDs it ships in its cache's files."""
+    build.build_component(component)
+    for name in component.files:
+        install_crd(api, build.component_file(component, name))
 
 
 def ensure_namespace(core: client.CoreV1Api, name: str) -> None:

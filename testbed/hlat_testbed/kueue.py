@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -41,7 +40,8 @@ from kubernetes.client.exceptions import ApiException
 from hlat_api.manifest import API_GROUP, API_VERSION, KIND
 from hlat_testbed import build
 from hlat_testbed.cluster import Cluster
-from hlat_testbed.demo import install_crd
+from hlat_testbed.demo import install_component_crds
+from hlat_testbed.prometheus import free_port
 
 PROCESS = "kueue"
 GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
@@ -56,12 +56,6 @@ is off: fixed in cmd/kueue/main.go, not configurable."""
 EXTERNAL_FRAMEWORK = f"{KIND}.{API_VERSION}.{API_GROUP}"
 """`Kind.version.group`, the form `integrations.externalFrameworks` takes (Kueue's config
 validation, pkg/config/validation.go)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _self_signed(directory: Path) -> None:
@@ -110,10 +104,8 @@ def is_running(cluster: Cluster) -> bool:
 
 def start(cluster: Cluster, timeout: float = 120) -> None:
     """Install the CRDs and start the manager (no-op if it runs); wait until it is ready."""
-    build.build_component(build.KUEUE)
     api = cluster.admin_api()
-    for name in build.KUEUE.files:
-        install_crd(api, build.component_file(build.KUEUE, name))
+    install_component_crds(api, build.KUEUE)
     if is_running(cluster):
         return
     try:
@@ -125,9 +117,9 @@ def start(cluster: Cluster, timeout: float = 120) -> None:
     state = cluster.config.state / "kueue"
     _self_signed(state / "webhook-certs")
     _self_signed(METRICS_CERTS)
-    health = _free_port()
+    health = free_port()
     config = state / "config.yaml"
-    config.write_text(yaml.safe_dump(configuration(_free_port(), state / "webhook-certs",
+    config.write_text(yaml.safe_dump(configuration(free_port(), state / "webhook-certs",
                                                    health)))
     cluster.processes.start(PROCESS, [
         str(build.KUEUE.binary(PROCESS)),

@@ -10,7 +10,6 @@ Started on demand (`hlat-cluster volcano`, or the tests' fixture), not by `hlat-
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
@@ -19,17 +18,12 @@ from kubernetes.client.exceptions import ApiException
 
 from hlat_testbed import build
 from hlat_testbed.cluster import Cluster
-from hlat_testbed.demo import install_crd
+from hlat_testbed.demo import install_component_crds
+from hlat_testbed.prometheus import free_port
 
 PROCESS = "vc-scheduler"
 SCHEDULER_NAME = "volcano"
 GROUP, VERSION = "scheduling.volcano.sh", "v1beta1"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def is_running(cluster: Cluster) -> bool:
@@ -38,16 +32,14 @@ def is_running(cluster: Cluster) -> bool:
 
 def start(cluster: Cluster, timeout: float = 60) -> None:
     """Install the CRDs and start the scheduler (no-op if it runs); wait for its Queue."""
-    build.build_component(build.VOLCANO)
     api = cluster.admin_api()
-    for name in build.VOLCANO.files:
-        install_crd(api, build.component_file(build.VOLCANO, name))
+    install_component_crds(api, build.VOLCANO)
     cluster.processes.start(PROCESS, [
         str(build.VOLCANO.binary(PROCESS)),
         f"--kubeconfig={cluster.kubeconfig}",
         f"--scheduler-name={SCHEDULER_NAME}",
         "--leader-elect=false",
-        f"--listen-address=127.0.0.1:{_free_port()}",
+        f"--listen-address=127.0.0.1:{free_port()}",
         "--logtostderr", "-v=3",
     ])
     custom = client.CustomObjectsApi(api)

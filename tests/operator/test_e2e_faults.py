@@ -18,7 +18,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_env import JOB, Env, after_a_fresh_beat, report_recovery, resumed_from, steps_logged
+from e2e_env import (
+    JOB,
+    Env,
+    after_a_fresh_beat,
+    first_step_time,
+    report_recovery,
+    resumed_from,
+    steps_logged,
+)
 from e2e_spec import tiny_spec
 
 from hlat_api.layout import list_checkpoints
@@ -317,8 +325,12 @@ def test_worker_clocks_a_minute_off_neither_cause_nor_hide_a_hang(job_env: Env, 
     # deadline it computes. So as early as timeout - 3 s. A minute off shows.
     assert timeout - 3 <= detected <= timeout + 12, detected
     print(f"clock {skew:+d}s: hang detected {detected:.1f}s after the freeze")
-    done = job_env.wait_trained()
-    assert done["restarts"]["total"] == 1 and job_env.max_gangs == 1
+    # recovered once the next attempt trains a step (training on to the end, as other tests
+    # do, proved nothing more here and cost a minute or two of the suite's critical path)
+    back = job_env.wait("attempt 1 training", lambda s: s.get("attempt") == 1
+                        and s.get("phase") == "Running"
+                        and first_step_time(job_env.pod_log(1, 0)) is not None, 180)
+    assert back["restarts"]["total"] == 1 and job_env.max_gangs == 1
     report_recovery(job_env, f"hang with worker clocks {skew:+d}s off (6 s timeout)", fault_at)
 
 

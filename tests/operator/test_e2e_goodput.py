@@ -20,7 +20,7 @@ from datetime import datetime
 from typing import Any
 
 import pytest
-from e2e_env import JOB, Env, after_a_fresh_beat
+from e2e_env import JOB, Env, after_a_fresh_beat, attempt_log
 from e2e_spec import tiny_spec
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -188,3 +188,52 @@ def test_goodput_in_status_matches_the_trainers_logs(job_env: Env, stopwatch: St
 
 def resumed(log: str) -> bool:
     return "resumed from checkpoint step_" in log
+
+
+@pytest.mark.parametrize("fault", ["container"])
+def test_goodput_after_an_in_place_restart_matches_the_trainers_logs(job_env: Env, fault: str
+                                                                    ) -> None:
+    """The same oracle for the product's default restart, InPlace: node rank 1's trainer
+    SIGKILLed (its pod and launcher kept), or its container's main process (the pod fails and
+    only it is replaced). Rank 0's pod is kept either way: its one log holds both attempts, and
+    each JSON line says whether its step was work done again (`recomputed`). Productive time,
+    the work done again, the saves and the data wait in status are the logs' figures."""
+    spec = tiny_spec(steps=200, restartStrategy="InPlace")
+    spec["checkpoint"].update({"async": True, "interval": 20})
+    spec["train"]["logInterval"] = 1
+    spec["template"] = {"spec": {"containers": [{"name": "trainer", "env": [
+        {"name": "HLAT_FAULT_CHECKPOINT_WRITE_DELAY_SECONDS", "value": str(WRITE_DELAY)}]}]}}
+    job_env.create(spec)
+    job_env.wait("a checkpoint at step 20", lambda s: s.get("phase") == "Running"
+                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= 20, 180)
+    config = job_env.cluster.config
+    after_a_fresh_beat(job_env, f"{JOB}-a0-0", spec["checkpoint"]["interval"],
+                       lambda: (faults.kill_trainer if fault == "trainer" else faults.kill)(
+                           config, job_env.ns, f"{JOB}-a0-1"))
+    done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    assert done["attempt"] == 1 and done["restarts"]["inPlace"] == 1, done["restarts"]
+    g, b = done["goodput"], done["goodput"]["badputSeconds"]
+    log = job_env.pod_log(0, 0)
+    later = attempt_log(log, 1)
+    assert later, "rank 0's pod holds no second attempt"
+    first, second = records(log[:log.index(later)]), records(later)
+    done_before = max((r["step"] for r in second if r["recomputed"]),
+                      default=second[0]["step"] - 1)
+    reported = [r for r in first if r["step"] <= done_before]
+
+    def work(rs: list[dict[str, Any]]) -> float:
+        return sum(r["stepSeconds"] - r["dataWaitSeconds"] for r in rs)
+
+    productive = work(reported) + work([r for r in second if r["step"] > done_before])
+    shown = {
+        "productive": (g["productiveSeconds"], productive),
+        "recompute": (b["recompute"], work([r for r in second if r["step"] <= done_before])),
+        "checkpoint": (b["checkpoint"], sum(r.get("checkpointBlockingSeconds", 0.0)
+                                            for r in reported + second)),
+        "dataWait": (b["dataWait"], sum(r["dataWaitSeconds"] for r in reported + second)),
+    }
+    print(json.dumps({"shown": shown, "goodput": g}))
+    for cause, (status, logs) in shown.items():
+        assert abs(status - logs) <= 2.0, (cause, shown)
+    assert b["unreported"] == 0
+    assert g["productiveSeconds"] + sum(b.values()) == pytest.approx(g["wallSeconds"], abs=0.05)

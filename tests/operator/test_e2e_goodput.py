@@ -109,11 +109,11 @@ def stopwatch(job_env: Env) -> Iterator[Stopwatch]:
         yield watch
 
 
-def test_goodput_in_status_matches_the_trainers_logs(job_env: Env, stopwatch: Stopwatch
-                                                     ) -> None:
-    # checkpoints every 20 steps (about 1 s of training here): writes of 2 s still make the
-    # next save wait, and rank 0 reports from inside an interval often enough to kill after
-    spec = tiny_spec(steps=200)
+def _training(job_env: Env, strategy: str) -> int:
+    """Create the job and wait for its checkpoint of step 20; returns the interval. Checkpoints
+    every 20 steps (about 1 s of training here): writes of 2 s still make the next save wait,
+    and rank 0 reports from inside an interval often enough to kill after a fresh beat."""
+    spec = tiny_spec(steps=200, restartStrategy=strategy)
     spec["checkpoint"].update({"async": True, "interval": 20})
     spec["train"]["logInterval"] = 1
     spec["template"] = {"spec": {"containers": [{"name": "trainer", "env": [
@@ -121,7 +121,12 @@ def test_goodput_in_status_matches_the_trainers_logs(job_env: Env, stopwatch: St
     job_env.create(spec)
     job_env.wait("a checkpoint at step 20", lambda s: s.get("phase") == "Running"
                  and (s.get("latestCheckpoint") or {}).get("step", 0) >= 20, 180)
-    kill_after_a_fresh_beat(job_env, f"{JOB}-a0-1", spec["checkpoint"]["interval"])
+    return int(spec["checkpoint"]["interval"])
+
+
+def test_goodput_in_status_matches_the_trainers_logs(job_env: Env, stopwatch: Stopwatch
+                                                     ) -> None:
+    kill_after_a_fresh_beat(job_env, f"{JOB}-a0-1", _training(job_env, "RecreateGang"))
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
     time.sleep(0.5)  # the stopwatch's last poll
     assert done["attempt"] == 1 and done["restarts"]["total"] == 1
@@ -190,26 +195,16 @@ def resumed(log: str) -> bool:
     return "resumed from checkpoint step_" in log
 
 
-@pytest.mark.parametrize("fault", ["container"])
-def test_goodput_after_an_in_place_restart_matches_the_trainers_logs(job_env: Env, fault: str
-                                                                    ) -> None:
-    """The same oracle for the product's default restart, InPlace: node rank 1's trainer
-    SIGKILLed (its pod and launcher kept), or its container's main process (the pod fails and
-    only it is replaced). Rank 0's pod is kept either way: its one log holds both attempts, and
-    each JSON line says whether its step was work done again (`recomputed`). Productive time,
-    the work done again, the saves and the data wait in status are the logs' figures."""
-    spec = tiny_spec(steps=200, restartStrategy="InPlace")
-    spec["checkpoint"].update({"async": True, "interval": 20})
-    spec["train"]["logInterval"] = 1
-    spec["template"] = {"spec": {"containers": [{"name": "trainer", "env": [
-        {"name": "HLAT_FAULT_CHECKPOINT_WRITE_DELAY_SECONDS", "value": str(WRITE_DELAY)}]}]}}
-    job_env.create(spec)
-    job_env.wait("a checkpoint at step 20", lambda s: s.get("phase") == "Running"
-                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= 20, 180)
+def test_goodput_after_an_in_place_restart_matches_the_trainers_logs(job_env: Env) -> None:
+    """The same oracle for the product's default restart, InPlace: node rank 1's container
+    SIGKILLed (the pod fails and only it is replaced; rank 0's trainer restarts in place). Rank
+    0's pod is kept: its one log holds both attempts, and each JSON line says whether its step
+    was work done again (`recomputed`). Productive time, the work done again, the saves and the
+    data wait in status are the logs' figures."""
+    interval = _training(job_env, "InPlace")
     config = job_env.cluster.config
-    after_a_fresh_beat(job_env, f"{JOB}-a0-0", spec["checkpoint"]["interval"],
-                       lambda: (faults.kill_trainer if fault == "trainer" else faults.kill)(
-                           config, job_env.ns, f"{JOB}-a0-1"))
+    after_a_fresh_beat(job_env, f"{JOB}-a0-0", interval,
+                       lambda: faults.kill(config, job_env.ns, f"{JOB}-a0-1"))
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
     assert done["attempt"] == 1 and done["restarts"]["inPlace"] == 1, done["restarts"]
     g, b = done["goodput"], done["goodput"]["badputSeconds"]

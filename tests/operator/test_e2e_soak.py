@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 from e2e_env import JOB, Env, resumed_from
@@ -31,6 +31,7 @@ from e2e_spec import tiny_spec
 
 from hlat_testbed import faults
 from hlat_testbed.demo import OperatorProcess
+from hlat_testbed.testing import wait_for
 
 SOAK_SECONDS = 2400
 """pytest's bound on each soak (the suite's is 900 s): the two soaks side by side on 2 cores,
@@ -101,6 +102,15 @@ def _all_attempt_losses(env: Env, attempts: int) -> list[dict[int, float]]:
     return [_losses(env.pod_log(a, 0)) for a in range(attempts)]
 
 
+def _locked(held: IO[str]) -> bool:
+    """Took the exclusive lock on the open file `held` (False: another process holds it)."""
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 def reference_losses(env: Env, testrun_uid: str) -> dict[int, float]:
     """Every step's loss of an uninterrupted run of `_spec()` on the cluster, trained once per
     test run and shared by both soaks (the restart strategy does not change what is trained;
@@ -110,14 +120,8 @@ def reference_losses(env: Env, testrun_uid: str) -> dict[int, float]:
     shared = Path(tempfile.gettempdir()) / f"hlat-soak-reference-{testrun_uid}"
     lock = shared.with_suffix(".lock")
     with lock.open("w") as held:
-        deadline = time.monotonic() + REFERENCE_SECONDS + 120
-        while True:
-            try:
-                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                assert time.monotonic() < deadline, "the other soak's reference run never ended"
-                time.sleep(2)
+        wait_for(lambda: _locked(held), REFERENCE_SECONDS + 120,
+                 "the other soak's reference run to end", interval=2)
         if shared.exists():
             return {int(step): loss for step, loss in json.loads(shared.read_text()).items()}
         reference = env.other("reference")

@@ -187,7 +187,11 @@ def test_a_suspended_job_frees_its_quota_and_queues_again_when_resumed(
     first.patch_spec({"suspend": True})
     first.wait("first Suspended", lambda s: s.get("phase") == "Suspended"
                and _condition(s, "Suspended").get("reason") == "Suspended", 60)
-    assert _workload(first)["spec"]["active"] is False
+    # the pass that writes phase Suspended deactivates the Workload right after that status
+    # write (the status goes first: a stale pass must lose before it acts), so a read between
+    # the two still sees it active
+    first.wait("first's Workload deactivated",
+               lambda _s: _workload(first)["spec"]["active"] is False, 30)
     second.wait("second admitted while the first is suspended", lambda s: s.get("phase") in (
         "Pending", "Running", "Succeeded"), 120)
     assert first.status()["phase"] == "Suspended"

@@ -84,6 +84,9 @@ def make_loader(data: Path, tokenizer: str, args: argparse.Namespace) -> PackedL
         dp_size=1,
         seed=0,
         prefetch=8,
+        # one lane per sequence, as the trainer reads (a rank of dp=1, globalBatch=microBatch)
+        global_batch=args.micro_batch,
+        lanes=args.micro_batch,
     )
 
 

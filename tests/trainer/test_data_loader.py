@@ -14,6 +14,8 @@ from typing import Any
 import pyarrow as pa
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hlat_trainer.data import ByteTokenizer, PackedLoader, load_tokenizer
 from hlat_trainer.errors import UserError
@@ -126,17 +128,23 @@ def test_epochs_continue_with_a_new_permutation(data: str) -> None:
     assert len(set(epoch0) | set(epoch1)) > 20  # another split of the documents between ranks
 
 
+def lane_position(state: dict[str, Any], lane: int = 0) -> tuple[int, int, int]:
+    """(epoch, document, offset) of a lane in a loader's state."""
+    return next(tuple(p[1:]) for p in state["positions"] if p[0] == lane)
+
+
 def resume_cases(data: str) -> dict[str, int]:
     """How many batches to consume before saving, for each kind of resume point."""
     with make(data, micro_batch=1, seq_len=8) as loader:
         states = [loader.state_dict()] + [
             (next(loader), loader.state_dict())[1] for _ in range(120)
         ]
-    doc_start = next(k for k, s in enumerate(states) if k > 0 and s["offset"] == 0)
-    mid_doc = next(k for k, s in enumerate(states) if s["offset"] > 0)
-    last_of_epoch = max(k for k, s in enumerate(states) if s["epoch"] == 0)
+    where = [lane_position(s) for s in states]
+    doc_start = next(k for k, (_, _, o) in enumerate(where) if k > 0 and o == 0)
+    mid_doc = next(k for k, (_, _, o) in enumerate(where) if o > 0)
+    last_of_epoch = max(k for k, (e, _, _) in enumerate(where) if e == 0)
     new_epoch = last_of_epoch + 1
-    assert states[new_epoch]["epoch"] == 1
+    assert where[new_epoch][0] == 1
     return {
         "start": 0,
         "doc_start": doc_start,
@@ -196,15 +204,14 @@ def test_state_is_small_and_plain(data: str) -> None:
         next(loader)
         state = loader.state_dict()
     assert len(pickle.dumps(state)) < 1000
-    assert {"epoch", "doc", "offset", "seed", "dp_rank", "dp_size", "seq_len"} <= set(state)
+    assert {"positions", "lanes", "seed", "seq_len", "dataset", "tokenizer"} <= set(state)
+    assert [p[0] for p in state["positions"]] == [0]
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         ({"seed": 8}, r"different data\.shuffleSeed: seed was 7, now 8"),
-        ({"dp_size": 2}, r"different data-parallel size .*dp_size was 1, now 2"),
-        ({"dp_rank": 1, "dp_size": 2}, r"dp_size was 1, now 2"),
         ({"seq_len": 32}, r"different data\.seqLen: seq_len was 16, now 32"),
     ],
 )
@@ -248,15 +255,21 @@ def test_state_from_another_tokenizer_is_refused(data: str) -> None:
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("doc", 10_000, r"points at document 10000 of epoch 0, but this rank has 40"),
+        ("doc", 10_000, r"points at document 10000 of epoch 0, but lane 0 has 40 documents"),
         ("offset", 10_000, r"points at token 10000 of a document that has \d+ tokens"),
-        ("version", 99, r"version 99, this trainer reads version 1"),
+        ("lane", 3, r"states disagree on lane 3 \(of 1\)"),
+        ("positions", None, r"no readable lane positions"),
+        ("version", 99, r"version 99, this trainer reads version 2"),
     ],
 )
-def test_corrupt_state_is_refused(data: str, field: str, value: int, message: str) -> None:
+def test_corrupt_state_is_refused(data: str, field: str, value: Any, message: str) -> None:
     with make(data) as loader:
         state = loader.state_dict()
-        state[field] = value
+        column = {"lane": 0, "doc": 2, "offset": 3}.get(field)
+        if column is None:
+            state[field] = value
+        else:
+            state["positions"][0][column] = value
         with pytest.raises(UserError, match=message):
             loader.load_state_dict(state)
 
@@ -337,13 +350,13 @@ def test_reshard_deals_the_rest_of_the_epoch_with_nothing_skipped(
             states.append(old.state_dict())
             assert old.epoch == 0
             old_next.append(token_stream(take(old, 6))[1:])  # what it would have read next
-    frontier = min(range(old_size), key=lambda r: states[r]["doc"] * old_size + r)
+    frontier = min(range(old_size), key=lambda r: lane_position(states[r], r)[1] * old_size + r)
     new_streams = []
     for rank in range(new_size):
         with make(data, dp_rank=rank, dp_size=new_size, **kw) as new:
             new.reshard(states)
             batches = []
-            while new.state_dict()["epoch"] == 0:  # the batches that start in epoch 0
+            while new.epoch == 0:  # the batches that start in epoch 0
                 batches.append(next(new))
             new_streams.append(token_stream(batches))
     # new rank 0 goes on with the frontier document's next token, to the document's end
@@ -353,7 +366,8 @@ def test_reshard_deals_the_rest_of_the_epoch_with_nothing_skipped(
     old_ids = set().union(*(doc_ids(s) for s in old_streams))
     new_ids = set().union(doc_ids(joined), *(doc_ids(s) for s in new_streams[1:]))
     assert old_ids | new_ids == set(range(len(DOCS))), "no document of the epoch is skipped"
-    spread = max(s["doc"] for s in states) - min(s["doc"] for s in states) + 1
+    docs = [lane_position(s, r)[1] for r, s in enumerate(states)]
+    spread = max(docs) - min(docs) + 1
     repeated = (old_ids & new_ids) - doc_ids(old_streams[frontier])
     # at most what old ranks read past the frontier, plus the epoch-1 tail of each last batch
     assert len(repeated) <= spread * old_size + 2 * new_size, repeated
@@ -367,8 +381,9 @@ def test_reshard_is_the_same_on_every_new_rank_and_checks_the_states(data: str) 
             states.append(old.state_dict())
     with make(data, dp_rank=0, dp_size=1) as a, make(data, dp_rank=0, dp_size=1) as b:
         a.reshard(states)
-        b.reshard(states)
-        assert same(take(a, 5), take(b, 5))
+        b.reshard(states[::-1])  # the states say which lanes they hold: any order
+        first = take(a, 5)
+        assert same(first, take(b, 5))
         # the re-dealt position is a checkpointable state like any other
         state = a.state_dict()
         expected = take(a, 3)
@@ -377,5 +392,88 @@ def test_reshard_is_the_same_on_every_new_rank_and_checks_the_states(data: str) 
         assert same(take(c, 3), expected)
     with make(data, dp_rank=0, dp_size=1, seed=8) as d, pytest.raises(UserError, match="seed"):
         d.reshard(states)
-    with make(data, dp_rank=0, dp_size=1) as e, pytest.raises(UserError, match="dp_rank"):
-        e.reshard(states[::-1])
+    with make(data, dp_rank=0, dp_size=1) as e, pytest.raises(
+            UserError, match=r"read in 2 lanes, this run reads it in 1 .*1 lanes have none"):
+        e.reshard(states[:1])
+
+
+# --- one lane per sequence (the trainer's): the same global batches at every dp degree --------
+
+
+def global_batches(data: str, batch: int, micro_batch: int,
+                   schedule: list[tuple[int, int]]) -> list[list[list[int]]]:
+    """The rows (inputs then the last target) of each step's global batch, ranks in order, for
+    a run that trains `steps` steps on `size` data-parallel ranks for each (size, steps) of
+    `schedule`, every change of size a resume from the ranks' states."""
+    steps: list[list[list[int]]] = []
+    states: list[dict[str, Any]] = []
+    for size, count in schedule:
+        loaders = [make(data, dp_rank=r, dp_size=size, micro_batch=micro_batch, seq_len=8,
+                        global_batch=batch, lanes=batch, prefetch=2) for r in range(size)]
+        try:
+            for loader in loaders:
+                if states:
+                    assert loader.reshard(states) == "every lane goes on where it stopped"
+            for _ in range(count):
+                rows = []
+                for loader in loaders:
+                    for _ in range(batch // (size * micro_batch)):
+                        x, y = next(loader)
+                        rows += [[*a.tolist(), int(b[-1])] for a, b in zip(x, y, strict=True)]
+                steps.append(rows)
+            states = [loader.state_dict() for loader in loaders]
+        finally:
+            for loader in loaders:
+                loader.close()
+    return steps
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def elastic_runs(draw: st.DrawFn) -> tuple[int, int, list[tuple[int, int]]]:
+    batch = draw(st.sampled_from([1, 2, 4, 6, 8, 12]))
+    micro_batch = draw(st.sampled_from(divisors(batch)))
+    sizes = divisors(batch // micro_batch)
+    schedule = draw(st.lists(st.tuples(st.sampled_from(sizes), st.integers(1, 9)),
+                             min_size=2, max_size=4))
+    return batch, micro_batch, schedule
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(run=elastic_runs())
+def test_every_step_s_global_batch_is_the_same_whatever_the_sizes_it_ran_at(
+        data: str, run: tuple[int, int, list[tuple[int, int]]]) -> None:
+    """Resized any number of times, at any step, to any data-parallel degree the global batch
+    allows, a run reads exactly the rows a run that never changed its degree reads, step by step:
+    no row skipped, none repeated, none moved to another step."""
+    batch, micro_batch, schedule = run
+    total = sum(count for _, count in schedule)
+    straight = global_batches(data, batch, micro_batch, [(schedule[0][0], total)])
+    assert global_batches(data, batch, micro_batch, schedule) == straight
+
+
+def test_one_lane_per_sequence_reads_each_document_once_per_epoch(data: str) -> None:
+    """Four lanes, each a row of every step: lane j's rows are every 4th row; each lane's
+    first 10 documents (its share of epoch 0's 40) are whole, and together they are every
+    document exactly once."""
+    with make(data, micro_batch=1, seq_len=8, global_batch=4, lanes=4) as loader:
+        rows = take(loader, 4 * 60)
+    docs = []
+    for lane in range(4):
+        stream = token_stream(rows[lane::4])
+        docs += bytes(t if t != EOS else 0 for t in stream).decode().split("\0")[:10]
+    assert Counter(docs) == Counter(DOCS)
+
+
+def test_a_resume_that_misses_a_rank_s_state_says_so(data: str) -> None:
+    kw: dict[str, Any] = dict(micro_batch=1, seq_len=8, global_batch=4, lanes=4)
+    with make(data, dp_size=2, dp_rank=1, **kw) as saved:
+        state = saved.state_dict()
+    with make(data, dp_size=1, dp_rank=0, **kw) as one, pytest.raises(
+            UserError, match=r"no position for lanes 0-1 of data-parallel rank 0: the "
+                             r"checkpoint misses some ranks' states"):
+        one.reshard([state])

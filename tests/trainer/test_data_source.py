@@ -138,7 +138,8 @@ def test_empty_dataset(tmp_path: Path, stream: bool) -> None:
 
 def test_fewer_documents_than_ranks(tmp_path: Path) -> None:
     path = write_arrow(tmp_path / "d.arrow", DOCS[:3])
-    with pytest.raises(UserError, match=r"has 3 documents, fewer than the 4 data-parallel ranks"):
+    with pytest.raises(UserError, match=r"has 3 documents, fewer than the 4 streams it is read "
+                                        r"in \(one per data-parallel rank\)"):
         PackedLoader(
             str(path),
             load_tokenizer("bytes"),
@@ -149,3 +150,13 @@ def test_fewer_documents_than_ranks(tmp_path: Path) -> None:
             dp_size=4,
             seed=0,
         )
+
+
+def test_fewer_documents_than_sequences_in_a_global_batch(tmp_path: Path) -> None:
+    """The trainer reads one lane per sequence of the global batch: each needs documents."""
+    path = write_arrow(tmp_path / "d.arrow", DOCS[:3])
+    with pytest.raises(UserError, match=r"has 3 documents, fewer than the 8 streams it is read "
+                                        r"in \(one per sequence of a global batch, "
+                                        r"train\.globalBatch\): use a larger dataset"):
+        PackedLoader(str(path), load_tokenizer("bytes"), text_column="text", seq_len=8,
+                     micro_batch=2, dp_rank=0, dp_size=2, seed=0, global_batch=8, lanes=8)

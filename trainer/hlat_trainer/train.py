@@ -263,6 +263,8 @@ class Trainer:
             spec.data.path, self.tokenizer, text_column=spec.data.text_column,
             seq_len=spec.data.seq_len, micro_batch=spec.train.micro_batch,
             dp_rank=self.world.dp_rank, dp_size=self.world.dp, seed=spec.data.shuffle_seed,
+            # one lane per sequence: a step's global batch is the same at every dp degree
+            global_batch=spec.train.global_batch, lanes=spec.train.global_batch,
         )
         self.eval_batches = held_out_batches(spec, self.tokenizer, self.world)
         self._evaluated = False  # this attempt has not evaluated yet
@@ -313,12 +315,12 @@ class Trainer:
         else:
             loops = [unpack(restored.loop_states[r]) for r in sorted(restored.loop_states)]
             loop = loops[0]
-            self.loader.reshard([s["loader"] for s in loops])
+            how = self.loader.reshard([s["loader"] for s in loops])
             log.warning(
-                "resumed step_%d, saved by %d ranks (dp %d), on %d ranks (dp %d): data streams "
-                "re-dealt from the earliest unfinished document (%s); optimizer state re-"
-                "partitioned by parameter name", restored.step, restored.saved.world,
-                restored.saved.dp, self.world.size, self.world.dp, self.loader.position_text())
+                "resumed step_%d, saved by %d ranks (dp %d), on %d ranks (dp %d): data: %s "
+                "(%s); optimizer state re-partitioned by parameter name", restored.step,
+                restored.saved.world, restored.saved.dp, self.world.size, self.world.dp, how,
+                self.loader.position_text())
         self.state.load_state_dict(loop["train"])
         log.info("resumed from checkpoint step_%d: next step is %d", restored.step,
                  restored.step + 1)

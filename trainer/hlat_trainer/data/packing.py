@@ -4,21 +4,29 @@ Why: tokenizing and packing online, during training, lets one Arrow dataset serv
 and sequence length with no offline preprocessing, and costs no throughput as long as a CPU
 thread tokenizes future batches while the accelerator runs the current one.
 
-What one data-parallel rank sees, as a pure function of (dataset, tokenizer, seed, rank, size):
-every epoch e shuffles ALL documents with a permutation seeded by (seed, e); rank r takes every
-`dp_size`-th document of it, starting at r, so the ranks' streams are disjoint and together
-cover each document once per epoch; epochs follow each other forever. The rank's documents are
-tokenized, each followed by EOS, and concatenated into one token stream. Row k of the rank's
-output is stream[k*L : k*L + L + 1] (L = seq_len): inputs are its first L tokens and targets its
-last L. Consecutive rows overlap by one token, so the tokens left over at the end of a row start
-the next one (the paper's "left over tokens ... used in the following sample") and every token
-except the very first is a target exactly once. A micro-batch is `micro_batch` consecutive rows.
+The data is read in `lanes` streams, as a pure function of (dataset, tokenizer, seed, lanes):
+every epoch e shuffles ALL documents with a permutation seeded by (seed, e); lane j takes every
+`lanes`-th document of it, starting at j, so the lanes are disjoint and together cover each
+document once per epoch; epochs follow each other forever. A lane's documents are tokenized,
+each followed by EOS, and concatenated into one token stream. Row k of a lane is
+stream[k*L : k*L + L + 1] (L = seq_len): inputs are its first L tokens and targets its last L.
+Consecutive rows overlap by one token, so the tokens left over at the end of a row start the
+next one (the paper's "left over tokens ... used in the following sample") and every token
+except the very first is a target exactly once.
 
-After a change of the data-parallel degree (`PackedLoader.reshard`, a resume on fewer or more
-nodes) the rest of the current epoch, from the earliest document some old rank had not
-finished, is dealt round robin to the new ranks (a `Deal`: epoch and permutation index it
-starts at); later epochs are dealt from their start as above. Nothing is skipped; what old
-ranks had read past that point is read again.
+A step's global batch of B sequences is, lane after lane, the next B/lanes rows of each lane.
+Data-parallel rank r of D reads lanes [r*lanes/D, (r+1)*lanes/D) and cuts its B/D rows, in that
+order, into micro-batches of `micro_batch` rows. The trainer reads one lane per sequence
+(lanes = B: each lane gives one row a step), so the global batch of every step is the same
+sequences at every data-parallel degree that divides it: a run resumed on fewer or more nodes
+(`PackedLoader.reshard`) trains on exactly the data it would have trained on, each lane going
+on where it stopped. (lanes = D, the default outside the trainer, is one stream per rank whose
+consecutive rows make its micro-batches.)
+
+Only when the number of lanes changes (train.globalBatch changed) is the rest of the current
+epoch, from the earliest document some old lane had not finished, dealt round robin to the new
+lanes (a `Deal`: epoch and permutation index it starts at); later epochs are dealt from their
+start as above. Nothing is skipped; what old lanes had read past that point is read again.
 
 Design choices and trade-offs:
 - Documents are never cropped or padded: packing wastes nothing, at the price that a sequence
@@ -27,14 +35,17 @@ Design choices and trade-offs:
 - A daemon thread reads, tokenizes and packs ahead of the trainer into a queue of at most
   `prefetch` micro-batches; a crashed trainer never hangs on it. Errors in the thread (a bad
   file) are re-raised in the consumer at its next batch.
-- The resume state records what the trainer CONSUMED, not what the thread prefetched: the
-  position of the next row's first token as (epoch, document index in this rank's share of the
-  epoch, token offset into that document). That is three ints however long the documents are;
-  resuming re-tokenizes one document, cheap next to keeping a token buffer in every checkpoint.
-  The state also records seed, rank, size, seq_len and fingerprints of dataset and tokenizer,
-  and a loader built differently refuses it instead of silently training on other data.
-- The permutation is materialised once per epoch (8 bytes per document per rank process: 800 MB
-  for 100M documents); a lazy permutation (e.g. a Feistel network) would remove that.
+- The resume state records what the trainer CONSUMED, not what the thread prefetched: for
+  each of the rank's lanes, the position of its next row's first token as (epoch, document
+  index in the lane's share of the epoch, token offset into that document). That is three ints
+  per lane however long the documents are; resuming re-tokenizes one document per lane, cheap
+  next to keeping a token buffer in every checkpoint. The state also records the lanes, seed,
+  seq_len and fingerprints of dataset and tokenizer, and a loader built differently refuses it
+  instead of silently training on other data.
+- The permutation is materialised once per epoch and shared by the rank's lanes (8 bytes per
+  document per rank process: 800 MB for 100M documents); a lazy permutation (e.g. a Feistel
+  network) would remove that. A lane costs a tokenizer call per `ENCODE_GROUP` of its documents
+  and a buffer of at most that many documents' tokens.
 - Tokenization goes through `Tokenizer.encode_batch` in groups of `ENCODE_GROUP` documents; HF
   tokenizers parallelise a group over cores (set RAYON_NUM_THREADS to limit that).
 """
@@ -59,7 +70,8 @@ from hlat_trainer.errors import UserError
 if TYPE_CHECKING:
     import torch
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""2: positions per lane (1: one stream per data-parallel rank)."""
 ENCODE_GROUP = 32
 """Documents tokenized per `encode_batch` call in the background thread."""
 
@@ -88,30 +100,25 @@ class Deal:
         return self.start if epoch == self.epoch else 0
 
 
-class RankStream:
-    """The documents of one data-parallel rank, in order, tokenized and followed by EOS."""
+class LaneStream:
+    """The documents of one lane, in order, tokenized and followed by EOS."""
 
     def __init__(
-        self, source: ArrowSource, tokenizer: Tokenizer, seed: int, dp_rank: int, dp_size: int,
-        deal: Deal | None = None,
+        self, source: ArrowSource, tokenizer: Tokenizer, seed: int, lane: int, lanes: int,
+        deal: Deal | None = None, permutations: Permutations | None = None,
     ) -> None:
         self.source, self.tokenizer = source, tokenizer
-        self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
+        self.seed, self.lane, self.lanes = seed, lane, lanes
         self.deal = deal or Deal()
-        self._cached: tuple[int, np.ndarray] | None = None
+        self.permutations = permutations or Permutations(source.num_documents, seed)
 
     def docs_of_epoch(self, epoch: int) -> np.ndarray:
-        """Global ids of this rank's documents in `epoch`, in the order it reads them."""
-        if self._cached is None or self._cached[0] != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            perm = rng.permutation(self.source.num_documents)
-            first = self.deal.first(epoch)
-            self._cached = (epoch, perm[first + self.dp_rank :: self.dp_size])
-        return self._cached[1]
+        """Global ids of this lane's documents in `epoch`, in the order it reads them."""
+        return self.permutations.of(epoch)[self.deal.first(epoch) + self.lane :: self.lanes]
 
     def permutation_index(self, p: Position) -> int:
         """Index in epoch `p.epoch`'s permutation of the document at position `p`."""
-        return self.deal.first(p.epoch) + self.dp_rank + p.doc * self.dp_size
+        return self.deal.first(p.epoch) + self.lane + p.doc * self.lanes
 
     def encode(self, doc_ids: list[int]) -> list[np.ndarray]:
         """Token ids of the documents, each followed by EOS, as int64 arrays."""
@@ -132,15 +139,34 @@ class RankStream:
             epoch, doc = epoch + 1, 0
 
 
-def pack(
-    stream: RankStream, start: Position, seq_len: int, micro_batch: int
-) -> Iterator[tuple[np.ndarray, Position]]:
-    """Micro-batches of rows as flat arrays of micro_batch*seq_len+1 tokens, and the position
-    after each. Rows are `flat[i*seq_len : (i+1)*seq_len + 1]`."""
+class Permutations:
+    """Each epoch's shuffle of all documents, seeded by (seed, epoch); the last few epochs' are
+    kept, shared by the lanes of one rank (lanes drift apart by at most a few documents)."""
+
+    KEEP = 4
+
+    def __init__(self, num_documents: int, seed: int) -> None:
+        self.num_documents, self.seed = num_documents, seed
+        self._kept: dict[int, np.ndarray] = {}
+
+    def of(self, epoch: int) -> np.ndarray:
+        perm = self._kept.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_documents)
+            if len(self._kept) >= self.KEEP:
+                del self._kept[min(self._kept)]
+            self._kept[epoch] = perm
+        return perm
+
+
+def pack(stream: LaneStream, start: Position, seq_len: int
+         ) -> Iterator[tuple[np.ndarray, Position]]:
+    """The lane's rows, seq_len+1 tokens each (consecutive rows share one token), from
+    position `start` on, and the position after each."""
     docs = stream.documents(start)
     segments: list[tuple[int, int, int, np.ndarray]] = []  # (epoch, doc, offset, tokens[offset:])
     buffered = 0
-    step, need = micro_batch * seq_len, micro_batch * seq_len + 1
+    step, need = seq_len, seq_len + 1
     first = True
     while True:
         while buffered < need:
@@ -178,20 +204,42 @@ def _advance(
     return [(epoch, doc, offset + n, tokens[n:]), *segments[k + 1 :]]
 
 
+def lane_rows(
+    streams: list[LaneStream], starts: list[Position], seq_len: int, rows_per_lane: int,
+    micro_batch: int,
+) -> Iterator[tuple[np.ndarray, tuple[tuple[int, Position], ...]]]:
+    """One rank's micro-batches, forever: each step, every lane of the rank in lane order
+    gives `rows_per_lane` consecutive rows, and these rows, in that order, are cut into
+    micro-batches of `micro_batch` rows ([micro_batch, seq_len+1] arrays). With each, where
+    the lanes it read from stand after it, as (lane, position) in row order."""
+    packers = [pack(stream, start, seq_len) for stream, start in zip(streams, starts,
+                                                                      strict=True)]
+    rows: list[np.ndarray] = []
+    moved: list[tuple[int, Position]] = []
+    while True:
+        for stream, packer in zip(streams, packers, strict=True):
+            for _ in range(rows_per_lane):
+                row, position = next(packer)
+                rows.append(row)
+                moved.append((stream.lane, position))
+                if len(rows) == micro_batch:
+                    yield np.stack(rows), tuple(moved)
+                    rows, moved = [], []
+
+
 def _produce(
-    batches: Iterator[tuple[np.ndarray, Position]],
+    batches: Iterator[tuple[np.ndarray, tuple[tuple[int, Position], ...]]],
     out: queue.Queue[Any],
     stop: threading.Event,
-    shape: tuple[int, int],
 ) -> None:
-    """Background thread: fill `out` with (inputs, targets, position) or an exception."""
+    """Background thread: fill `out` with (inputs, targets, lane positions) or an exception."""
     import torch  # here, not at the top: `hlat-data` imports this package and needs no torch
 
     try:
-        for flat, position in batches:
-            inputs = torch.from_numpy(flat[:-1].reshape(shape))
-            targets = torch.from_numpy(flat[1:].copy().reshape(shape))
-            if not _put(out, (inputs, targets, position), stop):
+        for rows, moved in batches:
+            inputs = torch.from_numpy(np.ascontiguousarray(rows[:, :-1]))
+            targets = torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
+            if not _put(out, (inputs, targets, moved), stop):
                 return
     except BaseException as exc:  # handed to the consumer, which re-raises it
         _put(out, exc, stop)
@@ -212,6 +260,11 @@ class PackedLoader:
 
     Both are int64 tensors of shape [micro_batch, seq_len]; see the module docstring for the
     exact semantics. Use as a context manager, or call `close()`, to stop the background thread.
+
+    `global_batch`: sequences per optimizer step over all ranks (default: one micro-batch per
+    rank); `lanes`: the streams the data is read in (default: one per data-parallel rank;
+    the trainer uses one per sequence of the global batch, so that every step's global batch
+    is the same whatever the data-parallel degree).
     """
 
     def __init__(
@@ -226,20 +279,28 @@ class PackedLoader:
         dp_size: int,
         seed: int,
         prefetch: int = 8,
+        global_batch: int | None = None,
+        lanes: int | None = None,
     ) -> None:
         _check_args(seq_len, micro_batch, dp_rank, dp_size, seed, prefetch)
+        self.global_batch = global_batch or dp_size * micro_batch
+        self.lanes = lanes or dp_size
+        _check_shape(self.global_batch, self.lanes, micro_batch, dp_size)
         self.source = ArrowSource(paths, text_column)
-        if self.source.num_documents < dp_size:
+        if self.source.num_documents < self.lanes:
+            streams = ("one per data-parallel rank" if self.lanes == dp_size
+                       else "one per sequence of a global batch, train.globalBatch")
             raise UserError(
                 f"dataset {paths} has {self.source.num_documents} documents, fewer than the "
-                f"{dp_size} data-parallel ranks: use a larger dataset"
+                f"{self.lanes} streams it is read in ({streams}): use a larger dataset"
             )
         self.tokenizer = tokenizer
         self.seq_len, self.micro_batch, self.prefetch = seq_len, micro_batch, prefetch
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
+        per_rank = self.lanes // dp_size
+        self.my_lanes = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         self._deal = Deal()
-        self._stream = RankStream(self.source, tokenizer, seed, dp_rank, dp_size)
-        self._position = Position(0, 0, 0)
+        self._positions = dict.fromkeys(self.my_lanes, Position(0, 0, 0))
         self.wait_seconds = 0.0
         """Seconds the consumer has spent waiting for the background thread (data wait)."""
         self._thread: threading.Thread | None = None
@@ -258,8 +319,8 @@ class PackedLoader:
 
     @property
     def epoch(self) -> int:
-        """The epoch the next row starts in (0-based)."""
-        return self._position.epoch
+        """The earliest epoch the next rows start in (0-based)."""
+        return min(p.epoch for p in self._positions.values())
 
     def __iter__(self) -> PackedLoader:
         return self
@@ -275,7 +336,8 @@ class PackedLoader:
         if isinstance(item, BaseException):
             self._halt()
             raise item
-        inputs, targets, self._position = item
+        inputs, targets, moved = item
+        self._positions.update(moved)
         return inputs, targets
 
     def _get(self) -> Any:
@@ -287,22 +349,24 @@ class PackedLoader:
                 if thread is None or not thread.is_alive():
                     return RuntimeError("the data loader thread stopped without a reason")
 
+    def _streams(self) -> list[LaneStream]:
+        # each caller gets its own streams and permutation cache: the thread shares nothing
+        permutations = Permutations(self.source.num_documents, self.seed)
+        return [LaneStream(self.source, self.tokenizer, self.seed, lane, self.lanes,
+                           self._deal, permutations) for lane in self.my_lanes]
+
     def _start(self) -> None:
         self._queue = queue.Queue(maxsize=self.prefetch)
         self._stop = threading.Event()
-        batches = pack(self._stream_copy(), self._position, self.seq_len, self.micro_batch)
+        batches = lane_rows(self._streams(), [self._positions[lane] for lane in self.my_lanes],
+                            self.seq_len, self.global_batch // self.lanes, self.micro_batch)
         self._thread = threading.Thread(
             target=_produce,
-            args=(batches, self._queue, self._stop, (self.micro_batch, self.seq_len)),
+            args=(batches, self._queue, self._stop),
             name=f"hlat-data-rank{self.dp_rank}",
             daemon=True,
         )
         self._thread.start()
-
-    def _stream_copy(self) -> RankStream:
-        # the thread gets its own stream (and permutation cache): nothing shared with `self`
-        return RankStream(self.source, self.tokenizer, self.seed, self.dp_rank, self.dp_size,
-                          self._deal)
 
     def _halt(self) -> None:
         """Stop the background thread and drop what it prefetched."""
@@ -334,95 +398,142 @@ class PackedLoader:
             stop.set()
 
     def state_dict(self) -> dict[str, Any]:
-        """What the trainer has consumed, small and picklable (ints, strings, lists)."""
-        p = self._position
+        """What the trainer has consumed, small and picklable (ints, strings, lists): where each
+        of this rank's lanes stands."""
         return {
             "version": STATE_VERSION,
-            "epoch": p.epoch,
-            "doc": p.doc,
-            "offset": p.offset,
+            "lanes": self.lanes,
+            "positions": [[lane, p.epoch, p.doc, p.offset]
+                          for lane, p in self._positions.items()],
             "deal_epoch": self._deal.epoch,
             "deal_start": self._deal.start,
+            "dp_rank": self.dp_rank,  # who saved it: for messages only
+            "dp_size": self.dp_size,
             **self._layout(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume so that the next batch is the one after those consumed when `state` was taken."""
-        _check_state_layout(state, self._layout())
-        position = Position(int(state["epoch"]), int(state["doc"]), int(state["offset"]))
-        self._set(_deal_of(state), position)
+        """Resume so that the next batch is the one after those consumed when `state` was taken
+        (a state of this rank, or of any rank whose lanes include this one's)."""
+        self.reshard([state])
 
-    def reshard(self, states: list[dict[str, Any]]) -> None:
-        """Continue the data of a run that had `len(states)` data-parallel ranks (`states[r]`:
-        rank r's state), under this loader's dp degree.
+    def reshard(self, states: list[dict[str, Any]]) -> str:
+        """Continue from the states of the ranks of a checkpoint (`states`: every saving rank's,
+        in any order, or at least those holding this rank's lanes), whatever their
+        data-parallel degree.
 
-        The rule: the documents of the current epoch from the earliest one not yet finished by
-        every old rank (the "frontier", in the epoch's permutation order) on are dealt again,
-        round robin, to the new ranks; later epochs are dealt as usual. So no document is
-        skipped, the frontier document continues at the token where its old reader stopped,
-        and the documents that old ranks had read beyond the frontier (at most about the
-        spread of their progress times the old dp degree) are read again. The same states give
-        every new rank the same frontier.
+        With as many lanes as the saving run (the trainer: the same train.globalBatch), every
+        lane goes on where it stopped: the data is the data of a run that never changed its
+        degree. With another number of lanes (the global batch changed), the rest of the
+        current epoch, from the earliest document not yet finished by every old lane (the
+        "frontier", in the epoch's permutation order), is dealt again round robin to the new
+        lanes; later epochs are dealt as usual. No document is skipped, the frontier document
+        continues at the token where its old lane stopped, and the documents that old lanes had
+        read beyond the frontier are read again. The same states give every rank the same
+        deal. Returns which of the two it did, in words.
         """
         if not states:
             raise ValueError("reshard needs the state of every old data-parallel rank")
-        old_size = len(states)
-        frontier: tuple[int, int, int] | None = None  # (epoch, permutation index, offset)
-        for rank, state in enumerate(states):
-            mine = {**self._layout(), "dp_rank": rank, "dp_size": old_size}
-            _check_state_layout(state, mine)
-            old = RankStream(self.source, self.tokenizer, self.seed, rank, old_size,
-                             _deal_of(state))
-            p = Position(int(state["epoch"]), int(state["doc"]), int(state["offset"]))
-            here = (p.epoch, old.permutation_index(p), p.offset)
-            if frontier is None or here[:2] < frontier[:2]:
-                frontier = here
-        assert frontier is not None
-        epoch, start, offset = frontier
-        deal = Deal(epoch, start)
-        if start + self.dp_rank >= self.source.num_documents:  # no document left for this rank
-            self._set(Deal(epoch + 1, 0), Position(epoch + 1, 0, 0))
-        else:
-            self._set(deal, Position(epoch, 0, offset if self.dp_rank == 0 else 0))
+        for state in states:
+            _check_state_layout(state, self._layout())
+        lanes = {int(state["lanes"]) for state in states}
+        deals = {_deal_of(state) for state in states}
+        if len(lanes) > 1 or len(deals) > 1:
+            raise UserError("the data loader states come from different runs (their lanes "
+                            "differ): restore a checkpoint whose ranks saved together")
+        old_lanes, deal = lanes.pop(), deals.pop()
+        positions = _lane_positions(states, old_lanes)
+        if old_lanes == self.lanes:
+            missing = [lane for lane in self.my_lanes if lane not in positions]
+            if missing:
+                raise UserError(
+                    f"the data loader states hold no position for lanes {_span(missing)} of "
+                    f"data-parallel rank {self.dp_rank}: the checkpoint misses some ranks' "
+                    f"states; restore one that every rank saved"
+                )
+            self._set(deal, {lane: positions[lane] for lane in self.my_lanes})
+            return "every lane goes on where it stopped"
+        if len(positions) != old_lanes:
+            raise UserError(
+                f"the checkpoint's data was read in {old_lanes} lanes, this run reads it in "
+                f"{self.lanes} (train.globalBatch changed): re-dealing it needs every old "
+                f"rank's state, and {old_lanes - len(positions)} lanes have none"
+            )
+        permutations = Permutations(self.source.num_documents, self.seed)
+        epoch, start, offset = min(
+            (p.epoch, LaneStream(self.source, self.tokenizer, self.seed, lane, old_lanes, deal,
+                                 permutations).permutation_index(p), p.offset)
+            for lane, p in positions.items())
+        after = Position(epoch + 1, 0, 0)  # a lane with no document left in this epoch
+        self._set(Deal(epoch, start), {
+            lane: (Position(epoch, 0, offset if lane == 0 else 0)
+                   if start + lane < self.source.num_documents else after)
+            for lane in self.my_lanes})
+        return (f"{old_lanes} lanes re-dealt to {self.lanes} from the earliest unfinished "
+                f"document")
 
-    def _set(self, deal: Deal, position: Position) -> None:
+    def _set(self, deal: Deal, positions: dict[int, Position]) -> None:
         self._halt()
         self._deal = deal
-        self._stream = RankStream(self.source, self.tokenizer, self.seed, self.dp_rank,
-                                  self.dp_size, deal)
-        self._check_position(position)
-        self._position = position
+        for stream in self._streams():
+            _check_position(stream, positions[stream.lane])
+        self._positions = positions
 
     def position_text(self) -> str:
-        p, d = self._position, self._deal
-        return (f"rank {self.dp_rank}/{self.dp_size} at epoch {p.epoch}, document {p.doc} of "
-                f"its share dealt from permutation index {d.first(p.epoch)}, token {p.offset}")
+        first = self.my_lanes[0]
+        p, d = self._positions[first], self._deal
+        return (f"rank {self.dp_rank}/{self.dp_size} reads lanes {_span(list(self.my_lanes))} of "
+                f"{self.lanes}; lane {first} at epoch {p.epoch}, document {p.doc} of its share "
+                f"dealt from permutation index {d.first(p.epoch)}, token {p.offset}")
 
     def _layout(self) -> dict[str, Any]:
         return {
             "seed": self.seed,
-            "dp_rank": self.dp_rank,
-            "dp_size": self.dp_size,
             "seq_len": self.seq_len,
             "dataset": self.source.fingerprint,
             "tokenizer": self.tokenizer.fingerprint,
         }
 
-    def _check_position(self, p: Position) -> None:
-        docs = self._stream.docs_of_epoch(p.epoch) if p.epoch >= 0 else np.empty(0)
-        if not 0 <= p.doc < len(docs):
-            raise UserError(
-                f"data loader state points at document {p.doc} of epoch {p.epoch}, but this "
-                f"rank has {len(docs)} documents per epoch: the checkpoint does not belong to "
-                f"this dataset; start a new run (another checkpoint.dir)"
-            )
-        length = len(self._stream.encode([int(docs[p.doc])])[0])
-        if not 0 <= p.offset < length:
-            raise UserError(
-                f"data loader state points at token {p.offset} of a document that has "
-                f"{length} tokens: the dataset or tokenizer changed since the checkpoint; "
-                f"start a new run (another checkpoint.dir)"
-            )
+
+def _check_position(stream: LaneStream, p: Position) -> None:
+    docs = stream.docs_of_epoch(p.epoch) if p.epoch >= 0 else np.empty(0)
+    if not 0 <= p.doc < len(docs):
+        raise UserError(
+            f"data loader state points at document {p.doc} of epoch {p.epoch}, but lane "
+            f"{stream.lane} has {len(docs)} documents in that epoch: the checkpoint does not "
+            f"belong to this dataset; start a new run (another checkpoint.dir)"
+        )
+    length = len(stream.encode([int(docs[p.doc])])[0])
+    if not 0 <= p.offset < length:
+        raise UserError(
+            f"data loader state points at token {p.offset} of a document that has "
+            f"{length} tokens: the dataset or tokenizer changed since the checkpoint; "
+            f"start a new run (another checkpoint.dir)"
+        )
+
+
+def _lane_positions(states: list[dict[str, Any]], lanes: int) -> dict[int, Position]:
+    """The saved position of every lane some state holds (the ranks of one tensor-parallel
+    group hold the same lanes, at the same positions)."""
+    positions: dict[int, Position] = {}
+    for state in states:
+        try:
+            entries = [(int(lane), Position(int(e), int(d), int(o)))
+                       for lane, e, d, o in state["positions"]]
+        except (KeyError, TypeError, ValueError) as err:
+            raise UserError(f"data loader state has no readable lane positions ({err}): the "
+                            f"checkpoint is damaged; restore an older one") from err
+        for lane, position in entries:
+            if not 0 <= lane < lanes or positions.setdefault(lane, position) != position:
+                raise UserError(
+                    f"data loader states disagree on lane {lane} (of {lanes}): the checkpoint "
+                    f"mixes ranks of different runs; restore one that every rank saved"
+                )
+    return positions
+
+
+def _span(lanes: list[int]) -> str:
+    return f"{lanes[0]}-{lanes[-1]}" if len(lanes) > 1 else str(lanes[0])
 
 
 def _deal_of(state: dict[str, Any]) -> Deal:
@@ -444,10 +555,21 @@ def _check_args(
         raise UserError(f"the loader's prefetch must be at least 1 micro-batch, got {prefetch}")
 
 
+def _check_shape(global_batch: int, lanes: int, micro_batch: int, dp_size: int) -> None:
+    if global_batch % (micro_batch * dp_size):
+        raise UserError(
+            f"train.globalBatch {global_batch} is not divisible by microBatch x data-parallel "
+            f"degree = {micro_batch} x {dp_size}"
+        )
+    if lanes % dp_size or global_batch % lanes:
+        raise UserError(
+            f"the loader's {lanes} lanes must split evenly over the {dp_size} data-parallel "
+            f"ranks and divide the global batch of {global_batch} sequences"
+        )
+
+
 _LAYOUT_HINTS = {
     "seed": "data.shuffleSeed",
-    "dp_size": "data-parallel size (nodes x devices / (tp x pp))",
-    "dp_rank": "data-parallel rank",
     "seq_len": "data.seqLen",
     "dataset": "dataset (data.path, data.textColumn)",
     "tokenizer": "tokenizer (data.tokenizer)",

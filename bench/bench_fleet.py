@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import report
+from hlat_api import load_job
 from hlat_api.spec import StragglerSpec
 from hlat_operator import fleetsim as fs
 from hlat_operator import fleetsim_cli as cli
@@ -61,7 +62,7 @@ def fail_slow(runs: int, seed: int, intervals: dict[str, float]) -> tuple[list[l
                          report.pct(1 - float(moved.mean() / alone.mean()), 1)])
     notes = [
         "fail-slows: exponential durations, mean 72 min at scale (Falcon section 3.4) or 24 "
-        "min in the probe jobs (section 3.3); the gang's step time x{fs.FailSlow(1.0).factor:g} while one "
+        f"min in the probe jobs (section 3.3); the gang's step time x{fs.FailSlow(1.0).factor:g} while one "
         "lasts (assumed); flagged after the straggler window + a heartbeat period "
         f"({detect_s:.0f} s), moved at the next checkpoint (uniform wait) by an in-place "
         f"restart of {move_s:.0f} s, when a fail-slow's mean loss is above that cost",
@@ -72,9 +73,57 @@ def fail_slow(runs: int, seed: int, intervals: dict[str, float]) -> tuple[list[l
     return rows, notes
 
 
+PAPER_7B = Path(__file__).resolve().parents[1] / "examples" / "pretrainjob-7b-trn1.yaml"
+
+
+def node_losses(runs: int, seed: int) -> tuple[list[str], list[list[str]], list[str]]:
+    """Capacity over four weeks on the paper's gang when a lost node has no spare and no free
+    node: rigid (the gang waits for the replacement) vs elastic (shrinks after a minute, grows
+    back at the first checkpoint after the replacement), for replacements of 1, 4 and 24 h, at
+    two rates of losses that need a node replaced; the table's header, rows and notes."""
+    spec = load_job(PAPER_7B).spec
+    nodes, days = spec.nodes, 28
+    below = next(n for n in spec.sizes() if n < nodes)
+    rates = {"host failures (Llama 3's node-level causes)":
+             fs.llama3_node_mtbf_s() / fs.LLAMA3_SHARES["node_lost"],
+             "every hardware fault (78% of Llama 3's)": fs.llama3_node_mtbf_s(True)}
+    rows = []
+    for name, mtbf in rates.items():
+        for hours in (1, 4, 24):
+            loss = fs.NodeLoss(mtbf, hours * fs.HOUR)
+            rigid = fs.node_loss_capacity(nodes, days * fs.DAY, loss, runs, seed)
+            cells = [name if hours == 1 else "", f"{mtbf / fs.HOUR:,.0f} h", f"{hours} h",
+                     report.pct(float(rigid.mean()), 2)]
+            for size in (below, nodes - 1):
+                shrunk = fs.node_loss_capacity(nodes, days * fs.DAY, loss, runs, seed,
+                                               fs.Elastic(size, wait_s=60.0))
+                cells.append(report.pct(float(shrunk.mean()), 2))
+            rows.append(cells)
+    loss = fs.NodeLoss(1.0, 0.0)
+    notes = [
+        f"capacity: node-seconds of training that count over node-seconds asked for "
+        f"({nodes} nodes x {days} days); each loss is detected in {loss.detection_s:.0f} s "
+        f"(node_lost's detection), a restart takes {loss.restart_s:.0f} s (a cold gang "
+        f"start: process, compile cache, checkpoint load), and recomputes half a checkpoint "
+        f"interval ({loss.checkpoint_interval_s:,.0f} s) on average",
+        "elastic: waits 60 s for a spare or replacement, then restarts at the smaller size; "
+        "grows back at the first checkpoint after the replacement (a planned restart, no "
+        "work lost); a step at the smaller size takes nodes/size as long",
+        f"the paper's 7B layout ({PAPER_7B.name}: global batch {spec.train.global_batch}, "
+        f"micro-batch {spec.train.micro_batch}, {spec.data_parallel // nodes} data-parallel "
+        f"ranks a node) keeps its global batch only at {spec.sizes()[:4]}... nodes: one lost "
+        f"node of {nodes} leaves it {below}; {nodes - 1} would need a global batch that "
+        f"{nodes - 1} x 4 ranks divide, or uneven accumulation across ranks (not built)",
+    ]
+    header = ["losses that need a node replaced", "node MTBF", "replacement", "rigid",
+              f"elastic to {below}", f"elastic to {nodes - 1}"]
+    return header, rows, notes
+
+
 def section(report_: dict[str, Any], comparison: list[tuple[str, float, float]],
             notes: list[str], plot: Path, when: str, seconds: float,
-            slow_rows: list[list[str]], slow_notes: list[str]) -> report.Section:
+            slow_rows: list[list[str]], slow_notes: list[str],
+            loss: tuple[list[str], list[list[str]], list[str]]) -> report.Section:
     i = report_["inputs"]
     inputs = [
         ["gang, duration", f"{i['nodes']} nodes, {i['duration_s'] / fs.DAY:g} days"],
@@ -147,6 +196,15 @@ fail-slows are added (an overestimate):
 
 {chr(10).join(f"- {n}" for n in slow_notes)}
 
+Node losses without replacement capacity: a lost node with no spare and no free node. A rigid
+job waits for the replacement with all its nodes idle; an elastic one (issue 29: the data
+lanes keep every step's global batch whatever the size; the operator's shrink and grow-back
+are not built yet) trains on a smaller size meanwhile (`fleetsim.node_loss_capacity`):
+
+{report.table(loss[0], loss[1])}
+
+{chr(10).join(f"- {n}" for n in loss[2])}
+
 The uptime without recovery is a prediction that hangs on the human-response assumption; the
 goodput figures are this model's alone (the paper reports none). Not modelled: weekends,
 faults during a restart, a bad device failing again after a restart, planned maintenance,
@@ -213,8 +271,10 @@ def main() -> None:
         "at the async optimum": float(fleet["optimum"]["async"]["sweep_s"])})
     print(report.table(["node rate from", "node MTBS", "policy", "run lost", "job slowdown",
                         "slowdown removed"], slow_rows))
+    loss = node_losses(a.runs, a.seed)
+    print(report.table(loss[0], loss[1]))
     report.emit(section(fleet, rows, notes, a.plot, when, time.perf_counter() - start,
-                        slow_rows, slow_notes))
+                        slow_rows, slow_notes, loss))
 
 
 if __name__ == "__main__":

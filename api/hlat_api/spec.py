@@ -508,6 +508,20 @@ class PretrainJobSpec(_Model):
     def tokens_per_step(self) -> int:
         return self.train.global_batch * self.data.seq_len
 
+    def sizes(self, min_nodes: int = 1) -> list[int]:
+        """The node counts from `nodes` down to `min_nodes` this job can train at with the
+        same global batch, largest first: the ranks split into whole tensor x pipeline groups
+        and microBatch x the data-parallel degree divides globalBatch. What an elastic run may
+        shrink to (a loss of one node of 64 with the paper's 7B layout: 32, not 63)."""
+        model_ranks = self.parallelism.tensor * self.parallelism.pipeline
+        fits = []
+        for nodes in range(self.nodes, max(min_nodes, 1) - 1, -1):
+            world = nodes * self.ranks_per_node
+            if world % model_ranks == 0 and self.train.global_batch % (
+                    self.train.micro_batch * (world // model_ranks)) == 0:
+                fits.append(nodes)
+        return fits
+
     # --- cross-field validation ---------------------------------------------------------------
 
     @model_validator(mode="before")

@@ -550,3 +550,85 @@ def fail_slow_lost(nodes: int, duration_s: float, slow: FailSlow, runs: int, see
         lost = slowed * (1 - 1 / slow.factor) + moved * (replace_.move_s if replace_ else 0.0)
         out[run] = min(float(lost.sum()) / duration_s, 1.0)
     return out
+
+
+# --- node losses without replacement capacity (elastic runs) -----------------------------------
+# A lost node with no spare and no free node leaves the gang short until capacity returns
+# (an EC2 replacement, a capacity block's repaired host). Without elasticity the whole gang
+# waits; an elastic job (issue 29, spec.elastic) restarts on a smaller data-parallel degree
+# after its wait, trains there, and grows back at the first checkpoint after the node returns.
+# The global batch is kept, so the smaller size must divide it (`PretrainJobSpec.sizes`): for
+# the paper's 7B layout on 64 nodes the largest is 32. Losses of overlapping events are added
+# (an overestimate, small while losses are rare next to the run).
+
+
+@dataclass(frozen=True)
+class NodeLoss:
+    """Faults that take one node away until capacity replaces it, and what a restart costs."""
+
+    node_mtbf_s: float
+    """Mean running seconds between such losses, per node."""
+    replacement_s: float
+    """From a loss until a node can take the rank again (fixed, not drawn)."""
+    detection_s: float = ClusterTimes().fault_costs()["node_lost"].detection_s
+    """From the loss until the operator acts on it (node_lost's detection)."""
+    restart_s: float = ClusterTimes().gang_start_s()
+    """A gang's start from a checkpoint to its first step (cold: compile cache and load)."""
+    checkpoint_interval_s: float = NXD_CHECKPOINT_STEPS * HLAT_STEP_S
+    """Training seconds between complete checkpoints: a loss loses half of one on average, a
+    grow-back waits for the next one (uniform)."""
+
+    def __post_init__(self) -> None:
+        _check(self.node_mtbf_s > 0, "node_mtbf_s", "must be > 0")
+        _check(self.replacement_s >= 0, "replacement_s", "must be >= 0")
+        _check(self.detection_s >= 0 and self.restart_s >= 0, "detection_s/restart_s",
+               "must be >= 0")
+        _check(self.checkpoint_interval_s > 0, "checkpoint_interval_s", "must be > 0")
+
+
+@dataclass(frozen=True)
+class Elastic:
+    """How an elastic job rides out a loss: the size it shrinks to, after how long."""
+
+    size: int
+    """Nodes it trains on while short: the largest size below `nodes` that divides the
+    global batch and is at least minNodes."""
+    wait_s: float = 0.0
+    """spec.elastic.waitSeconds: how long it waits for a spare or a replacement first."""
+
+    def __post_init__(self) -> None:
+        _check(self.size > 0, "size", "must be > 0")
+        _check(self.wait_s >= 0, "wait_s", "must be >= 0")
+
+
+def node_loss_capacity(nodes: int, duration_s: float, loss: NodeLoss, runs: int, seed: int,
+                       elastic: Elastic | None = None) -> Floats:
+    """Per run: the capacity fraction, node-seconds of training that count over node-seconds
+    asked for (nodes x duration). Per loss, without elasticity: the gang is down from the loss
+    until the replacement and a restart, and recomputes the work since the last checkpoint.
+    Elastic, when the replacement takes longer than detection + wait: down for detection, wait
+    and a restart; then short by (nodes - size) nodes until the replacement is there and the
+    next checkpoint is complete; then a planned restart (the whole gang, no work lost). Seeded;
+    both policies meet the same losses."""
+    _check(runs > 0, "runs", "must be > 0")
+    _check(nodes > 0 and duration_s > 0, "nodes/duration_s", "must be > 0")
+    if elastic is not None:
+        _check(elastic.size < nodes, "size", f"must be below nodes ({nodes})")
+    out = np.zeros(runs)
+    for run in range(runs):
+        rng = np.random.default_rng([seed, run, 3])
+        count = rng.poisson(nodes * duration_s / loss.node_mtbf_s)
+        recomputed = rng.uniform(0, loss.checkpoint_interval_s, count)
+        to_checkpoint = rng.uniform(0, loss.checkpoint_interval_s, count)
+        whole = max(loss.detection_s, loss.replacement_s) + loss.restart_s  # gang seconds down
+        lost = nodes * (recomputed + whole)  # node-seconds
+        if elastic is not None and loss.replacement_s > loss.detection_s + elastic.wait_s:
+            shrunk_at = loss.detection_s + elastic.wait_s + loss.restart_s
+            # while short, a step takes nodes/size as long: the next checkpoint is that much
+            # further away in wall time
+            short = (max(loss.replacement_s - shrunk_at, 0.0)
+                     + to_checkpoint * nodes / elastic.size)
+            lost = (nodes * (recomputed + shrunk_at + loss.restart_s)
+                    + (nodes - elastic.size) * short)
+        out[run] = max(0.0, 1 - float(lost.sum()) / (nodes * duration_s))
+    return out

@@ -248,3 +248,15 @@ def test_nulls_and_whole_floats_read_as_the_api_server_stores_them(tmp_path: Pat
                        + ("" if bad.startswith("train") else "train: {steps: 4000}\n"))
         with pytest.raises(InvalidSpecError, match=field.replace(".", r"\.")):
             load_job(doc)
+
+
+def test_the_sizes_a_job_can_train_at_keep_its_global_batch() -> None:
+    """The paper's 7B on 64 trn1.32xlarge (TP 8: 4 data-parallel ranks a node, 1,024 sequences
+    of micro-batch 1) can lose a node only to 32: 63 x 4 ranks do not divide 1,024."""
+    assert parse_spec(paper_7b()).sizes() == [64, 32, 16, 8, 4, 2, 1]
+    assert parse_spec(paper_7b()).sizes(min_nodes=20) == [64, 32]
+    # 3 CPU nodes of one rank, 12 sequences of 2: 3 and 2 divide 6 micro-batches; so does 1
+    tiny = parse_spec({**paper_7b(nodes=3, instanceType="cpu", processesPerNode=1,
+                                  train__globalBatch=12, train__microBatch=2, data__seqLen=64),
+                       "model": {"preset": "tiny"}, "parallelism": {"tensor": 1}})
+    assert tiny.sizes() == [3, 2, 1] and tiny.sizes(2) == [3, 2]

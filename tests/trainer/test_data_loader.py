@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hlat_trainer.data import ByteTokenizer, PackedLoader, load_tokenizer
+from hlat_trainer.data.digest import MASK, batch_digest, digest_text
 from hlat_trainer.errors import UserError
 
 EOS = 256
@@ -477,3 +478,21 @@ def test_a_resume_that_misses_a_rank_s_state_says_so(data: str) -> None:
             UserError, match=r"no position for lanes 0-1 of data-parallel rank 0: the "
                              r"checkpoint misses some ranks' states"):
         one.reshard([state])
+
+
+def test_the_digest_is_the_same_for_the_same_sequences_in_any_split_and_order(data: str) -> None:
+    """A step's digest is the sum of its micro-batches' in any order and split; a token moved
+    within a sequence, or changed, changes it."""
+    with make(data, micro_batch=4, seq_len=8) as loader:
+        x, y = next(loader)
+    whole = batch_digest(x, y)
+    halves = (batch_digest(x[:1], y[:1]) + batch_digest(x[1:], y[1:])) & MASK
+    assert halves == whole == batch_digest(x[[3, 1, 0, 2]], y[[3, 1, 0, 2]])
+    swapped_x, swapped_y = x.clone(), y.clone()
+    swapped_x[0, [1, 2]] = x[0, [2, 1]]
+    swapped_y[0, [0, 1]] = y[0, [1, 0]]
+    assert int(x[0, 1]) == int(x[0, 2]) or batch_digest(swapped_x, swapped_y) != whole
+    changed = y.clone()
+    changed[2, -1] += 1
+    assert batch_digest(x, changed) != whole
+    assert len(digest_text(whole)) == 16

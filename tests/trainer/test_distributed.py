@@ -55,6 +55,11 @@ def losses(stdout: str) -> list[float]:
     return [json.loads(line)["loss"] for line in stdout.splitlines() if line.startswith("{")]
 
 
+def digests(stdout: str) -> list[str]:
+    return [json.loads(line)["batchDigest"] for line in stdout.splitlines()
+            if line.startswith("{")]
+
+
 def layout(nproc: int, tp: int, **extra: object) -> list[str]:
     sets = [f"processesPerNode={nproc}", f"parallelism.tensor={tp}"]
     return sets + [f"{k}={v}" for k, v in extra.items()]
@@ -76,6 +81,8 @@ def test_tp_sp_matches_data_parallel_and_zero1_shards_optimizer_state(
     # fp32 round-off, amplified a little by 4 Adam steps, stays far below 1e-4 relative.
     assert losses(zero.stdout) == pytest.approx(base, rel=1e-5)
     assert losses(tpsp.stdout) == pytest.approx(base, rel=1e-4)
+    # the same sequences: a tensor-parallel group's ranks read theirs once in the digest
+    assert digests(tpsp.stdout) == digests(zero.stdout) == digests(ref.stdout)
     owned = [tuple(map(int, m)) for m in re.findall(
         r"updates (\d+) of (\d+) parameter elements \(zero1=True\)", zero.stderr)]
     full = [tuple(map(int, m)) for m in re.findall(
@@ -186,8 +193,9 @@ def test_resume_with_zero1_switched_or_another_data_parallel_degree(
     order (summing micro-batches on one rank instead of all-reducing two ranks' means)."""
     config = write_config(train__steps=6, checkpoint__interval=2)
     ck, ck_one = config.parent / "ck", config.parent / "ck1"
-    straight = losses(run(torchrun(config, 2, *layout(2, 1),
-                                   "checkpoint.dir=" + str(config.parent / "a"))).stdout)
+    straight_out = run(torchrun(config, 2, *layout(2, 1),
+                                "checkpoint.dir=" + str(config.parent / "a"))).stdout
+    straight = losses(straight_out)
     proc, _ = run_until_step(torchrun(config, 2, *layout(2, 1), f"checkpoint.dir={ck}"), 5, ENV)
     kill_node(proc)
     assert (ck / "job" / "step_4" / "done").exists()
@@ -203,6 +211,9 @@ def test_resume_with_zero1_switched_or_another_data_parallel_degree(
     assert ("saved by 2 ranks (dp 2), on 1 ranks (dp 1): data: every lane goes on where it "
             "stopped") in one.stderr
     assert losses(one.stdout) == pytest.approx(straight[4:], rel=1e-5)
+    # the same sequences, step by step: the global batches' digests are equal
+    assert digests(one.stdout) == digests(straight_out)[4:]
+    assert len(set(digests(straight_out))) == 6, "every step's data differs from the others'"
 
 
 def test_a_backend_that_manages_itself_resumes_exactly_after_a_crash(

@@ -154,6 +154,17 @@ class Engine(ABC):
         self.layout = Layout.of(world, spec.parallelism.zero1)
         self.sync_seconds: float | None = None
         """The last `_update`'s gradient synchronisation, where the engine times it."""
+        host = dist.new_group(backend="gloo")  # CPU collectives beside the device's
+        assert isinstance(host, dist.ProcessGroup)
+        self._host_group = host
+
+    def sum_over_ranks(self, value: int) -> int:
+        """`value` summed over every rank, modulo 2^64 (a collective on the host: every rank
+        calls it; a rank whose part must not count passes 0)."""
+        total = torch.tensor([value - (1 << 64) if value >= 1 << 63 else value],
+                             dtype=torch.int64)  # the same 64 bits, as int64 wraps
+        dist.all_reduce(total, group=self._host_group)
+        return int(total.item()) & ((1 << 64) - 1)
 
     def fence(self, fenced: Callable[[], bool]) -> None:
         """Ask `fenced` before marking a checkpoint complete: a trainer whose attempt is over
@@ -459,9 +470,6 @@ class ManagedEngine(Engine):
         # another, so the precompile's traced load (mid-run) would not be the one a restart runs
         backend.step_end()
         self._committed = self.latest_step()
-        vote = dist.new_group(backend="gloo")  # CPU collectives beside the device's
-        assert isinstance(vote, dist.ProcessGroup)
-        self._vote = vote
 
     def describe(self) -> str:
         w = self.world
@@ -539,7 +547,8 @@ class ManagedEngine(Engine):
         self._all_ok(True)
 
     def resume(self) -> Restored | None:
-        for path in remove_incomplete(self.root, self.job, self.world.is_coordinator, self._vote):
+        for path in remove_incomplete(self.root, self.job, self.world.is_coordinator,
+                                      self._host_group):
             log.warning("removed incomplete checkpoint %s (no `done` marker)", path)
         return load_newest(self.root, self.job, self._load)
 
@@ -594,5 +603,5 @@ class ManagedEngine(Engine):
     def _all_ok(self, ok: bool) -> bool:
         """True only if every rank says ok (a collective: every rank calls it)."""
         flag = torch.tensor([1 if ok else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._vote)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._host_group)
         return bool(flag.item())

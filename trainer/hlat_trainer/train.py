@@ -51,6 +51,7 @@ from torch import Tensor
 from hlat_api import INSTANCE_TYPES, Env, Job, PretrainJobSpec
 from hlat_trainer.backends import Backend, select_backend
 from hlat_trainer.data import PackedLoader, Tokenizer, load_tokenizer
+from hlat_trainer.data.digest import MASK, batch_digest, digest_text
 from hlat_trainer.distributed import World
 from hlat_trainer.engine import Engine, StepResult, build_engine, pack, unpack
 from hlat_trainer.errors import UserError
@@ -269,6 +270,7 @@ class Trainer:
         self.eval_batches = held_out_batches(spec, self.tokenizer, self.world)
         self._evaluated = False  # this attempt has not evaluated yet
         self.state = TrainState()
+        self._digest = 0  # of this rank's sequences since the last report (data.digest)
         self._unobserved: list[Tensor] = []  # grad norms not yet fed to the spike monitor
         # the compute and gradient sync times of the last steps (Heartbeat.compute_seconds and
         # sync_seconds: their medians)
@@ -329,7 +331,13 @@ class Trainer:
     # --- the loop ---------------------------------------------------------------------------------
 
     def _batches(self) -> Iterator[tuple[Tensor, Tensor]]:
-        yield from self.loader  # host tensors: the engine moves each micro-batch to the device
+        """The loader's micro-batches (host tensors: the engine moves each to the device),
+        added to the digest of the steps since the last report on tensor-parallel rank 0 (its
+        peers read the same sequences)."""
+        for inputs, targets in self.loader:
+            if self.world.tp_rank == 0:
+                self._digest = (self._digest + batch_digest(inputs, targets)) & MASK
+            yield inputs, targets
 
     def train_step(self, batches: Iterator[tuple[Tensor, Tensor]], step: int) -> StepStats:
         """One optimizer step, driven: the engine runs it; nothing is read from the device."""
@@ -365,6 +373,7 @@ class Trainer:
         self._window = (now, s.step, 0.0)
         tokens = self.spec.tokens_per_step
         tps = tokens / seconds
+        digest, self._digest = self.engine.sum_over_ranks(self._digest), 0
         return {
             "step": s.step, "time": round(time.time(), 3), "loss": loss, "lr": s.lr, "grad_norm": grad_norm,
             "param_norm": param_norm, "tokens_per_second": tps, "step_seconds": seconds,
@@ -376,6 +385,9 @@ class Trainer:
             "spike_lengths": self.state.monitor.histogram(),
             "compute_seconds": statistics.median(self._computed) if self._computed else None,
             "sync_seconds": statistics.median(self._synced) if self._synced else None,
+            # the sequences trained since the last line (recomputed ones included), summed
+            # over the ranks: the same at every data-parallel degree for the same data
+            "batch_digest": digest_text(digest),
         }
 
     def _beat(self, **fields: Any) -> None:

@@ -157,6 +157,17 @@ _NOT_INSTALLED = {
 }
 """What a 404 on creating a custom kind means, and the two ways out."""
 
+FLAVOR_CACHE_SECONDS = 30.0
+"""How long a ResourceFlavor read is kept: flavors change only by an administrator's edit, and
+every pass of every admitted job read each of its flavors again (500 jobs, a pass every few
+seconds). An edit reaches the pods created after it, within this bound."""
+
+_RBAC_HINT = ("RBAC does not let the operator's service account do this: its role comes with the "
+              "chart (charts/hlat/templates/rbac.yaml, which grants every kind the operator "
+              "creates, Kueue's Workloads and Volcano's PodGroups included); `helm upgrade` the "
+              "release to this operator's chart, or add the permission to the role you manage")
+"""What an RBAC refusal that outlasted the retries means, and the way out."""
+
 _KINDS: dict[str, tuple[str, str, bool]] = {
     "Pod": ("core", "pod", False),
     "Service": ("core", "service", True),
@@ -216,6 +227,8 @@ class Kube:
         self.rbac = client.RbacAuthorizationV1Api(api)
         self.policy = client.PolicyV1Api(api)
         self.sleep: Callable[[float], None] = time.sleep
+        self.clock: Callable[[], float] = time.monotonic
+        self._flavors: dict[str, tuple[float, Raw | None]] = {}  # name: (read at, flavor)
         self.node_watch: NodeWatch | None = None
         """Every node, kept current by a watch (`start_node_watch`); None: each pass lists."""
 
@@ -287,10 +300,19 @@ class Kube:
         flavors = {}
         if workload is not None:
             for name in sorted({f for names in workload.flavors.values() for f in names}):
-                flavor = self._get_custom("resourceflavors", name)
+                flavor = self._flavor(name)
                 if flavor is not None:
                     flavors[name] = queueing.parse_flavor(flavor)
         return queueing.Queueing(queue, priority_class, priority, workload, flavors)
+
+    def _flavor(self, name: str) -> Raw | None:
+        """A ResourceFlavor, read at most once per FLAVOR_CACHE_SECONDS (None: not found)."""
+        now, kept = self.clock(), self._flavors.get(name)
+        if kept is not None and now - kept[0] < FLAVOR_CACHE_SECONDS:
+            return kept[1]
+        flavor = self._get_custom("resourceflavors", name)
+        self._flavors[name] = (now, flavor)
+        return flavor
 
     def job_pods(self, namespace: str, job: str) -> Items:
         selector = f"{labels.JOB}={job},{labels.COMPONENT}={labels.WORKER}"
@@ -432,7 +454,8 @@ class Kube:
                     self.sleep(FORBIDDEN_RETRY_SECONDS)
                     continue
                 if permanent(wrapped, kind):
-                    hint = _NOT_INSTALLED.get(kind) if wrapped.status == 404 else None
+                    hint = (_NOT_INSTALLED.get(kind) if wrapped.status == 404
+                            else _RBAC_HINT if _RBAC_REFUSAL.search(str(wrapped)) else None)
                     raise Rejected(f"{wrapped}: {hint}" if hint else str(wrapped),
                                    wrapped.status) from err
                 if wrapped.status != 409:

@@ -247,13 +247,17 @@ def test_an_rbac_refusal_that_passes_creates_the_object_and_one_that_lasts_rejec
 
     k = kube(core={"create_namespaced_pod": [api_error(403, RBAC_REFUSAL)] * 10})
     k.sleep = slept.append
-    with pytest.raises(Rejected, match="cannot create resource"):
+    with pytest.raises(Rejected, match="cannot create resource") as lasting:
         k.execute(JOB, decision(CreateObject(POD)))
     assert len(k.core.names()) == k8s.FORBIDDEN_RETRIES + 1  # type: ignore[attr-defined]
+    # the job's Failed message says where the permission comes from and what to do
+    assert "its role comes with the chart (charts/hlat/templates/rbac.yaml" in str(lasting.value)
+    assert "`helm upgrade` the release" in str(lasting.value)
 
     k = kube(core={"create_namespaced_pod": [api_error(403, "violates PodSecurity")] * 10})
-    with pytest.raises(Rejected, match="PodSecurity"):
+    with pytest.raises(Rejected, match="PodSecurity") as security:
         k.execute(JOB, decision(CreateObject(POD)))
+    assert "helm upgrade" not in str(security.value)  # not an RBAC matter
     assert len(k.core.names()) == 1  # type: ignore[attr-defined]
 
 
@@ -535,3 +539,31 @@ def test_a_refreshing_pass_leaves_the_quiet_mark_one_that_acts_or_fails_forgets_
     k.fail = [Conflict("patch status: HTTP 409", 409)]
     handlers.reconcile_once(rt, *key)
     assert key not in rt.quiet
+
+
+def test_an_admitted_job_s_flavors_are_read_once_per_cache_period() -> None:
+    """Every pass reads the job's Workload; the flavors its admission names are read again
+    only after FLAVOR_CACHE_SECONDS (they change by an administrator's edit)."""
+    workload = {"metadata": {"name": "pretrainjob-tiny"}, "spec": {"active": True},
+                "status": {"admission": {"clusterQueue": "cq", "podSetAssignments": [
+                    {"name": "workers", "flavors": {"cpu": "trn1"}}]}}}
+    flavor = {"metadata": {"name": "trn1"},
+              "spec": {"nodeLabels": {"node.kubernetes.io/instance-type": "trn1.32xlarge"}}}
+    k = kube(custom={"get_namespaced_custom_object": [Response(json.dumps(workload).encode())
+                                                      for _ in range(3)],
+                     "get_cluster_custom_object": [Response(json.dumps(flavor).encode())
+                                                   for _ in range(2)]})
+    now = [100.0]
+    k.clock = lambda: now[0]
+    labels_ = {"kueue.x-k8s.io/queue-name": "team"}
+    first = k.queueing(JOB, labels_)
+    now[0] += k8s.FLAVOR_CACHE_SECONDS - 1
+    second = k.queueing(JOB, labels_)
+    assert first is not None and second is not None and first.flavors == second.flavors
+    assert first.flavors["trn1"].node_labels == {
+        "node.kubernetes.io/instance-type": "trn1.32xlarge"}
+    assert k.custom.names().count("get_cluster_custom_object") == 1  # type: ignore[attr-defined]
+    now[0] += 2
+    k.queueing(JOB, labels_)
+    assert k.custom.names().count("get_cluster_custom_object") == 2  # type: ignore[attr-defined]
+    assert k.custom.names().count("get_namespaced_custom_object") == 3  # type: ignore[attr-defined]

@@ -190,6 +190,11 @@ class Reason(StrEnum):
     """A node computes slower than the rest of its gang (spec.faultTolerance.stragglers)."""
     NO_STRAGGLER = "NoStraggler"
     """Every node computes within the threshold of its gang again."""
+    SHRUNK = "Shrunk"
+    """An elastic job restarted on fewer nodes: some were missing for elastic.waitSeconds (a
+    planned restart: no restart budget; condition Degraded while below spec.nodes)."""
+    GROWN = "Grown"
+    """An elastic job restarted on more nodes at a checkpoint after they returned."""
     FORCE_DELETED = "ForceDeleted"
     """A pod stuck terminating on a dead node was deleted without waiting for its kubelet."""
     # faults that end an attempt (retryable unless noted)

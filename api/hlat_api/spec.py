@@ -283,6 +283,21 @@ class StragglerSpec(_Model):
 RestartStrategy = Literal["InPlace", "RecreateGang"]
 
 
+class ElasticSpec(_Model):
+    """Train on fewer nodes while nodes are missing, and grow back when they return, with the
+    same global batch and the same data throughout (the data-parallel degree changes, the
+    tensor layout does not)."""
+
+    min_nodes: PositiveInt
+    """The fewest nodes the job trains on. It shrinks only to sizes that keep
+    train.globalBatch (microBatch x the data-parallel degree divides it): `kubectl explain`
+    cannot list them; docs/operator.md says how, and a spec that allows none below `nodes` is
+    refused with the sizes it allows."""
+    wait_seconds: Annotated[float, Field(ge=0)] = 300
+    """How long a job whose pods cannot all be placed waits for a spare or a replacement node
+    before it restarts on fewer nodes."""
+
+
 class FaultToleranceSpec(_Model):
     """Automatic gang restart from the latest complete checkpoint."""
 
@@ -466,6 +481,10 @@ class PretrainJobSpec(_Model):
     """Shared volume for data and checkpoints."""
     fault_tolerance: FaultToleranceSpec = Field(default_factory=FaultToleranceSpec)
     """Restart policy."""
+    elastic: ElasticSpec | None = None
+    """Shrink to a smaller size that keeps the global batch when nodes are missing for
+    elastic.waitSeconds, grow back at the first checkpoint after they return. Unset: the job
+    waits for all its nodes. Not applied to a job in a Kueue queue."""
     suspend: bool = False
     """Delete the pods but keep progress (Kueue-compatible); false resumes."""
     active_deadline_seconds: PositiveInt | None = None
@@ -836,6 +855,22 @@ def _check_spares(spec: PretrainJobSpec) -> None:
                         "has no use for them)")
 
 
+def _check_elastic(spec: PretrainJobSpec) -> None:
+    """`elastic.minNodes` at most `nodes`, and some size from it to nodes - 1 that keeps the
+    global batch (`PretrainJobSpec.sizes`)."""
+    e = spec.elastic
+    if e is None:
+        return
+    if e.min_nodes > spec.nodes:
+        raise SpecError("elastic.minNodes", f"{e.min_nodes} is more than nodes ({spec.nodes})")
+    if len(spec.sizes(e.min_nodes)) < 2:
+        raise SpecError(
+            "elastic.minNodes",
+            f"no size from {e.min_nodes} to {spec.nodes - 1} nodes keeps train.globalBatch "
+            f"{spec.train.global_batch} (microBatch x the data-parallel degree must divide it); "
+            f"the sizes this spec allows: {spec.sizes()}")
+
+
 def _check_eval(spec: PretrainJobSpec) -> None:
     """`eval.path` is not the training data itself (a validation loss on data the model
     trains on measures nothing held out)."""
@@ -845,4 +880,4 @@ def _check_eval(spec: PretrainJobSpec) -> None:
 
 
 _CHECKS = (_check_image, _check_devices, _check_model, _check_parallelism, _check_batch,
-           _check_lengths, _check_memory, _check_spares, _check_eval)
+           _check_lengths, _check_memory, _check_spares, _check_eval, _check_elastic)

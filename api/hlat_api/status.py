@@ -16,7 +16,7 @@ from hlat_api.heartbeat import Activity
 Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
 ConditionType = Literal[
     "Ready", "Running", "Restarting", "Suspended", "Succeeded", "Failed", "Schedulable",
-    "Straggler",
+    "Straggler", "Degraded",
 ]
 
 
@@ -55,6 +55,30 @@ class Spares(_Model):
     """Spare pods running, their launchers waiting with warm standby trainers."""
     promoted: int = 0
     """Spares that took over a lost node's rank so far."""
+
+
+class Resize(_Model):
+    """One change of an elastic job's size."""
+
+    nodes: int
+    """The size it changed to."""
+    at: str
+    """When the operator decided it (RFC 3339)."""
+    reason: str
+    """Shrunk (nodes missing for elastic.waitSeconds) or Grown (they returned)."""
+
+
+class Size(_Model):
+    """An elastic job's size (spec.elastic)."""
+
+    nodes: int
+    """Nodes the current attempt trains on."""
+    desired: int
+    """spec.nodes: the size it returns to."""
+    since: str | None = None
+    """When it took that size (RFC 3339)."""
+    resizes: list[Resize] = Field(default_factory=list)
+    """The last changes, oldest first (at most 10)."""
 
 
 class Failure(_Model):
@@ -222,6 +246,8 @@ class PretrainJobStatus(_Model):
     """Steps computed again after restarts (progress lost since the last checkpoint)."""
     spares: Spares | None = None
     """Spare pods (faultTolerance.spareNodes), when the job asks for any."""
+    size: Size | None = None
+    """The size an elastic job trains at (spec.elastic), with its changes."""
     avoided_nodes: list[AvoidedNode] = Field(default_factory=list)
     """Nodes kept out of the next attempts; the next gang may still use some of them when
     fewer usable nodes than `nodes` would remain (the least recently failed first)."""

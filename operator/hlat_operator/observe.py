@@ -168,6 +168,11 @@ class OperatorState(BaseModel):
     """The operator set the job's Kueue Workload inactive for spec.suspend (so that a suspended
     job holds no quota); it activates it again when the job resumes. A Workload someone else
     deactivated stays so."""
+    size: int | None = None
+    """An elastic job's size while below spec.nodes (None: spec.nodes)."""
+    grow_after: int | None = None
+    """An elastic job below its size saw nodes for a larger one when this checkpoint step was
+    the latest: it grows once a newer one is complete (-1: none yet)."""
     in_place_failures: int = 0
     """In-place attempts in a row that ended before all their workers trained: at
     `reconcile.IN_PLACE_FAILURES_BEFORE_RECREATE` the next restart recreates the gang."""

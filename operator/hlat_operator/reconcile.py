@@ -38,8 +38,17 @@ from hlat_api.heartbeat import EXPIRY_PERIODS, Heartbeat
 from hlat_api.labels import Reason
 from hlat_api.manifest import InvalidSpecError, parse_spec
 from hlat_api.spec import PretrainJobSpec
-from hlat_api.status import AvoidedNode, Condition, Failure, Phase, PretrainJobStatus, Spares
-from hlat_operator import accounting, builders, queueing, stragglers, topology
+from hlat_api.status import (
+    AvoidedNode,
+    Condition,
+    Failure,
+    Phase,
+    PretrainJobStatus,
+    Resize,
+    Size,
+    Spares,
+)
+from hlat_operator import accounting, builders, elastic, queueing, stragglers, topology
 from hlat_operator.builders import RankPlacement
 from hlat_operator.config import OperatorSettings
 from hlat_operator.faults import (
@@ -199,6 +208,9 @@ class _Pass:
         self.recovered: float | None = None
         self.force_write = False
         self.unschedulable = 0.0
+        self.desired: PretrainJobSpec | None = None
+        """The spec as written (an elastic job's size is spec.nodes there), beside the
+        effective spec the pass works with (`_sized`)."""
         self.queued = 0.0
         self.lead: Heartbeat | None = None
         """Node rank 0's heartbeat of the attempt the status had when the pass began."""
@@ -353,6 +365,8 @@ def decide(
         _suspend_workload(p)
         return p.finish(parsed)
     admitted = _admission(p, parsed)
+    if admitted is not None:
+        admitted = _sized(p, parsed, admitted)
     if admitted is None:
         pass  # held by Kueue
     elif status.phase == "Suspended":
@@ -504,6 +518,87 @@ def _admission(p: _Pass, spec: PretrainJobSpec) -> PretrainJobSpec | None:
         case _:
             _hold(p, Reason.QUEUED, queueing.wait_message(q))
     return None
+
+
+def _sized(p: _Pass, desired: PretrainJobSpec, spec: PretrainJobSpec) -> PretrainJobSpec:
+    """The spec at the job's current size (spec.elastic: the size is state, changed by
+    `_shrink` and `_grow`)."""
+    p.desired = desired
+    if _elastic(p, desired) and p.status.size is None:
+        p.status.size = Size(nodes=p.state.size or desired.nodes, desired=desired.nodes)
+    return elastic.effective(spec, p.state.size)
+
+
+def _elastic(p: _Pass, desired: PretrainJobSpec) -> bool:
+    return elastic.applies(desired, p.observed.queueing is not None,
+                           builders.uses_volcano(desired, p.settings))
+
+
+def _shrink(p: _Pass, spec: PretrainJobSpec) -> bool:
+    """An elastic job whose pods could not all be placed for elastic.waitSeconds restarts on
+    the largest size the usable nodes hold (that keeps the global batch, not below minNodes)."""
+    d = p.desired
+    if d is None or d.elastic is None or not _elastic(p, d) or p.unschedulable <= 0:
+        return False
+    wait = d.elastic.wait_seconds
+    if p.unschedulable < wait:
+        p.after(wait - p.unschedulable)
+        return False
+    if not p.observed.nodes_known:
+        return False
+    count = elastic.usable(p.observed.nodes.values(), builders.node_selector(d))
+    target = elastic.shrink_to(d, spec.nodes, count)
+    if target is None:
+        return False  # below minNodes: Schedulable=False says why it waits
+    _resize(p, d, target, Reason.SHRUNK,
+            f"{count} usable nodes for {spec.nodes} workers, pods unplaced for "
+            f"{p.unschedulable:.0f}s (elastic.waitSeconds={wait:g}): restarting on {target} of "
+            f"{d.nodes} nodes from the latest complete checkpoint, the same global batch")
+    return True
+
+
+def _grow(p: _Pass, spec: PretrainJobSpec) -> bool:
+    """An elastic job below spec.nodes whose usable nodes hold a larger size restarts on it
+    once a checkpoint newer than the latest when it saw them is complete (no work lost)."""
+    d = p.desired
+    if (d is None or d.elastic is None or not _elastic(p, d) or spec.nodes >= d.nodes
+            or not p.observed.nodes_known):
+        return False
+    count = elastic.usable(p.observed.nodes.values(), builders.node_selector(d))
+    target = elastic.grow_to(d, spec.nodes, count)
+    latest = p.status.latest_checkpoint.step if p.status.latest_checkpoint else -1
+    if target is None:
+        if p.state.grow_after is not None:
+            p.state = p.state.model_copy(update={"grow_after": None})
+        return False
+    if p.state.grow_after is None:
+        p.state = p.state.model_copy(update={"grow_after": latest})
+        p.event(Reason.GROWN, f"{count} usable nodes: growing to {target} of {d.nodes} nodes "
+                f"once a checkpoint newer than step {latest} is complete")
+        return False
+    if latest <= p.state.grow_after:
+        return False
+    _resize(p, d, target, Reason.GROWN,
+            f"{count} usable nodes and checkpoint step_{latest} complete: restarting on "
+            f"{target} of {d.nodes} nodes from it")
+    return True
+
+
+def _resize(p: _Pass, desired: PretrainJobSpec, target: int, reason: Reason,
+            message: str) -> None:
+    """A planned restart at `target` nodes: no restart budget, no backoff, the gang recreated
+    (every rank's world changes)."""
+    p.state = p.state.model_copy(update={
+        "size": None if target == desired.nodes else target, "grow_after": None,
+        "in_place_next": None})
+    old = p.status.size or Size(nodes=desired.nodes, desired=desired.nodes)
+    p.status.size = Size(nodes=target, desired=desired.nodes, since=p.stamp, resizes=[
+        *old.resizes, Resize(nodes=target, at=p.stamp, reason=str(reason))][-elastic.MAX_RESIZES:])
+    p.condition("Degraded", target < desired.nodes, reason,
+                message if target < desired.nodes else f"back to all {target} nodes")
+    p.phase("Restarting", reason, message)
+    _teardown(p, p.observed.pods)
+    p.after(p.settings.fast_requeue_seconds)
 
 
 def _suspend_workload(p: _Pass) -> None:
@@ -660,6 +755,9 @@ def _restarting(p: _Pass, spec: PretrainJobSpec) -> None:
     ft = spec.fault_tolerance
     streak = max(1, p.state.no_progress_streak)
     delay = min(ft.backoff.max_seconds, ft.backoff.initial_seconds * 2 ** (streak - 1))
+    if any(c.type == "Restarting" and c.reason in (Reason.SHRUNK, Reason.GROWN)
+           for c in p.status.conditions):
+        delay = 0.0  # a planned resize: nothing failed
     failure = p.status.last_failure
     since = parse_time(failure.time if failure else None) or p.now
     left = delay - (p.now - since).total_seconds()
@@ -1051,6 +1149,8 @@ def _active(p: _Pass, spec: PretrainJobSpec) -> None:
     pods = p.observed.pods_of(attempt)
     if p.status.phase == "Pending":
         _check_placement(p, spec, pods)
+        if _shrink(p, spec):
+            return
     if p.status.phase == "Pending" and len(pods) < spec.nodes:
         _create_missing(p, spec)
         p.after(p.settings.resync_seconds)
@@ -1069,6 +1169,8 @@ def _active(p: _Pass, spec: PretrainJobSpec) -> None:
         p.condition("Restarting", False, Reason.RUNNING, "the new gang runs")
     if p.status.phase == "Running":
         _update_ready(p, spec, pods)
+        if _grow(p, spec):
+            return
         _judge_stragglers(p, spec, pods)
         left = seconds_to_next_timeout(spec, attempt, p.observed, p.now, p.settings)
         if left is not None:  # judged when the first timeout runs out, not a resync later

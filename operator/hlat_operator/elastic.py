@@ -1,0 +1,55 @@
+"""Elastic sizing (spec.elastic): which size a job short of nodes shrinks to, and which size it
+grows back to, as pure functions of the spec, the size it runs at and the nodes it can use.
+
+The global batch is kept at every size (the trainer's data lanes make every step's batch the
+same sequences: docs/trainer.md), so a size must divide it: `PretrainJobSpec.sizes`. The size
+is state, not spec: `effective` is the spec the gang of an attempt is built from (its pods,
+Leases and the config the trainers read), `spec.nodes` the size it returns to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from hlat_api.spec import PretrainJobSpec
+from hlat_operator.observe import ObservedNode
+
+MAX_RESIZES = 10
+"""status.size.resizes keeps the last this many."""
+
+
+def applies(spec: PretrainJobSpec, queued: bool, volcano: bool) -> bool:
+    """Whether the job resizes: spec.elastic set, and neither in a Kueue queue (its Workload's
+    pod count is the full size) nor gang-scheduled by Volcano (its PodGroup's minMember)."""
+    return spec.elastic is not None and not queued and not volcano
+
+
+def effective(spec: PretrainJobSpec, size: int | None) -> PretrainJobSpec:
+    """The spec an attempt at `size` nodes runs (None: spec.nodes). It has no `elastic`: the
+    trainers read it, and at its own size it need allow no smaller one."""
+    if size is None or size == spec.nodes:
+        return spec
+    return spec.model_copy(update={"nodes": size, "elastic": None})
+
+
+def usable(nodes: Iterable[ObservedNode], selector: Mapping[str, str]) -> int:
+    """Nodes a worker could run on now: Ready, not cordoned, healthy, with the selector's
+    labels (the job's own included: they host its pods)."""
+    return sum(1 for n in nodes if n.ready and not n.cordoned and n.healthy
+               and all(n.labels.get(k) == v for k, v in selector.items()))
+
+
+def shrink_to(spec: PretrainJobSpec, current: int, usable_nodes: int) -> int | None:
+    """The largest size below `current` that fits the usable nodes and keeps the global batch,
+    not below elastic.minNodes; None when there is none (the job waits)."""
+    assert spec.elastic is not None
+    return next((n for n in spec.sizes(spec.elastic.min_nodes)
+                 if n < current and n <= usable_nodes), None)
+
+
+def grow_to(spec: PretrainJobSpec, current: int, usable_nodes: int) -> int | None:
+    """The largest size above `current`, up to spec.nodes, that the usable nodes hold; None
+    when there is none."""
+    assert spec.elastic is not None
+    return next((n for n in spec.sizes(spec.elastic.min_nodes)
+                 if current < n <= usable_nodes), None)

@@ -1,0 +1,111 @@
+"""Elastic sizing (spec.elastic) through the operator's decisions, on the fake cluster: a job
+short of nodes shrinks after elastic.waitSeconds to a size that keeps its global batch, trains
+there, and grows back at the first checkpoint after the nodes return; no restart budget spent."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from opfakes import World, raw_spec
+
+from hlat_api import InvalidSpecError, parse_spec
+from hlat_api.labels import Reason
+
+WAIT = 60.0
+
+
+def elastic_spec(**overrides: Any) -> dict[str, Any]:
+    """3 nodes of one rank, 6 sequences of 1: it can train on 3, 2 or 1 nodes."""
+    return raw_spec(**{"nodes": 3, "train.globalBatch": 6, "train.microBatch": 1,
+                       "elastic": {"minNodes": 2, "waitSeconds": WAIT}, **overrides})
+
+
+def _config_nodes(w: World) -> int:
+    """The size the trainers are told (the ConfigMap they read)."""
+    (config,) = [o for (kind, _), o in w.objects.items() if kind == "ConfigMap"]
+    return int(parse_spec(json.loads(next(iter(config["data"].values())))).nodes)
+
+
+def _shrunk(w: World) -> str:
+    w.until("Running", step=1)
+    lost = w.pod_of(2).node
+    assert lost is not None
+    w.node_down(lost)
+    w.until("Restarting", step=2)
+    return lost
+
+
+def test_a_job_short_of_a_node_shrinks_after_the_wait_and_grows_back_at_a_checkpoint() -> None:
+    w = World(elastic_spec(), nodes=("node-a", "node-b", "node-c"))
+    lost = _shrunk(w)
+    assert w.status.last_failure is not None and w.status.last_failure.reason == Reason.NODE_LOST
+    waited = w.until("Running", step=3, limit=WAIT + 120)
+    assert waited >= WAIT, "shrunk before elastic.waitSeconds"
+    assert Reason.SHRUNK in w.reasons()
+    assert len(w.live()) == 2 and _config_nodes(w) == 2
+    assert w.status.size is not None and w.status.size.nodes == 2 and w.status.size.desired == 3
+    (degraded,) = [c for c in w.status.conditions if c.type == "Degraded"]
+    assert degraded.status == "True" and degraded.reason == Reason.SHRUNK
+    assert w.status.restarts.total == 1, "the resize is not a restart: only the node loss"
+
+    # the node returns: the job grows once a checkpoint newer than the latest then is complete
+    w.node_up(lost)
+    w.run(30, step=20, every=1.0)
+    assert len(w.live()) == 2, "grew before a new checkpoint"
+    for _ in range(5):  # the workers report checkpoint step 40 complete
+        w.schedule()
+        w.beat(40, checkpoint_step=40)
+        w.step()
+        w.advance(1.0)
+    w.until("Running", step=41, limit=60)
+    assert len(w.live()) == 3 and _config_nodes(w) == 3
+    assert [r.nodes for r in w.status.size.resizes] == [2, 3]
+    assert [r.reason for r in w.status.size.resizes] == [Reason.SHRUNK, Reason.GROWN]
+    (degraded,) = [c for c in w.status.conditions if c.type == "Degraded"]
+    assert degraded.status == "False"
+    assert w.status.restarts.total == 1
+
+
+def test_below_min_nodes_the_job_waits() -> None:
+    w = World(elastic_spec(**{"elastic.minNodes": 3, "nodes": 4, "train.globalBatch": 12}),
+              nodes=("node-a", "node-b", "node-c", "node-d"))
+    w.until("Running", step=1)
+    for rank in (2, 3):
+        node = w.pod_of(rank).node
+        assert node is not None
+        w.node_down(node)
+    w.until("Restarting", step=2)
+    w.run(WAIT * 3, step=2, every=2.0)
+    assert w.status.phase == "Pending" and Reason.SHRUNK not in w.reasons()
+    # two placed, two unplaceable: 2 of 4 is below minNodes 3
+    assert len([p for p in w.live() if p.node]) == 2
+
+
+def test_without_elastic_the_job_waits_for_all_its_nodes() -> None:
+    w = World(elastic_spec(elastic=None), nodes=("node-a", "node-b", "node-c"))
+    _shrunk(w)
+    w.run(WAIT * 3, step=2, every=2.0)
+    assert w.status.phase == "Pending" and Reason.SHRUNK not in w.reasons()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"elastic": {"minNodes": 4}}, r"spec\.elastic\.minNodes: 4 is more than nodes \(3\)"),
+    ({"train.globalBatch": 3, "elastic": {"minNodes": 2}},
+     r"no size from 2 to 2 nodes keeps train\.globalBatch 3 .* allows: \[3, 1\]"),
+])
+def test_an_elastic_spec_that_cannot_shrink_is_refused(change: dict[str, Any],
+                                                       message: str) -> None:
+    with pytest.raises(InvalidSpecError, match=message):
+        parse_spec(elastic_spec(**change))
+
+
+def test_a_job_that_starts_short_of_nodes_shrinks_without_a_fault_or_a_backoff() -> None:
+    """No node failed: the pool is smaller than the job. It shrinks after the wait, at once
+    (nothing failed, so no backoff), and counts no restart."""
+    w = World(elastic_spec(), nodes=("node-a", "node-b"))
+    waited = w.until("Running", step=1, limit=WAIT + 30)
+    assert WAIT <= waited <= WAIT + 10
+    assert len(w.live()) == 2 and w.status.restarts.total == 0
+    assert w.status.last_failure is None

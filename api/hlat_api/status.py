@@ -69,12 +69,15 @@ class Resize(_Model):
 
 
 class Size(_Model):
-    """An elastic job's size (spec.elastic)."""
+    """The nodes a job trains on: spec.nodes, or fewer while an elastic job (spec.elastic)
+    is short of nodes."""
 
     nodes: int
     """Nodes the current attempt trains on."""
     desired: int
     """spec.nodes: the size it returns to."""
+    text: str = ""
+    """`nodes/desired`, e.g. 2/3 (`kubectl get pj` column Nodes)."""
     since: str | None = None
     """When it took that size (RFC 3339)."""
     resizes: list[Resize] = Field(default_factory=list)
@@ -247,7 +250,8 @@ class PretrainJobStatus(_Model):
     spares: Spares | None = None
     """Spare pods (faultTolerance.spareNodes), when the job asks for any."""
     size: Size | None = None
-    """The size an elastic job trains at (spec.elastic), with its changes."""
+    """The size the job trains at (below spec.nodes only for an elastic job short of nodes),
+    with its changes."""
     avoided_nodes: list[AvoidedNode] = Field(default_factory=list)
     """Nodes kept out of the next attempts; the next gang may still use some of them when
     fewer usable nodes than `nodes` would remain (the least recently failed first)."""

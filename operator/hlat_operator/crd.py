@@ -338,7 +338,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Why", "type": "string", "jsonPath": ".status.reason",
      "description": "Why the job is in its phase (its condition's reason: Queued, "
      "EvictedByKueue, TopologyUnavailable, ...)."},
-    {"name": "Nodes", "type": "integer", "jsonPath": ".spec.nodes"},
+    {"name": "Nodes", "type": "string", "jsonPath": ".status.size.text",
+     "description": "Nodes trained on / spec.nodes (fewer while an elastic job is short)"},
     {"name": "Progress", "type": "string", "jsonPath": ".status.progress.summary",
      "description": "Step / total steps (percent)."},
     {"name": "Loss", "type": "string", "jsonPath": ".status.progress.lossText",

@@ -100,6 +100,11 @@ FLEET: tuple[Panel, ...] = (
           ((f"hlat_job_spare_pods_ready{NS}", "{{pretrainjob}}"),),
           "Spare pods per job running with warm standby trainers (faultTolerance.spareNodes): "
           "a lost node's rank moves to one without scheduling a pod."),
+    Panel("Nodes trained on, of those asked for", "short", (
+        (f"hlat_job_nodes{NS}", "{{pretrainjob}}"),
+        (f"hlat_job_nodes_desired{NS}", "{{pretrainjob}} asked"),
+    ), "Nodes each job's current attempt trains on, and spec.nodes: an elastic job "
+       "(spec.elastic) trains on fewer while nodes are missing, the same global batch."),
 )  # fmt: skip
 
 JOB_PANELS: tuple[Panel, ...] = (

@@ -115,6 +115,16 @@ class OperatorMetrics:
             JOB_LABELS,
             registry=r,
         )
+        self.nodes = Gauge(
+            "hlat_job_nodes",
+            "Nodes the job's current attempt trains on (below hlat_job_nodes_desired while an "
+            "elastic job, spec.elastic, is short of nodes).",
+            JOB_LABELS,
+            registry=r,
+        )
+        self.nodes_desired = Gauge(
+            "hlat_job_nodes_desired", "spec.nodes: the size the job trains at when it can.",
+            JOB_LABELS, registry=r)
         self.worker_heartbeat_age = Gauge(
             "hlat_job_worker_heartbeat_age_seconds",
             "Seconds since each worker of the current gang renewed its Lease.",
@@ -215,6 +225,9 @@ class OperatorMetrics:
         self.unschedulable.labels(*labels).set(decision.unschedulable_seconds)
         self.queued.labels(*labels).set(decision.queued_seconds)
         self.spares_ready.labels(*labels).set(s.spares.ready if s.spares else 0)
+        if s.size is not None:
+            self.nodes.labels(*labels).set(s.size.nodes)
+            self.nodes_desired.labels(*labels).set(s.size.desired)
         if decision.restarted and decision.fault is not None:
             self.restarts.labels(*labels, str(decision.fault.reason)).inc()
             problem = decision.fault.problem
@@ -300,6 +313,8 @@ class OperatorMetrics:
             self.unschedulable,
             self.queued,
             self.spares_ready,
+            self.nodes,
+            self.nodes_desired,
             self.checkpoint_age,
             self.goodput_ratio,
             self.productive,

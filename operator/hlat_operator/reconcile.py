@@ -524,9 +524,17 @@ def _sized(p: _Pass, desired: PretrainJobSpec, spec: PretrainJobSpec) -> Pretrai
     """The spec at the job's current size (spec.elastic: the size is state, changed by
     `_shrink` and `_grow`)."""
     p.desired = desired
-    if _elastic(p, desired) and p.status.size is None:
-        p.status.size = Size(nodes=p.state.size or desired.nodes, desired=desired.nodes)
+    nodes = p.state.size or desired.nodes
+    old = p.status.size
+    if old is None or (old.nodes, old.desired) != (nodes, desired.nodes):
+        p.status.size = _size(nodes, desired.nodes, p.stamp if old is not None else None,
+                              old.resizes if old is not None else [])
     return elastic.effective(spec, p.state.size)
+
+
+def _size(nodes: int, desired: int, since: str | None, resizes: list[Resize]) -> Size:
+    return Size(nodes=nodes, desired=desired, text=f"{nodes}/{desired}", since=since,
+                resizes=resizes[-elastic.MAX_RESIZES:])
 
 
 def _elastic(p: _Pass, desired: PretrainJobSpec) -> bool:
@@ -591,9 +599,9 @@ def _resize(p: _Pass, desired: PretrainJobSpec, target: int, reason: Reason,
     p.state = p.state.model_copy(update={
         "size": None if target == desired.nodes else target, "grow_after": None,
         "in_place_next": None})
-    old = p.status.size or Size(nodes=desired.nodes, desired=desired.nodes)
-    p.status.size = Size(nodes=target, desired=desired.nodes, since=p.stamp, resizes=[
-        *old.resizes, Resize(nodes=target, at=p.stamp, reason=str(reason))][-elastic.MAX_RESIZES:])
+    old = p.status.size.resizes if p.status.size is not None else []
+    p.status.size = _size(target, desired.nodes, p.stamp,
+                          [*old, Resize(nodes=target, at=p.stamp, reason=str(reason))])
     p.condition("Degraded", target < desired.nodes, reason,
                 message if target < desired.nodes else f"back to all {target} nodes")
     p.phase("Restarting", reason, message)

@@ -46,6 +46,7 @@ def test_a_job_short_of_a_node_shrinks_after_the_wait_and_grows_back_at_a_checkp
     assert Reason.SHRUNK in w.reasons()
     assert len(w.live()) == 2 and _config_nodes(w) == 2
     assert w.status.size is not None and w.status.size.nodes == 2 and w.status.size.desired == 3
+    assert w.status.size.text == "2/3"  # kubectl get pj, column Nodes
     (degraded,) = [c for c in w.status.conditions if c.type == "Degraded"]
     assert degraded.status == "True" and degraded.reason == Reason.SHRUNK
     assert w.status.restarts.total == 1, "the resize is not a restart: only the node loss"
@@ -60,7 +61,7 @@ def test_a_job_short_of_a_node_shrinks_after_the_wait_and_grows_back_at_a_checkp
         w.step()
         w.advance(1.0)
     w.until("Running", step=41, limit=60)
-    assert len(w.live()) == 3 and _config_nodes(w) == 3
+    assert len(w.live()) == 3 and _config_nodes(w) == 3 and w.status.size.text == "3/3"
     assert [r.nodes for r in w.status.size.resizes] == [2, 3]
     assert [r.reason for r in w.status.size.resizes] == [Reason.SHRUNK, Reason.GROWN]
     (degraded,) = [c for c in w.status.conditions if c.type == "Degraded"]

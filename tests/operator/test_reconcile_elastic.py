@@ -110,3 +110,48 @@ def test_a_job_that_starts_short_of_nodes_shrinks_without_a_fault_or_a_backoff()
     assert WAIT <= waited <= WAIT + 10
     assert len(w.live()) == 2 and w.status.restarts.total == 0
     assert w.status.last_failure is None
+
+
+def test_under_in_place_restarts_the_resize_recreates_the_gang_and_later_faults_stay_in_place(
+        ) -> None:
+    """InPlace keeps the surviving pods at a fault; a resize changes every rank's world, so it
+    recreates the gang; a later fault at the smaller size restarts in place again."""
+    w = World(elastic_spec(**{"faultTolerance.restartStrategy": "InPlace"}),
+              nodes=("node-a", "node-b", "node-c"))
+    _shrunk(w)
+    w.until("Running", step=3, limit=WAIT + 120)
+    assert len(w.live()) == 2 and _config_nodes(w) == 2
+    attempt = w.status.attempt
+    kept = {p.name for p in w.live()}
+    w.trainer_exit(1)
+    w.step()
+    assert w.status.phase == "Restarting"
+    for _ in range(60):  # until the next attempt is published
+        w.schedule()
+        w.step()
+        if w.status.attempt > attempt:
+            break
+        w.advance(1)
+    assert w.status.attempt == attempt + 1 and {p.name for p in w.live()} == kept
+    assert len(w.live()) == 2 and w.status.size is not None and w.status.size.nodes == 2
+
+
+def test_a_suspended_shrunk_job_resumes_at_its_size_and_grows_when_it_can() -> None:
+    w = World(elastic_spec(), nodes=("node-a", "node-b", "node-c"))
+    lost = _shrunk(w)
+    w.until("Running", step=3, limit=WAIT + 120)
+    w.spec["suspend"] = True
+    w.until("Suspended", step=3)
+    assert not w.live()
+    w.spec["suspend"] = False
+    w.until("Running", step=4, limit=60)
+    assert len(w.live()) == 2 and w.status.size is not None and w.status.size.text == "2/3"
+    w.node_up(lost)
+    for step in (50, 60):  # a checkpoint after the node is back, then one more
+        for _ in range(3):
+            w.schedule()
+            w.beat(step, checkpoint_step=step)
+            w.step()
+            w.advance(1.0)
+    w.until("Running", step=61, limit=60)
+    assert len(w.live()) == 3 and w.status.size.text == "3/3"

@@ -548,9 +548,9 @@ def _shrink(p: _Pass, spec: PretrainJobSpec) -> bool:
     d = p.desired
     if d is None or d.elastic is None or not _elastic(p, d) or p.unschedulable <= 0:
         return False
-    wait = d.elastic.wait_seconds
-    if p.unschedulable < wait:
-        p.after(wait - p.unschedulable)
+    wait, waited = d.elastic.wait_seconds, max(p.unschedulable, _since_node_fault(p))
+    if waited < wait:
+        p.after(wait - waited)
         return False
     if not p.observed.nodes_known:
         return False
@@ -559,10 +559,22 @@ def _shrink(p: _Pass, spec: PretrainJobSpec) -> bool:
     if target is None:
         return False  # below minNodes: Schedulable=False says why it waits
     _resize(p, d, target, Reason.SHRUNK,
-            f"{count} usable nodes for {spec.nodes} workers, pods unplaced for "
-            f"{p.unschedulable:.0f}s (elastic.waitSeconds={wait:g}): restarting on {target} of "
+            f"{count} usable nodes for {spec.nodes} workers, short for {waited:.0f}s "
+            f"(elastic.waitSeconds={wait:g}): restarting on {target} of "
             f"{d.nodes} nodes from the latest complete checkpoint, the same global batch")
     return True
+
+
+def _since_node_fault(p: _Pass) -> float:
+    """Seconds since the node-level fault that ended the previous attempt (0 for any other
+    start): a job short of nodes because one was lost has waited since the loss was found,
+    not only since the new gang's pod was found unplaceable."""
+    failure = p.status.last_failure
+    if (failure is None or failure.reason not in labels.NODE_REASONS
+            or p.state.faulted_attempt != p.status.attempt - 1):
+        return 0.0
+    since = parse_time(failure.time)
+    return (p.now - since).total_seconds() if since is not None else 0.0
 
 
 def _grow(p: _Pass, spec: PretrainJobSpec) -> bool:

@@ -32,11 +32,16 @@ def effective(spec: PretrainJobSpec, size: int | None) -> PretrainJobSpec:
     return spec.model_copy(update={"nodes": size, "elastic": None})
 
 
+def can_host(node: ObservedNode, selector: Mapping[str, str]) -> bool:
+    """Could take a worker pod now: Ready, not cordoned, carrying the selector's labels."""
+    return node.ready and not node.cordoned and all(
+        node.labels.get(k) == v for k, v in selector.items())
+
+
 def usable(nodes: Iterable[ObservedNode], selector: Mapping[str, str]) -> int:
-    """Nodes a worker could run on now: Ready, not cordoned, healthy, with the selector's
-    labels (the job's own included: they host its pods)."""
-    return sum(1 for n in nodes if n.ready and not n.cordoned and n.healthy
-               and all(n.labels.get(k) == v for k, v in selector.items()))
+    """Nodes a worker could run on now, healthy ones only (the job's own included: they host
+    its pods)."""
+    return sum(1 for n in nodes if can_host(n, selector) and n.healthy)
 
 
 def shrink_to(spec: PretrainJobSpec, current: int, usable_nodes: int) -> int | None:

@@ -822,18 +822,12 @@ def _avoided_nodes(p: _Pass, spec: PretrainJobSpec) -> list[str]:
     if p.observed.nodes_known:
         selector = builders.node_selector(spec)
         usable = {n.name for n in p.observed.nodes.values()
-                  if _usable(n, selector) and n.name not in unhealthy}
+                  if elastic.can_host(n, selector) and n.name not in unhealthy}
         for entry in sorted(entries, key=lambda e: e.failed_at):
             if len(usable - avoid) >= spec.nodes:
                 break
             avoid.discard(entry.node)
     return sorted(avoid | unhealthy)
-
-
-def _usable(node: ObservedNode, selector: Mapping[str, str]) -> bool:
-    """Could take a worker pod now: Ready, not cordoned, carrying the selector's labels."""
-    return node.ready and not node.cordoned and all(
-        node.labels.get(k) == v for k, v in selector.items())
 
 
 def _expire_avoided(p: _Pass, spec: PretrainJobSpec) -> None:
@@ -901,7 +895,7 @@ def _topology(p: _Pass, spec: PretrainJobSpec, ranks: Iterable[int]
     avoid = set(_avoided_nodes(p, spec))
     selector = builders.node_selector(spec)
     usable = [n for n in p.observed.nodes.values()
-              if _usable(n, selector) and n.healthy and n.name not in avoid]
+              if elastic.can_host(n, selector) and n.healthy and n.name not in avoid]
     live = [pod for pod in p.observed.pods
             if pod.node and not pod.terminating and not pod.finished]
     gang = {pod.rank: p.observed.nodes[pod.node] for pod in live

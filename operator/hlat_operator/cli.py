@@ -66,12 +66,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import kopf
 
-    from hlat_operator import handlers
+    from hlat_operator import handlers, late_apis
 
     if settings.leader_election:
         lead(settings, liveness)
-    handlers.configure(settings, args.metrics_port)
+    insights = late_apis.insights()  # kopf's record of what it watches, read by late_apis
+    handlers.configure(settings, args.metrics_port, insights)
     kopf.run(
+        insights=insights,
         standalone=True,
         clusterwide=not namespaces,
         namespaces=namespaces,

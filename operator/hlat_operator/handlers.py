@@ -32,7 +32,7 @@ from hlat_api.apitimeouts import bound_requests
 from hlat_api.labels import COMPONENT, JOB, TRAINER_EXITED, WORKER, Reason
 from hlat_api.manifest import API_GROUP, API_VERSION
 from hlat_api.status import PretrainJobStatus
-from hlat_operator import heap, observe, queueing
+from hlat_operator import heap, late_apis, observe, queueing
 from hlat_operator.builders import JobRef
 from hlat_operator.config import OperatorSettings
 from hlat_operator.k8s import PLURAL, Conflict, K8sError, Kube, Rejected
@@ -80,17 +80,25 @@ class Runtime:
     api_back_at: datetime | None = None
     """Since when the operator sees: its start, or a pass reaching the API server again after
     it was lost (Observed.seeing_since)."""
+    following: asyncio.Task[None] | None = None
+    """late_apis.follow: the watches of APIs served after the start (Kueue's Workloads)."""
 
 
 _runtime: Runtime | None = None
 _settings: OperatorSettings | None = None
 _metrics_port: int | None = None
+_insights: Any = None
+
+FOLLOWED = ((API_GROUP, PLURAL), (queueing.GROUP, "workloads"))
+"""The custom resources the handlers watch, which may be installed after the operator."""
 
 
-def configure(settings: OperatorSettings, metrics_port: int | None = None) -> None:
-    """Called by the CLI before kopf starts: the settings and the metrics port (0: none)."""
-    global _settings, _metrics_port
-    _settings, _metrics_port = settings, metrics_port
+def configure(settings: OperatorSettings, metrics_port: int | None = None,
+              insights: Any = None) -> None:
+    """Called by the CLI before kopf starts: the settings, the metrics port (0: none) and the
+    kopf Insights it passes to kopf.run (late_apis reads which resources kopf watches)."""
+    global _settings, _metrics_port, _insights
+    _settings, _metrics_port, _insights = settings, metrics_port, insights
 
 
 def runtime() -> Runtime:
@@ -306,6 +314,9 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     if port:
         rt.metrics.serve(port)
         log.info("metrics on :%d/metrics", port)
+    if _insights is not None:
+        rt.following = asyncio.create_task(late_apis.follow(
+            _insights, settings, kopf.get_default_registry(), FOLLOWED))
     _runtime = rt
     log.info("hlat-operator started; trainer command %s", " ".join(ours.trainer_command))
 
@@ -317,6 +328,8 @@ async def cleanup(**_: Any) -> None:
     if _runtime.kube.node_watch is not None:
         _runtime.kube.node_watch.stop()
     tasks = list(_runtime.tasks.values())
+    if _runtime.following is not None:
+        tasks.append(_runtime.following)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)

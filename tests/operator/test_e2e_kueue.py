@@ -344,3 +344,39 @@ def test_a_job_no_block_holds_waits_in_its_queue_with_kueue_s_reason(
         lambda s: _condition(s, "Suspended").get("reason") == "Queued"
         and "topology" in _condition(s, "Suspended").get("message", ""), 60)
     assert status["phase"] == "Suspended" and not _pods(job_env)
+
+
+def test_kopf_rescans_a_group_whose_resource_is_served_after_the_start(
+        kueue_up: None, cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kopf starts the watch of a CRD installed after the operator only if a CRD event comes
+    after the API server's discovery lists it (late_apis); here kopf's record says nothing is
+    watched though Kueue's Workloads are served, as when kopf lost that race: follow has kopf
+    rescan, and the Workloads are watched (by the operator's handlers' registry)."""
+    import asyncio
+
+    import kopf
+    from kopf._cogs.clients import auth
+    from kopf._cogs.structs import credentials
+
+    from hlat_operator import handlers, late_apis
+
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+
+    async def follow() -> Any:
+        settings = kopf.OperatorSettings()
+        vault = credentials.Vault()
+        info = kopf.login_with_kubeconfig(settings=settings)
+        assert info is not None
+        await vault.populate({"kubeconfig": info})
+        auth.vault_var.set(vault)
+        insights = late_apis.insights()
+        insights.ready_resources.set()  # as after kopf's scan at its start, which missed them
+        assert not late_apis.watched(insights, kueue.GROUP, "workloads")
+        await asyncio.wait_for(late_apis.follow(
+            insights, settings, kopf.get_default_registry(),
+            [(kueue.GROUP, "workloads")], period=0.2), 30)
+        return insights
+
+    insights = asyncio.run(follow())
+    assert late_apis.watched(insights, kueue.GROUP, "workloads")
+    assert (kueue.GROUP, "workloads") in handlers.FOLLOWED

@@ -172,6 +172,10 @@ class Badput(_Model):
     """Deleting a failed gang until none of its pods is left."""
     backoff: float = 0
     """The restart backoff, after the old gang is gone."""
+    resize: float = 0
+    """A planned resize (spec.elastic: shrinking once the wait for a node is over, growing
+    back): deleting the gang until none of its pods is left. The new gang's start is in pending,
+    startup, compile and restore like any attempt's."""
     straggler: float = 0
     """Training time lost to a slow node (spec.faultTolerance.stragglers): while a node is
     flagged (condition Straggler), and over its window once it is, the part of each step by
@@ -225,6 +229,14 @@ class Goodput(_Model):
     hit."""
     checkpoint_age_seconds: float | None = None
     """Time since the latest complete checkpoint was first reported."""
+    capacity: float | None = None
+    """nodeSeconds / desiredNodeSeconds: the share of the nodes asked for that the job trained
+    on while Running (1 unless an elastic job ran short of nodes). Time at a reduced size is
+    productive in `ratio`; this says at what size."""
+    node_seconds: float = 0
+    """Seconds in phase Running x the nodes the job trained on."""
+    desired_node_seconds: float = 0
+    """Seconds in phase Running x spec.nodes."""
     settled: Breakdown = Field(default_factory=Breakdown)
     """Attempts that ended and the time between them: final figures."""
     current: AttemptLedger | None = None

@@ -41,9 +41,9 @@ from hlat_api.status import (
     Uptime,
 )
 
-Bucket = Literal["attempt", "teardown", "backoff"]
+Bucket = Literal["attempt", "teardown", "backoff", "resize"]
 """Where the time since the previous pass goes: the running attempt's window, or the restart
-between two attempts."""
+between two attempts (a planned resize's teardown is `resize`)."""
 EndCause = Literal["detection", "other"]
 TRAINER_CAUSES = tuple(k for k in Activity.model_fields if k != "productive")
 
@@ -157,7 +157,8 @@ def goodput_after(old: Goodput, bucket: Bucket | None, since: datetime | None, n
                   attempt: int, lead: Heartbeat | None, end: EndCause | None = None,
                   lost_work_seconds: float = 0.0, checkpoint_at: datetime | None = None,
                   max_report_age: float = 30.0, straggler_share: float = 0.0,
-                  straggler_seconds: float = 0.0) -> Goodput:
+                  straggler_seconds: float = 0.0,
+                  training_nodes: tuple[int, int] | None = None) -> Goodput:
     """`old` plus the time from `since` to `now` spent in `bucket`, with node rank 0's latest
     report (`lead`, of the running `attempt`); `end`: the attempt ended in this pass, and the
     cause of its unreported rest. `max_report_age` bounds how old the report is taken to be
@@ -166,9 +167,15 @@ def goodput_after(old: Goodput, bucket: Bucket | None, since: datetime | None, n
     node cost (its compute over the others' median, per step), moved from productive to the
     `straggler` cause (it is in the trainer's productive steps; only the operator compares
     nodes); `straggler_seconds`: moved as well, before that (a node's window, on the pass that
-    flags it)."""
+    flags it). `training_nodes`: (nodes trained on, spec.nodes) when the time from `since` was
+    spent Running: the capacity fraction's node-seconds."""
     g = old.model_copy(deep=True)
     dt = (now - since).total_seconds() if since is not None and now > since else 0.0
+    if training_nodes is not None:
+        g.node_seconds = round(g.node_seconds + dt * training_nodes[0], 3)
+        g.desired_node_seconds = round(g.desired_node_seconds + dt * training_nodes[1], 3)
+    g.capacity = (round(g.node_seconds / g.desired_node_seconds, 6)
+                  if g.desired_node_seconds > 0 else None)
     current = g.current
     if current is not None and current.attempt != attempt:  # ended unseen: fold it as it was
         g.settled, current = _fold(g.settled, current, "other"), None

@@ -246,7 +246,8 @@ def build_role_binding(job: JobRef, spec: PretrainJobSpec) -> RoleBinding:
 
 
 def build_pod_group(job: JobRef, spec: PretrainJobSpec) -> PodGroup:
-    """Volcano's PodGroup: the gang is bound only when all `nodes` pods can be (minMember)."""
+    """Volcano's PodGroup: the gang is bound only when all `nodes` pods can be (minMember; an
+    elastic job's attempt at a smaller size has the smaller spec.nodes: `elastic.effective`)."""
     return {
         "apiVersion": VOLCANO_API,
         "kind": "PodGroup",

@@ -18,10 +18,10 @@ MAX_RESIZES = 10
 """status.size.resizes keeps the last this many."""
 
 
-def applies(spec: PretrainJobSpec, queued: bool, volcano: bool) -> bool:
-    """Whether the job resizes: spec.elastic set, and neither in a Kueue queue (its Workload's
-    pod count is the full size) nor gang-scheduled by Volcano (its PodGroup's minMember)."""
-    return spec.elastic is not None and not queued and not volcano
+def applies(spec: PretrainJobSpec, queued: bool) -> bool:
+    """Whether the job resizes: spec.elastic set, and not in a Kueue queue (its Workload's pod
+    count is the full size). Under Volcano the PodGroup's minMember follows the size."""
+    return spec.elastic is not None and not queued
 
 
 def effective(spec: PretrainJobSpec, size: int | None) -> PretrainJobSpec:

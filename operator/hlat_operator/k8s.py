@@ -484,6 +484,12 @@ class Kube:
 
     def _replace_call(self, kind: str, ns: str, name: str, obj: Mapping[str, Any]) -> None:
         body: Any = obj
+        if kind == "PodGroup":  # Volcano writes its status: merge-patch the spec alone
+            group, version = str(obj["apiVersion"]).split("/")
+            _discard(self.custom.patch_namespaced_custom_object(
+                group, version, ns, _CUSTOM_KINDS[kind], name, {"spec": obj["spec"]},
+                _preload_content=False))
+            return
         if kind not in _KINDS or not _KINDS[kind][2]:
             raise K8sError(f"replace {kind}: kind not supported by the operator")
         api, suffix, _ = _KINDS[kind]

@@ -125,6 +125,10 @@ class OperatorMetrics:
         self.nodes_desired = Gauge(
             "hlat_job_nodes_desired", "spec.nodes: the size the job trains at when it can.",
             JOB_LABELS, registry=r)
+        self.capacity_ratio = Gauge(
+            "hlat_job_capacity_ratio",
+            "Node-seconds trained over node-seconds asked for (spec.nodes), while Running.",
+            JOB_LABELS, registry=r)
         self.worker_heartbeat_age = Gauge(
             "hlat_job_worker_heartbeat_age_seconds",
             "Seconds since each worker of the current gang renewed its Lease.",
@@ -254,6 +258,8 @@ class OperatorMetrics:
         """Counters advance by what the status gained since the last pass (never back)."""
         if g.ratio is not None:
             self.goodput_ratio.labels(*labels).set(g.ratio)
+        if g.capacity is not None:
+            self.capacity_ratio.labels(*labels).set(g.capacity)
         now = {f"badput:{c}": getattr(g.badput_seconds, _CAUSE_FIELDS[c]) for c in BADPUT_CAUSES}
         now["productive"], now["lost_work"] = g.productive_seconds, g.lost_work_seconds
         last = self._goodput.get(labels, {})
@@ -315,6 +321,7 @@ class OperatorMetrics:
             self.spares_ready,
             self.nodes,
             self.nodes_desired,
+            self.capacity_ratio,
             self.checkpoint_age,
             self.goodput_ratio,
             self.productive,

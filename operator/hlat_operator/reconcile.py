@@ -538,8 +538,7 @@ def _size(nodes: int, desired: int, since: str | None, resizes: list[Resize]) ->
 
 
 def _elastic(p: _Pass, desired: PretrainJobSpec) -> bool:
-    return elastic.applies(desired, p.observed.queueing is not None,
-                           builders.uses_volcano(desired, p.settings))
+    return elastic.applies(desired, p.observed.queueing is not None)
 
 
 def _shrink(p: _Pass, spec: PretrainJobSpec) -> bool:
@@ -865,8 +864,8 @@ def _new_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> None:
     # after the Role: the API server resolves a binding's roleRef (RBAC escalation check),
     # and a binding to a Role that does not exist yet is rejected with 404 for the operator
     p.actions.append(CreateObject(builders.build_role_binding(job, spec), replace=True))
-    if builders.uses_volcano(spec, p.settings):
-        p.actions.append(CreateObject(builders.build_pod_group(job, spec)))
+    if builders.uses_volcano(spec, p.settings):  # minMember: the size of this attempt
+        p.actions.append(CreateObject(builders.build_pod_group(job, spec), replace=True))
     p.actions.append(CreateObject(builders.build_pod_disruption_budget(job, spec)))
     _attempt_leases(p, spec, attempt)
     placement = _topology(p, spec, range(spec.nodes))
@@ -1561,8 +1560,10 @@ def _goodput_bucket(old: PretrainJobStatus) -> accounting.Bucket | None:
         return "attempt"
     if old.phase == "Restarting":
         waiting = next((c for c in old.conditions if c.type == "Restarting"), None)
-        return "backoff" if waiting is not None and waiting.reason == Reason.BACKOFF else (
-            "teardown")
+        reason = waiting.reason if waiting is not None else None
+        if reason in (Reason.SHRUNK, Reason.GROWN):
+            return "resize"
+        return "backoff" if reason == Reason.BACKOFF else "teardown"
     return None
 
 
@@ -1578,7 +1579,14 @@ def _account_goodput(p: _Pass) -> None:
         p.status.attempt, p.lead if live else None, end,
         p.lost_work, parse_time(saved.time) if saved else None,
         p.settings.heartbeat_period_seconds * EXPIRY_PERIODS, p.straggler_share,
-        p.straggler_window_seconds)
+        p.straggler_window_seconds, _training_nodes(p.old))
+
+
+def _training_nodes(old: PretrainJobStatus) -> tuple[int, int] | None:
+    """(nodes trained on, spec.nodes) when the previous pass left the job Running."""
+    if old.phase != "Running" or old.size is None:
+        return None
+    return old.size.nodes, old.size.desired
 
 
 def _state_moved(p: _Pass) -> bool:

@@ -78,7 +78,7 @@ NEEDED = {
     ("coordination.k8s.io", "leases"): {"list", "watch", "create", "delete", "update", "get",
                                         "patch"},
     ("", "events"): {"create"},
-    ("scheduling.volcano.sh", "podgroups"): {"create"},
+    ("scheduling.volcano.sh", "podgroups"): {"create", "patch"},  # patch: minMember (elastic)
     ("kueue.x-k8s.io", "workloads"): {"get", "list", "watch", "create", "patch"},  # patch: spec.active
     ("kueue.x-k8s.io", "workloads/status"): {"update"},
     ("policy", "poddisruptionbudgets"): {"create", "delete"},

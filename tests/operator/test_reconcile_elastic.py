@@ -40,6 +40,7 @@ def _shrunk(w: World) -> str:
 def test_a_job_short_of_a_node_shrinks_after_the_wait_and_grows_back_at_a_checkpoint() -> None:
     w = World(elastic_spec(), nodes=("node-a", "node-b", "node-c"))
     lost = _shrunk(w)
+    assert w.status.goodput.capacity == 1.0  # on all its nodes so far
     assert w.status.last_failure is not None and w.status.last_failure.reason == Reason.NODE_LOST
     waited = w.until("Running", step=3, limit=WAIT + 120)
     assert waited >= WAIT, "shrunk before elastic.waitSeconds"
@@ -58,6 +59,11 @@ def test_a_job_short_of_a_node_shrinks_after_the_wait_and_grows_back_at_a_checkp
     w.node_up(lost)
     w.run(30, step=20, every=1.0)
     assert len(w.live()) == 2, "grew before a new checkpoint"
+    g = w.status.goodput
+    assert g.capacity is not None and 2 / 3 < g.capacity < 1, g  # 30 s and more at 2 of 3
+    assert g.node_seconds == pytest.approx(g.capacity * g.desired_node_seconds, rel=1e-4)
+    shrinking = g.badput_seconds.resize
+    assert shrinking > 0, "the shrink's teardown is not counted as a resize"
     for _ in range(5):  # the workers report checkpoint step 40 complete
         w.schedule()
         w.beat(40, checkpoint_step=40)
@@ -67,6 +73,9 @@ def test_a_job_short_of_a_node_shrinks_after_the_wait_and_grows_back_at_a_checkp
     assert len(w.live()) == 3 and _config_nodes(w) == 3 and w.status.size.text == "3/3"
     assert [r.nodes for r in w.status.size.resizes] == [2, 3]
     assert [r.reason for r in w.status.size.resizes] == [Reason.SHRUNK, Reason.GROWN]
+    badput = w.status.goodput.badput_seconds
+    assert badput.resize > shrinking, "growing back is not counted as a resize"
+    assert badput.backoff == 0, "a planned resize waited a backoff"
     (degraded,) = [c for c in w.status.conditions if c.type == "Degraded"]
     assert degraded.status == "False"
     assert w.status.restarts.total == 1
@@ -142,6 +151,7 @@ def test_under_in_place_restarts_the_resize_recreates_the_gang_and_later_faults_
 def test_a_suspended_shrunk_job_resumes_at_its_size_and_grows_when_it_can() -> None:
     w = World(elastic_spec(), nodes=("node-a", "node-b", "node-c"))
     lost = _shrunk(w)
+    assert w.status.goodput.capacity == 1.0  # on all its nodes so far
     w.until("Running", step=3, limit=WAIT + 120)
     w.spec["suspend"] = True
     w.until("Suspended", step=3)
@@ -158,3 +168,28 @@ def test_a_suspended_shrunk_job_resumes_at_its_size_and_grows_when_it_can() -> N
             w.advance(1.0)
     w.until("Running", step=61, limit=60)
     assert len(w.live()) == 3 and w.status.size.text == "3/3"
+
+
+def test_under_volcano_the_pod_group_s_min_member_follows_the_size() -> None:
+    """Volcano binds a gang only when minMember pods can be: at 2 of 3 nodes it must ask for
+    2, and for 3 again once grown (the PodGroup is the job's, patched per attempt)."""
+    w = World(elastic_spec(**{"scheduling.schedulerName": "volcano"}),
+              nodes=("node-a", "node-b", "node-c"))
+
+    def min_member() -> int:
+        (group,) = [o for (kind, _), o in w.objects.items() if kind == "PodGroup"]
+        return int(group["spec"]["minMember"])
+
+    lost = _shrunk(w)
+    assert min_member() == 3
+    w.until("Running", step=3, limit=WAIT + 120)
+    assert len(w.live()) == 2 and min_member() == 2
+    w.node_up(lost)
+    w.run(30, step=20, every=1.0)
+    for _ in range(5):
+        w.schedule()
+        w.beat(40, checkpoint_step=40)
+        w.step()
+        w.advance(1.0)
+    w.until("Running", step=41, limit=60)
+    assert len(w.live()) == 3 and min_member() == 3

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,7 +15,8 @@ from e2e_env import Env
 from e2e_spec import tiny_spec
 
 from hlat_api import labels
-from hlat_testbed import faults
+from hlat_testbed import faults, volcano
+from hlat_testbed.cluster import Cluster
 from hlat_testbed.podfiles import PodNotFound
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -127,3 +129,48 @@ def test_a_job_trains_on_fewer_nodes_while_one_is_gone_and_grows_back(job_env: E
     assert max(drift.values()) <= LOSS_TOLERANCE, drift
     before = [line for line in _lines(job_env, 0)]
     assert before and all(line["loss"] == ref[line["step"]]["loss"] for line in before)
+
+
+@pytest.fixture
+def volcano_scheduler(cluster: Cluster) -> Iterator[None]:
+    volcano.start(cluster)
+    yield
+    volcano.stop(cluster)
+
+
+def test_under_volcano_the_gang_s_min_member_follows_the_size(
+        job_env: Env, volcano_scheduler: None) -> None:
+    """Volcano binds a gang only when its PodGroup's minMember pods can all be: a job shrunk to
+    2 nodes must ask for 2 (else its 2 pods wait forever for a third node), and for 3 again
+    once grown. A shorter run, without the reference: the data is the same as above."""
+    spec = _spec(job_env.name)
+    spec["train"]["steps"] = 200
+    spec["scheduling"] = {"schedulerName": "volcano"}
+    spec["elastic"] = {"minNodes": 2, "waitSeconds": WAIT}
+    job_env.create(spec)
+    job_env.wait("past a checkpoint", lambda s: s.get("phase") == "Running"
+                 and (s.get("latestCheckpoint") or {}).get("step", -1) >= 10, 180)
+
+    def min_member() -> int:
+        group = volcano.pod_group(job_env.cluster.admin_api(), job_env.ns, job_env.name)
+        assert group is not None
+        return int(group["spec"]["minMember"])
+
+    assert min_member() == 3
+    node = next(p for p in job_env.pods()
+                if p.metadata.name == f"{job_env.name}-a0-2").spec.node_name
+    faults.node_down(job_env.cluster.config, node)
+    try:
+        shrunk = job_env.wait("training on 2 nodes", _trains_on(2), 240)
+        assert min_member() == 2
+        at_two = shrunk["progress"]["step"]
+    finally:
+        faults.node_up(job_env.cluster.config, node)
+        job_env.cluster.wait_nodes_ready([node], timeout=60)
+    job_env.wait("back on 3 nodes", _trains_on(3, after=at_two), 240)
+    assert min_member() == 3
+    done = job_env.wait_trained()
+    assert done["phase"] == "Succeeded" and done["progress"]["step"] == 200
+    assert [r["nodes"] for r in done["size"]["resizes"]] == [2, 3]
+    assert done["goodput"]["badputSeconds"]["resize"] > 0
+    assert 0.5 < done["goodput"]["capacity"] < 1

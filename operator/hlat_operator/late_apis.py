@@ -28,6 +28,8 @@ log = logging.getLogger("hlat_operator")
 
 PERIOD = 10.0
 """Seconds between two reads of discovery while a resource is not watched."""
+KOPF_MOVED = ("cannot follow APIs served after start (%s): a resource installed later is heard "
+              "of at each job's resync until the operator restarts")
 
 
 def insights() -> Any:
@@ -36,8 +38,7 @@ def insights() -> Any:
     try:
         from kopf._cogs.structs.references import Insights
     except ImportError as err:
-        log.warning("cannot follow APIs served after start (%s): a resource installed later "
-                    "is heard of at each job's resync until the operator restarts", err)
+        log.warning(KOPF_MOVED, err)
         return None
     return Insights()
 
@@ -55,8 +56,7 @@ async def follow(insights: Any, settings: Any, registry: Any,
         from kopf._cogs.clients import errors, scanning
         from kopf._core.reactor import observation
     except ImportError as err:  # kopf moved its internals: the resync alone serves the jobs
-        log.warning("cannot follow APIs served after start (%s): a resource installed later "
-                    "is heard of at each job's resync until the operator restarts", err)
+        log.warning(KOPF_MOVED, err)
         return
     await insights.ready_resources.wait()  # kopf's own scan at start goes first
     pending = {w for w in wanted if not watched(insights, *w)}

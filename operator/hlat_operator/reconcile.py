@@ -774,8 +774,7 @@ def _restarting(p: _Pass, spec: PretrainJobSpec) -> None:
     ft = spec.fault_tolerance
     streak = max(1, p.state.no_progress_streak)
     delay = min(ft.backoff.max_seconds, ft.backoff.initial_seconds * 2 ** (streak - 1))
-    if any(c.type == "Restarting" and c.reason in (Reason.SHRUNK, Reason.GROWN)
-           for c in p.status.conditions):
+    if _resizing(p.status):
         delay = 0.0  # a planned resize: nothing failed
     failure = p.status.last_failure
     since = parse_time(failure.time if failure else None) or p.now
@@ -1552,6 +1551,12 @@ def _accounted_at(p: _Pass) -> datetime | None:
     return parse_time(p.old.accounted_at or p.observed.state.accounted_at)
 
 
+def _resizing(status: PretrainJobStatus) -> bool:
+    """The restart under way is a planned resize (spec.elastic), not a fault's."""
+    return any(c.type == "Restarting" and c.reason in (Reason.SHRUNK, Reason.GROWN)
+               for c in status.conditions)
+
+
 def _goodput_bucket(old: PretrainJobStatus) -> accounting.Bucket | None:
     """Where the time since the previous pass went, by the state that pass left."""
     if old.start_time is None:
@@ -1559,11 +1564,11 @@ def _goodput_bucket(old: PretrainJobStatus) -> accounting.Bucket | None:
     if old.phase in ACTIVE:
         return "attempt"
     if old.phase == "Restarting":
-        waiting = next((c for c in old.conditions if c.type == "Restarting"), None)
-        reason = waiting.reason if waiting is not None else None
-        if reason in (Reason.SHRUNK, Reason.GROWN):
+        if _resizing(old):
             return "resize"
-        return "backoff" if reason == Reason.BACKOFF else "teardown"
+        waiting = next((c for c in old.conditions if c.type == "Restarting"), None)
+        return "backoff" if waiting is not None and waiting.reason == Reason.BACKOFF else (
+            "teardown")
     return None
 
 

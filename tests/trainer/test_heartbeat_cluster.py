@@ -192,3 +192,30 @@ def test_the_renewal_loop_renews_once_per_period_as_it_runs(cluster: Cluster,
     assert periods <= len(renewals) <= periods + 2, (len(renewals), gaps)
     assert statistics.median(gaps) == pytest.approx(period, abs=0.05), gaps
     assert max(gaps) < 2 * period, gaps
+
+
+def test_a_worker_that_starts_training_says_so_at_once_not_a_period_later(
+        cluster: Cluster, namespace: str) -> None:
+    """The operator's Ready, its recovery time and a spare's release wait for a worker's
+    `training`: published when the loop leaves its start, not at the next beat (10 s apart on
+    EKS). Checkpoint phases keep to the period (one write per save would double the writes)."""
+    grant_own_lease(cluster, namespace, "w-0")
+    coord = client.CoordinationV1Api(cluster.admin_api())
+    period = 6.0
+    beat = LeaseHeartbeat(coord, namespace, "w-0", "w-0", period, attempt=0).start()
+    try:
+        wait_for(lambda: (read_beat(cluster, namespace, "w-0")[0] or Heartbeat()).attempt == 0,
+                 5, "the first renewal")
+        _, first = read_beat(cluster, namespace, "w-0")
+        beat.update(phase="compiling")  # still starting: no renewal before the period
+        beat.update(phase="training", step=1, tokens=8)
+        wait_for(lambda: (read_beat(cluster, namespace, "w-0")[0] or Heartbeat()).phase
+                 == "training", period / 3, "the training phase on the Lease")
+        training, renewed = read_beat(cluster, namespace, "w-0")
+        assert training is not None and training.step == 1 and renewed > first
+        beat.update(phase="checkpointing")  # a save: kept to the period
+        time.sleep(period / 3)
+        held, _ = read_beat(cluster, namespace, "w-0")
+        assert held is not None and held.phase == "training"
+    finally:
+        beat.stop()

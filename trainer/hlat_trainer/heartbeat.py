@@ -44,6 +44,8 @@ REFUSAL_CONFIRM_SECONDS = 3.0
 """Renewals refused (403/404) for this long, none accepted in between: the attempt is over."""
 REFUSED_RETRY_SECONDS = 0.5
 """How often a refused renewal is tried again until it is accepted or confirmed."""
+STARTING_PHASES = ("starting", "compiling")
+"""The phases of an attempt's start; leaving them is published at once."""
 
 
 class LeaseHeartbeat:
@@ -54,6 +56,8 @@ class LeaseHeartbeat:
         self.beat = Heartbeat(attempt=attempt)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        """Set to renew before the period ends: the attempt's start is over (see `update`)."""
         self._errors: set[str] = set()
         self._refused_since: float | None = None
         self._accepted_at = time.monotonic()
@@ -87,10 +91,16 @@ class LeaseHeartbeat:
 
     def update(self, **fields: Any) -> None:
         """Hand over the latest values (the loop moved); the thread publishes them at its next
-        beat."""
+        beat, or at once when the worker leaves its start (starting or compiling): the
+        operator's Ready, its recovery time and its spares' release wait for that news, which
+        a period (10 s by default) would otherwise hold back."""
         now = datetime.datetime.now(datetime.UTC)
         with self._lock:
+            before = self.beat.phase
             self.beat = self.beat.model_copy(update={**fields, "progress_time": now})
+            started = before in STARTING_PHASES and self.beat.phase not in STARTING_PHASES
+        if started:
+            self._wake.set()
 
     def __call__(self, stats: dict[str, Any]) -> None:
         """A training-loop sink: one dict per step. A fenced trainer stops here."""
@@ -184,11 +194,13 @@ class LeaseHeartbeat:
         while not self._stop.is_set():
             began = time.monotonic()
             self.renew()
-            self._stop.wait(max(0.0, began + self._wait() - time.monotonic()))
+            self._wake.wait(max(0.0, began + self._wait() - time.monotonic()))
+            self._wake.clear()
 
     def stop(self, phase: str | None = None) -> None:
         """Stop the thread; with a phase (e.g. finished), publish it once more first."""
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=self.period + 5)
         if phase is not None:
             self.update(phase=phase)

@@ -22,23 +22,17 @@ Started on demand (`hlat-cluster kueue up`, or the tests' fixture), not by `hlat
 
 from __future__ import annotations
 
-import datetime as dt
-import ipaddress
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from hlat_api.manifest import API_GROUP, API_VERSION, KIND
-from hlat_testbed import build
+from hlat_testbed import build, pki
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.demo import install_component_crds
 from hlat_testbed.prometheus import free_port
@@ -56,29 +50,6 @@ is off: fixed in cmd/kueue/main.go, not configurable."""
 EXTERNAL_FRAMEWORK = f"{KIND}.{API_VERSION}.{API_GROUP}"
 """`Kind.version.group`, the form `integrations.externalFrameworks` takes (Kueue's config
 validation, pkg/config/validation.go)."""
-
-
-def _self_signed(directory: Path) -> None:
-    """`tls.crt`/`tls.key` for 127.0.0.1 and localhost in `directory` (kept when present)."""
-    crt, key_path = directory / "tls.crt", directory / "tls.key"
-    if crt.exists() and key_path.exists():
-        return
-    directory.mkdir(parents=True, exist_ok=True)
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kueue-local")])
-    now = dt.datetime.now(dt.UTC)
-    sans = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=3650))
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .sign(key, hashes.SHA256()))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    key_path.chmod(0o600)
-    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
 
 def configuration(webhook_port: int, webhook_certs: Path, health_port: int) -> dict[str, Any]:
@@ -115,8 +86,8 @@ def start(cluster: Cluster, timeout: float = 120) -> None:
         if err.status != 409:
             raise
     state = cluster.config.state / "kueue"
-    _self_signed(state / "webhook-certs")
-    _self_signed(METRICS_CERTS)
+    pki.self_signed_loopback(state / "webhook-certs", "kueue-local")
+    pki.self_signed_loopback(METRICS_CERTS, "kueue-local")
     health = free_port()
     config = state / "config.yaml"
     config.write_text(yaml.safe_dump(configuration(free_port(), state / "webhook-certs",

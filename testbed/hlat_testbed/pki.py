@@ -87,6 +87,22 @@ def _builder(subject: x509.Name, issuer: x509.Name, public_key: ec.EllipticCurve
     )
 
 
+def self_signed_loopback(directory: Path, common_name: str) -> None:
+    """`tls.crt`/`tls.key` in `directory`, self-signed, for a server on 127.0.0.1 or localhost
+    (a component's webhook or metrics endpoint on the rig); kept when both are present."""
+    crt, key_path = directory / "tls.crt", directory / "tls.key"
+    if crt.exists() and key_path.exists():
+        return
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = _name(common_name)
+    sans = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    cert = (_builder(name, name, key.public_key())
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .sign(key, hashes.SHA256()))
+    _write(key_path, _pem_key(key))
+    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
 class CertificateAuthority:
     """The cluster CA, loaded from or created in ``pki_dir``."""
 

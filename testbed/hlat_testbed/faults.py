@@ -205,17 +205,17 @@ def wait_standbys_idle(timeout: float = 120.0, period: float = 2.0) -> None:
 
 def trainer_pids(config: ClusterConfig, namespace: str, pod: str) -> list[int]:
     """The trainer processes an in-place launcher (the pod's main process) runs now: its
-    children named `hlat-trainer` (a warm standby waiting is named `hlat-standby`)."""
+    children named `hlat-trainer` (a warm standby waiting is named `hlat-standby`). Read from
+    the launcher's own `children` lists (one file per thread), not a scan of all of /proc:
+    the census of test_e2e_inplace asks ten times a second."""
     launcher = container_pid(config, namespace, pod)
     out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            head, rest = stat.read_text().rsplit(")", 1)
-            name, ppid = head.split("(", 1)[1], int(rest.split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == launcher and name == TRAINER_PROCESS_NAME:
-            out.append(int(stat.parent.name))
+    for listing in Path(f"/proc/{launcher}/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            for child in listing.read_text().split():
+                with contextlib.suppress(OSError):
+                    if Path(f"/proc/{child}/comm").read_text().strip() == TRAINER_PROCESS_NAME:
+                        out.append(int(child))
     return sorted(out)
 
 

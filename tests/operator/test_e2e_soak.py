@@ -34,9 +34,10 @@ from hlat_testbed.demo import OperatorProcess
 from hlat_testbed.testing import wait_for
 
 SOAK_SECONDS = 2400
-"""pytest's bound on each soak (the suite's is 900 s): the two soaks side by side on 2 cores,
-nothing else running, took 993 s and 960 s (2026-11-26), before the rig's bridge kept its MAC;
-since, in a full `make test`, 551 s and 386 s (900 steps); 2000 steps train 2.2x as long."""
+"""pytest's bound on each soak (the suite's is 900 s). 2000 steps, measured 2026-11-28: the two
+soaks side by side on 2 cores, nothing else running, 1161 s and 852 s (the CPUs busy all the
+while: vmstat showed no idle time until the in-place soak ended); in a full `make test`, 1358 s
+and 805 s. The gang-recreating soak is the longer by the shared reference run it trains first."""
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(SOAK_SECONDS)]
 
 SEED = 20261124

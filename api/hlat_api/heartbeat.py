@@ -24,6 +24,10 @@ EXPIRY_PERIODS = 3
 process is frozen or gone."""
 
 Phase = Literal["starting", "compiling", "training", "checkpointing", "finished"]
+STARTING_PHASES: tuple[Phase, ...] = ("starting", "compiling")
+"""An attempt's start, before its first step: the startup timeout applies, its step is not the
+job's progress, its time is not training, and the worker publishes leaving it at once (not at
+its next beat)."""
 
 
 def lease_name(pod_name: str) -> str:

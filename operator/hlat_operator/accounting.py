@@ -29,7 +29,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from hlat_api.heartbeat import Activity, Heartbeat
+from hlat_api.heartbeat import STARTING_PHASES, Activity, Heartbeat
 from hlat_api.status import (
     AttemptLedger,
     Badput,
@@ -47,8 +47,6 @@ between two attempts (a planned resize's teardown is `resize`)."""
 EndCause = Literal["detection", "other"]
 TRAINER_CAUSES = tuple(k for k in Activity.model_fields if k != "productive")
 
-RESUMING_PHASES = ("starting", "compiling")
-"""A worker in these phases has not resumed yet: it reports step 0, not the job's progress."""
 
 
 def progress_of(beats: list[Heartbeat | None], total_steps: int | None = None,
@@ -59,7 +57,7 @@ def progress_of(beats: list[Heartbeat | None], total_steps: int | None = None,
     `kubectl get pj` shows. The validation loss is the latest any gang reported: `previous`'s
     until this gang evaluates (a gang resumed after the last evaluation, from the final
     checkpoint say, reports none)."""
-    live = [b for b in beats if b is not None and b.phase not in RESUMING_PHASES]
+    live = [b for b in beats if b is not None and b.phase not in STARTING_PHASES]
     if not live:
         return None
     first = beats[0]
@@ -95,7 +93,7 @@ def newer_checkpoint(beats: list[Heartbeat | None], known: CheckpointRef | None,
                      stamp: str) -> CheckpointRef | None:
     """A checkpoint newer than `known` that a resumed worker reports complete, else None."""
     steps = [b.checkpoint_step for b in beats
-             if b is not None and b.phase not in RESUMING_PHASES and b.checkpoint_step is not None]
+             if b is not None and b.phase not in STARTING_PHASES and b.checkpoint_step is not None]
     if steps and max(steps) > (known.step if known else -1):
         return CheckpointRef(step=max(steps), time=stamp)
     return None

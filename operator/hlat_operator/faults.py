@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 
 from hlat_api import labels
 from hlat_api.env import ExitCode
-from hlat_api.heartbeat import EXPIRY_PERIODS
+from hlat_api.heartbeat import EXPIRY_PERIODS, STARTING_PHASES
 from hlat_api.labels import Reason
 from hlat_api.spec import PretrainJobSpec
 from hlat_operator.config import OperatorSettings
@@ -237,7 +237,7 @@ def staleness(
     if beat.phase == "finished":  # it stops renewing; it must exit soon
         return Staleness(progressed, settings.exit_after_finish_seconds,
                          Reason.HEARTBEAT_TIMEOUT, renewed, finished=True)
-    if beat.phase in ("starting", "compiling"):
+    if beat.phase in STARTING_PHASES:
         return Staleness(progressed, startup, Reason.STARTUP_TIMEOUT, renewed)
     steady = steady_timeout(spec, beat.step_seconds, settings)
     timeout = startup if steady is None else steady

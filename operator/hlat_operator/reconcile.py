@@ -34,7 +34,7 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from hlat_api import labels
-from hlat_api.heartbeat import EXPIRY_PERIODS, Heartbeat
+from hlat_api.heartbeat import EXPIRY_PERIODS, STARTING_PHASES, Heartbeat
 from hlat_api.labels import Reason
 from hlat_api.manifest import InvalidSpecError, parse_spec
 from hlat_api.spec import PretrainJobSpec
@@ -1194,7 +1194,7 @@ def _all_training(p: _Pass, pods: list[ObservedPod]) -> bool:
     """Every pod's worker reports training (past its start and compilation)."""
     beats = [_beat_of(p, pod) for pod in pods]
     return all(
-        b is not None and b.phase != "starting" and b.phase != "compiling" for b in beats
+        b is not None and b.phase not in STARTING_PHASES for b in beats
     )
 
 
@@ -1530,7 +1530,7 @@ def _update_progress(p: _Pass, spec: PretrainJobSpec) -> None:
     # it), a later beat of a surviving worker must not move the next gang's recompute
     # boundary past what that ledger counted as productive
     if lead is not None and p.old.phase in ACTIVE and (
-            lead.phase not in accounting.RESUMING_PHASES) and lead.step > p.state.high_step:
+            lead.phase not in STARTING_PHASES) and lead.step > p.state.high_step:
         p.state = p.state.model_copy(update={"high_step": lead.step})
     progress = accounting.progress_of(beats, spec.total_steps, p.status.progress)
     if progress is not None:

@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from hlat_api import Env, ExitCode, Heartbeat
-from hlat_api.heartbeat import DEFAULT_PERIOD_SECONDS, EXPIRY_PERIODS
+from hlat_api.heartbeat import DEFAULT_PERIOD_SECONDS, EXPIRY_PERIODS, STARTING_PHASES
 from hlat_trainer.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,6 @@ REFUSAL_CONFIRM_SECONDS = 3.0
 """Renewals refused (403/404) for this long, none accepted in between: the attempt is over."""
 REFUSED_RETRY_SECONDS = 0.5
 """How often a refused renewal is tried again until it is accepted or confirmed."""
-STARTING_PHASES = ("starting", "compiling")
-"""The phases of an attempt's start; leaving them is published at once."""
 
 
 class LeaseHeartbeat:

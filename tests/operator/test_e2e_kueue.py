@@ -303,10 +303,11 @@ def _spec_in_blocks(nodes: int) -> dict[str, Any]:
 def test_kueue_places_a_job_requiring_a_block_in_one_block_by_rank(
         job_env: Env, tas_queue: str, network: dict[str, str]) -> None:
     job_env.create(_spec_in_blocks(3), labels={"kueue.x-k8s.io/queue-name": tas_queue})
-    workload = job_env.wait("admitted by topology",
-                            lambda _s: bool(_workload_condition(job_env, "Admitted")
-                                            .get("status") == "True"), 120)
-    assert workload
+    # (the wait returns the job's status, which may still be empty: Kueue can admit before
+    # the operator first writes it; the Workload's condition is what the wait checked)
+    job_env.wait("admitted by topology",
+                 lambda _s: _workload_condition(job_env, "Admitted").get("status") == "True",
+                 120)
     assignment = _workload(job_env)["status"]["admission"]["podSetAssignments"][0]
     # with the hostname level in the Topology, Kueue assigns nodes (the lowest level only)
     assert assignment["topologyAssignment"]["levels"] == [HOSTNAME], assignment

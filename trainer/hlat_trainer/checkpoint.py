@@ -34,6 +34,7 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -54,6 +55,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 from hlat_api.layout import DONE, CheckpointEntry, latest_complete, list_checkpoints, step_dir
 from hlat_trainer.errors import UserError, first_line
@@ -87,6 +90,46 @@ def write_durably(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    """The bytes of the tensors this rank holds in `state` (a DTensor's local shard): what its
+    save has to write at most (DCP writes a replicated tensor once, on one rank)."""
+    total = 0
+    for leaf in tree_leaves(state):
+        if isinstance(leaf, torch.Tensor):
+            local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _innermost(err: BaseException) -> str:
+    """The last line of an error's text: for DCP's CheckpointException, which lists each
+    rank's traceback, the exception that failed the write."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(err).__name__
+
+
+def volume_full(root: Path, step: int, needed: int, err: BaseException) -> OSError | None:
+    """A save that failed on a full volume, said so: None if the volume has room.
+
+    torch.save reports a disk that fills during its write as "unexpected pos N vs M"
+    (inline_container.cc) rather than ENOSPC, depending on which write hits the full disk; a
+    user reading that would not know the volume is full. So the volume's free space decides:
+    less than this rank's state, or the OS's own ENOSPC anywhere in DCP's report."""
+    try:
+        usage = shutil.disk_usage(root)
+    except OSError:
+        return None
+    if usage.free >= needed and os.strerror(errno.ENOSPC) not in str(err):
+        return None
+    return OSError(
+        errno.ENOSPC,
+        f"{os.strerror(errno.ENOSPC)}: checkpoint step_{step} could not be written, the "
+        f"checkpoint volume {root} has "
+        f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB, this rank's "
+        f"state is {needed / 2**20:.1f} MiB (free space on it, lower checkpoint.keep, or grow "
+        f"the volume); DCP said: {_innermost(err)}")
 
 
 T = TypeVar("T")
@@ -187,19 +230,28 @@ class Checkpointer:
                 future = response
             assert isinstance(future, Future)
             settled = threading.Event()
-            future.add_done_callback(lambda f: self._on_written(step, f, start, settled))
+            future.add_done_callback(
+                lambda f: self._on_written(step, f, start, settled, state))
             self.pending = (future, settled)
         else:
-            dcp_save(state, storage_writer=writer)
+            try:
+                dcp_save(state, storage_writer=writer)
+            except (Exception, CheckpointException) as err:  # not an Exception subclass
+                full = volume_full(self.root, step, state_bytes(state), err)
+                if full is None:
+                    raise
+                raise full from err
             self._commit(step)
         return time.perf_counter() - start
 
     def _on_written(self, step: int, future: Future[Any], started: float,
-                    settled: threading.Event) -> None:
+                    settled: threading.Event, state: dict[str, Any]) -> None:
         try:
             err = future.exception()
             if err is not None:
-                log.error("checkpoint step_%d failed, it stays incomplete: %s", step, err)
+                full = volume_full(self.root, step, state_bytes(state), err)
+                log.error("checkpoint step_%d failed, it stays incomplete: %s", step,
+                          err if full is None else full)
                 return
             self._commit(step)
             self.longest_write = max(self.longest_write, time.perf_counter() - started)

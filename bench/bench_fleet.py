@@ -83,7 +83,9 @@ def node_losses(runs: int, seed: int) -> tuple[list[str], list[list[str]], list[
     two rates of losses that need a node replaced; the table's header, rows and notes."""
     spec = load_job(PAPER_7B).spec
     nodes, days = spec.nodes, 28
-    below = next(n for n in spec.sizes() if n < nodes)
+    below = spec.sizes()[1]  # one node lost: uneven accumulation where it must
+    even = next(n for n in spec.sizes()[1:]  # the largest size that splits it evenly
+                if not spec.model_copy(update={"nodes": n}).uneven)
     rates = {"host failures (Llama 3's node-level causes)":
              fs.llama3_node_mtbf_s() / fs.LLAMA3_SHARES["node_lost"],
              "every hardware fault (78% of Llama 3's)": fs.llama3_node_mtbf_s(True)}
@@ -94,9 +96,9 @@ def node_losses(runs: int, seed: int) -> tuple[list[str], list[list[str]], list[
             rigid = fs.node_loss_capacity(nodes, days * fs.DAY, loss, runs, seed)
             cells = [name if hours == 1 else "", f"{mtbf / fs.HOUR:,.0f} h", f"{hours} h",
                      report.pct(float(rigid.mean()), 2)]
-            for size in (below, nodes - 1):
+            for size in (even, below):
                 shrunk = fs.node_loss_capacity(nodes, days * fs.DAY, loss, runs, seed,
-                                               fs.Elastic(size, wait_s=60.0))
+                                               fs.Elastic(size, 60.0, spec.speed_at(size)))
                 cells.append(report.pct(float(shrunk.mean()), 2))
             rows.append(cells)
     loss = fs.NodeLoss(1.0, 0.0)
@@ -108,15 +110,18 @@ def node_losses(runs: int, seed: int) -> tuple[list[str], list[list[str]], list[
         f"interval ({loss.checkpoint_interval_s:,.0f} s) on average",
         "elastic: waits 60 s for a spare or replacement, then restarts at the smaller size; "
         "grows back at the first checkpoint after the replacement (a planned restart, no "
-        "work lost); a step at the smaller size takes nodes/size as long",
+        "work lost); a step at the smaller size takes as long as its busiest rank's "
+        "micro-batches (`PretrainJobSpec.speed_at`)",
         f"the paper's 7B layout ({PAPER_7B.name}: global batch {spec.train.global_batch}, "
         f"micro-batch {spec.train.micro_batch}, {spec.data_parallel // nodes} data-parallel "
-        f"ranks a node) keeps its global batch only at {spec.sizes()[:4]}... nodes: one lost "
-        f"node of {nodes} leaves it {below}; {nodes - 1} would need a global batch that "
-        f"{nodes - 1} x 4 ranks divide, or uneven accumulation across ranks (not built)",
+        f"ranks a node): one lost node of {nodes} leaves it {below} nodes, where "
+        f"{spec.micro_batches_per_step % (below * spec.data_parallel // nodes)} ranks train "
+        f"one micro-batch more than the others, at {spec.speed_at(below):.0%} of full speed "
+        f"(uneven accumulation); the largest size that splits the global batch evenly, "
+        f"{even} nodes, runs at {spec.speed_at(even):.0%}",
     ]
     header = ["losses that need a node replaced", "node MTBF", "replacement", "rigid",
-              f"elastic to {below}", f"elastic to {nodes - 1}"]
+              f"elastic to {even} (even split)", f"elastic to {below} (uneven)"]
     return header, rows, notes
 
 
@@ -197,9 +202,9 @@ fail-slows are added (an overestimate):
 {chr(10).join(f"- {n}" for n in slow_notes)}
 
 Node losses without replacement capacity: a lost node with no spare and no free node. A rigid
-job waits for the replacement with all its nodes idle; an elastic one (issue 29: the data
-lanes keep every step's global batch whatever the size; the operator's shrink and grow-back
-are not built yet) trains on a smaller size meanwhile (`fleetsim.node_loss_capacity`):
+job waits for the replacement with all its nodes idle; an elastic one (`spec.elastic`: the
+data lanes keep every step's global batch whatever the size, docs/operator.md "Elastic runs")
+trains on a smaller size meanwhile (`fleetsim.node_loss_capacity`):
 
 {report.table(loss[0], loss[1])}
 

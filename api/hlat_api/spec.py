@@ -67,6 +67,16 @@ BACKENDS_BY_ACCELERATOR = {"trn": ("neuron-xla", "neuron-native"), "p5": ("cuda"
 """Which backends an instance type's devices can run (by the type's prefix)."""
 
 
+def micro_batch_share(micro_batches: int, dp: int, dp_rank: int) -> range:
+    """The micro-batches of a step's global batch (numbered from 0, in the data loader's
+    order) that data-parallel rank `dp_rank` of `dp` trains: consecutive, and the first
+    `micro_batches % dp` ranks take one more than the others. The trainer's loader and its
+    accumulation both follow it, so the global batch is the same sequences at every degree."""
+    base, extra = divmod(micro_batches, dp)
+    start = dp_rank * base + min(dp_rank, extra)
+    return range(start, start + base + (dp_rank < extra))
+
+
 class _Model(BaseModel):
     """Strict like the API server: a "2" is not a number nor a "false" a boolean, NaN and
     infinities are refused, and only the camelCase names of the manifest are read (the
@@ -181,9 +191,13 @@ class TrainSpec(_Model):
     """Batch sizes and run length."""
 
     global_batch: PositiveInt = 1024
-    """Sequences per optimizer step, over all data-parallel ranks."""
+    """Sequences per optimizer step, over all data-parallel ranks: globalBatch / microBatch
+    micro-batches, at least one per data-parallel rank. When the data-parallel degree does not
+    divide them, the first ranks train one micro-batch more than the others (the step waits
+    for them)."""
     micro_batch: PositiveInt = 1
-    """Sequences per rank per forward pass; gradients accumulate to globalBatch."""
+    """Sequences per rank per forward pass (divides globalBatch); gradients accumulate to
+    globalBatch."""
     steps: PositiveInt | None = None
     """Optimizer steps to run; or give tokens instead."""
     tokens: Annotated[float, Field(gt=0)] | None = None
@@ -289,10 +303,10 @@ class ElasticSpec(_Model):
     tensor layout does not)."""
 
     min_nodes: PositiveInt
-    """The fewest nodes the job trains on. It shrinks only to sizes that keep
-    train.globalBatch (microBatch x the data-parallel degree divides it): `kubectl explain`
-    cannot list them; docs/operator.md says how, and a spec that allows none below `nodes` is
-    refused with the sizes it allows."""
+    """The fewest nodes the job trains on. It shrinks to the largest size, down to this one,
+    that the usable nodes hold and that keeps train.globalBatch (whole tensor x pipeline
+    groups, at least one micro-batch per data-parallel rank: docs/operator.md); a spec that
+    allows none below `nodes` is refused with the sizes it allows."""
     wait_seconds: Annotated[float, Field(ge=0)] = 300
     """How long a job whose pods cannot all be placed waits for a spare or a replacement node
     before it restarts on fewer nodes."""
@@ -513,8 +527,23 @@ class PretrainJobSpec(_Model):
         return self.world_size // (self.parallelism.tensor * self.parallelism.pipeline)
 
     @property
+    def micro_batches_per_step(self) -> int:
+        """The micro-batches of a step's global batch, over all data-parallel ranks."""
+        return self.train.global_batch // self.train.micro_batch
+
+    def micro_batches(self, dp_rank: int) -> int:
+        """How many micro-batches data-parallel rank `dp_rank` trains each step."""
+        return len(micro_batch_share(self.micro_batches_per_step, self.data_parallel, dp_rank))
+
+    @property
     def grad_accum_steps(self) -> int:
-        return self.train.global_batch // (self.train.micro_batch * self.data_parallel)
+        """The most micro-batches a rank trains each step (rank 0's): what a step waits for."""
+        return self.micro_batches(0)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether the ranks train different numbers of micro-batches a step."""
+        return self.micro_batches_per_step % self.data_parallel != 0
 
     @property
     def total_steps(self) -> int:
@@ -530,16 +559,24 @@ class PretrainJobSpec(_Model):
     def sizes(self, min_nodes: int = 1) -> list[int]:
         """The node counts from `nodes` down to `min_nodes` this job can train at with the
         same global batch, largest first: the ranks split into whole tensor x pipeline groups
-        and microBatch x the data-parallel degree divides globalBatch. What an elastic run may
-        shrink to (a loss of one node of 64 with the paper's 7B layout: 32, not 63)."""
+        and every data-parallel rank gets at least one micro-batch (where the degree does not
+        divide the micro-batches, some ranks train one more: `speed_at`). What an elastic run
+        may shrink to (a loss of one node of 64 with the paper's 7B layout: 63)."""
         model_ranks = self.parallelism.tensor * self.parallelism.pipeline
         fits = []
         for nodes in range(self.nodes, max(min_nodes, 1) - 1, -1):
             world = nodes * self.ranks_per_node
-            if world % model_ranks == 0 and self.train.global_batch % (
-                    self.train.micro_batch * (world // model_ranks)) == 0:
+            if world % model_ranks == 0 and world // model_ranks <= self.micro_batches_per_step:
                 fits.append(nodes)
         return fits
+
+    def speed_at(self, nodes: int) -> float:
+        """Steps per second at `nodes`, relative to `self.nodes` (compute-bound, collectives
+        aside): a step takes as long as the most micro-batches a rank trains. The paper's 7B
+        (1024 micro-batches, 4 data-parallel ranks a node) on 63 of its 64 nodes: 4/5."""
+        model_ranks = self.parallelism.tensor * self.parallelism.pipeline
+        dp = nodes * self.ranks_per_node // model_ranks
+        return self.grad_accum_steps / -(-self.micro_batches_per_step // dp)
 
     # --- cross-field validation ---------------------------------------------------------------
 
@@ -681,14 +718,21 @@ def _check_parallelism(spec: PretrainJobSpec) -> None:
 
 
 def _check_batch(spec: PretrainJobSpec) -> None:
-    """`train.globalBatch` is divisible by `microBatch` x the data-parallel degree; exactly
-    one of `train.steps` and `train.tokens` is given."""
+    """`train.globalBatch` is divisible by `microBatch` and gives every data-parallel rank at
+    least one micro-batch; exactly one of `train.steps` and `train.tokens` is given."""
     t, dp = spec.train, spec.data_parallel
-    if t.global_batch % (t.micro_batch * dp):
+    if t.global_batch % t.micro_batch:
         raise SpecError(
             "train.globalBatch",
-            f"{t.global_batch} is not divisible by microBatch x data-parallel degree = "
-            f"{t.micro_batch} x {dp} = {t.micro_batch * dp}",
+            f"{t.global_batch} is not divisible by microBatch {t.micro_batch}",
+        )
+    if spec.micro_batches_per_step < dp:
+        raise SpecError(
+            "train.globalBatch",
+            f"{t.global_batch} sequences make {spec.micro_batches_per_step} micro-batches of "
+            f"microBatch {t.micro_batch}, fewer than the {dp} data-parallel ranks: each needs "
+            f"at least one (raise globalBatch to {t.micro_batch * dp} or more, or lower "
+            "microBatch or nodes)",
         )
     if (t.steps is None) == (t.tokens is None):
         raise SpecError("train", "give exactly one of train.steps or train.tokens")
@@ -867,8 +911,8 @@ def _check_elastic(spec: PretrainJobSpec) -> None:
         raise SpecError(
             "elastic.minNodes",
             f"no size from {e.min_nodes} to {spec.nodes - 1} nodes keeps train.globalBatch "
-            f"{spec.train.global_batch} (microBatch x the data-parallel degree must divide it); "
-            f"the sizes this spec allows: {spec.sizes()}")
+            f"{spec.train.global_batch} (whole tensor x pipeline groups, at least one "
+            f"micro-batch per data-parallel rank); the sizes this spec allows: {spec.sizes()}")
 
 
 def _check_eval(spec: PretrainJobSpec) -> None:

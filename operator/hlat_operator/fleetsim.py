@@ -591,14 +591,19 @@ class Elastic:
     """How an elastic job rides out a loss: the size it shrinks to, after how long."""
 
     size: int
-    """Nodes it trains on while short: the largest size below `nodes` that divides the
-    global batch and is at least minNodes."""
+    """Nodes it trains on while short: the largest size below `nodes` that keeps the global
+    batch (`PretrainJobSpec.sizes`) and is at least minNodes."""
     wait_s: float = 0.0
     """spec.elastic.waitSeconds: how long it waits for a spare or a replacement first."""
+    speed: float | None = None
+    """Its steps per second at `size`, relative to the whole gang's (`PretrainJobSpec.speed_at`:
+    where the data-parallel degree does not divide the micro-batches, a step waits for the
+    ranks that train one more); None: size / nodes, as when it divides them."""
 
     def __post_init__(self) -> None:
         _check(self.size > 0, "size", "must be > 0")
         _check(self.wait_s >= 0, "wait_s", "must be >= 0")
+        _check(self.speed is None or 0 < self.speed <= 1, "speed", "must be in (0, 1]")
 
 
 def node_loss_capacity(nodes: int, duration_s: float, loss: NodeLoss, runs: int, seed: int,
@@ -624,11 +629,10 @@ def node_loss_capacity(nodes: int, duration_s: float, loss: NodeLoss, runs: int,
         lost = nodes * (recomputed + whole)  # node-seconds
         if elastic is not None and loss.replacement_s > loss.detection_s + elastic.wait_s:
             shrunk_at = loss.detection_s + elastic.wait_s + loss.restart_s
-            # while short, a step takes nodes/size as long: the next checkpoint is that much
-            # further away in wall time
-            short = (max(loss.replacement_s - shrunk_at, 0.0)
-                     + to_checkpoint * nodes / elastic.size)
-            lost = (nodes * (recomputed + shrunk_at + loss.restart_s)
-                    + (nodes - elastic.size) * short)
+            # while short, a step takes 1/speed as long: the next checkpoint is that much
+            # further away in wall time, and the gang does `speed` of its work
+            speed = elastic.speed if elastic.speed is not None else elastic.size / nodes
+            short = max(loss.replacement_s - shrunk_at, 0.0) + to_checkpoint / speed
+            lost = nodes * (recomputed + shrunk_at + loss.restart_s + (1 - speed) * short)
         out[run] = max(0.0, 1 - float(lost.sum()) / (nodes * duration_s))
     return out

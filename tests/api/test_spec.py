@@ -9,7 +9,7 @@ import pytest
 
 from hlat_api import InvalidSpecError, load_job, parse_spec
 from hlat_api.memory import params_per_rank
-from hlat_api.spec import estimate_state_bytes_per_rank
+from hlat_api.spec import estimate_state_bytes_per_rank, micro_batch_share
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 DELETE = object()
@@ -59,7 +59,8 @@ INVALID = [
     ({"instanceType": "trn1.2xlarge", "parallelism": {"tensor": 4}}, "spec.parallelism.tensor", "within a node"),
     ({"parallelism": {"tensor": 8, "pipeline": 2}}, "spec.parallelism.pipeline", "not supported"),
     ({"instanceType": "cpu", "nodes": 1, "processesPerNode": 12}, "spec.nodes", "not divisible by tensor"),
-    ({"train": {"tokens": 1e9, "globalBatch": 1000}}, "spec.train.globalBatch", "not divisible"),
+    ({"train": {"tokens": 1e9, "globalBatch": 1000, "microBatch": 3}}, "spec.train.globalBatch", "not divisible by microBatch 3"),
+    ({"train": {"tokens": 1e9, "globalBatch": 200}}, "spec.train.globalBatch", "fewer than the 256 data-parallel ranks"),
     ({"train": {"steps": 10, "tokens": 1e9}}, "spec.train", "exactly one"),
     ({"train": {"tokens": None}}, "spec.train", "exactly one"),
     ({"train": {"steps": 0}}, "spec.train.steps", "greater than or equal to 1"),
@@ -252,11 +253,33 @@ def test_nulls_and_whole_floats_read_as_the_api_server_stores_them(tmp_path: Pat
 
 def test_the_sizes_a_job_can_train_at_keep_its_global_batch() -> None:
     """The paper's 7B on 64 trn1.32xlarge (TP 8: 4 data-parallel ranks a node, 1,024 sequences
-    of micro-batch 1) can lose a node only to 32: 63 x 4 ranks do not divide 1,024."""
-    assert parse_spec(paper_7b()).sizes() == [64, 32, 16, 8, 4, 2, 1]
-    assert parse_spec(paper_7b()).sizes(min_nodes=20) == [64, 32]
-    # 3 CPU nodes of one rank, 12 sequences of 2: 3 and 2 divide 6 micro-batches; so does 1
+    of micro-batch 1) can lose a node to 63: 252 ranks do not divide 1,024 micro-batches, so
+    the first 16 ranks train 5 and the others 4, and a step takes 5/4 as long (32 nodes, the
+    largest size that divides them, would take twice as long)."""
+    seven = parse_spec(paper_7b())
+    assert seven.sizes() == list(range(64, 0, -1))
+    assert seven.sizes(min_nodes=20) == list(range(64, 19, -1))
+    assert seven.speed_at(64) == 1 and seven.speed_at(63) == 0.8 and seven.speed_at(32) == 0.5
+    assert seven.speed_at(52) == 0.8 and seven.speed_at(51) == 4 / 6  # 204 ranks: up to 6
+    at63 = parse_spec(paper_7b(nodes=63))
+    assert at63.uneven and not seven.uneven
+    assert [at63.micro_batches(r) for r in (0, 15, 16, 251)] == [5, 5, 4, 4]
+    assert sum(at63.micro_batches(r) for r in range(252)) == 1024
+    assert at63.grad_accum_steps == 5 and seven.grad_accum_steps == 4
+    # 3 CPU nodes of one rank, 12 sequences of 2 (6 micro-batches): every size holds them
     tiny = parse_spec({**paper_7b(nodes=3, instanceType="cpu", processesPerNode=1,
                                   train__globalBatch=12, train__microBatch=2, data__seqLen=64),
                        "model": {"preset": "tiny"}, "parallelism": {"tensor": 1}})
     assert tiny.sizes() == [3, 2, 1] and tiny.sizes(2) == [3, 2]
+
+
+@pytest.mark.parametrize("micro_batches", [1, 5, 12, 1024])
+def test_every_micro_batch_of_a_step_goes_to_exactly_one_rank_in_order(micro_batches: int
+                                                                       ) -> None:
+    """At every data-parallel degree up to the micro-batches: the ranks' shares, in rank
+    order, are the step's micro-batches in order, none twice, none left out, and no rank has
+    more than one more than another."""
+    for dp in range(1, min(micro_batches, 300) + 1):
+        shares = [micro_batch_share(micro_batches, dp, r) for r in range(dp)]
+        assert [m for share in shares for m in share] == list(range(micro_batches)), dp
+        assert max(map(len, shares)) - min(map(len, shares)) <= (micro_batches % dp > 0)

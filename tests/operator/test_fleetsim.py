@@ -228,6 +228,17 @@ def test_shrinking_keeps_capacity_a_rigid_job_loses_and_more_so_the_longer_the_w
     # wait (14 losses x 1,500 s of 28 days: 0.9%, plus 1/64 of the time short); a rigid job
     # loses 2.8%, 9.1% and 51% at 1, 4 and 24 h
     assert 1 - to_63.mean() < 0.02
+    # 63 nodes at 4/5 of the speed (the paper's 7B: 1,024 micro-batches on 252 ranks, the
+    # busiest training 5 instead of 4) keep more than 32 nodes at 1/2, less than 63 at 63/64
+    uneven = fs.node_loss_capacity(64, 28 * DAY, _loss(replacement_h), runs=200, seed=1,
+                                   elastic=fs.Elastic(63, wait_s=60, speed=0.8))
+    assert to_32.mean() < uneven.mean() < to_63.mean()
+
+
+def test_a_size_s_speed_defaults_to_its_share_of_the_nodes() -> None:
+    loss = _loss(4)
+    assert fs.node_loss_capacity(64, 28 * DAY, loss, 50, 3, fs.Elastic(32, 60)).tolist() == \
+        fs.node_loss_capacity(64, 28 * DAY, loss, 50, 3, fs.Elastic(32, 60, 0.5)).tolist()
 
 
 def test_a_replacement_within_the_wait_is_a_rigid_restart() -> None:
@@ -244,6 +255,7 @@ def test_a_replacement_within_the_wait_is_a_rigid_restart() -> None:
     (lambda: fs.NodeLoss(node_mtbf_s=0, replacement_s=1), "node_mtbf_s"),
     (lambda: fs.NodeLoss(node_mtbf_s=1, replacement_s=-1), "replacement_s"),
     (lambda: fs.Elastic(0), "size"),
+    (lambda: fs.Elastic(4, speed=0), "speed"),
     (lambda: fs.node_loss_capacity(8, DAY, _loss(1), 1, 0, fs.Elastic(8)), "size"),
 ])
 def test_node_loss_bad_input_names_the_field(build: Callable[[], object], field: str) -> None:

@@ -105,8 +105,10 @@ def test_without_elastic_the_job_waits_for_all_its_nodes() -> None:
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"elastic": {"minNodes": 4}}, r"spec\.elastic\.minNodes: 4 is more than nodes \(3\)"),
-    ({"train.globalBatch": 3, "elastic": {"minNodes": 2}},
-     r"no size from 2 to 2 nodes keeps train\.globalBatch 3 .* allows: \[3, 1\]"),
+    # 3 ranks a node in tensor-parallel pairs: 3 nodes' 9 ranks make no whole pairs
+    ({"nodes": 4, "processesPerNode": 3, "parallelism": {"tensor": 2},
+      "elastic": {"minNodes": 3}},
+     r"no size from 3 to 3 nodes keeps train\.globalBatch 6 .* allows: \[4, 2\]"),
 ])
 def test_an_elastic_spec_that_cannot_shrink_is_refused(change: dict[str, Any],
                                                        message: str) -> None:

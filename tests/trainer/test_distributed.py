@@ -216,6 +216,29 @@ def test_resume_with_zero1_switched_or_another_data_parallel_degree(
     assert len(set(digests(straight_out))) == 6, "every step's data differs from the others'"
 
 
+def test_a_data_parallel_degree_that_does_not_divide_the_micro_batches_trains_the_same_run(
+    write_config: Callable[..., Path],
+) -> None:
+    """4 micro-batches a step on 3 ranks (a node of 64 lost, in small): rank 0 trains 2, ranks
+    1 and 2 one each, and the step is the same as on 2 ranks: the same sequences (digests), the
+    same losses up to the reduction order, through a crash and a resume on 2 ranks from the
+    3 ranks' checkpoint."""
+    config = write_config(train__steps=6, train__microBatch=1, checkpoint__interval=2)
+    ck = config.parent / "ck"
+    two_out = run(torchrun(config, 2, *layout(2, 1),
+                           "checkpoint.dir=" + str(config.parent / "a"))).stdout
+    proc, lines = run_until_step(torchrun(config, 3, *layout(3, 1), f"checkpoint.dir={ck}"),
+                                 5, ENV)
+    kill_node(proc)
+    three_out = "".join(lines)
+    assert digests(three_out) == digests(two_out)[:5]
+    assert losses(three_out) == pytest.approx(losses(two_out)[:5], rel=1e-5)
+    resumed = run(torchrun(config, 2, *layout(2, 1), f"checkpoint.dir={ck}"))
+    assert [json.loads(x)["step"] for x in resumed.stdout.splitlines()] == [5, 6]
+    assert digests(resumed.stdout) == digests(two_out)[4:]
+    assert losses(resumed.stdout) == pytest.approx(losses(two_out)[4:], rel=1e-5)
+
+
 def test_a_backend_that_manages_itself_resumes_exactly_after_a_crash(
     write_config: Callable[..., Path],
 ) -> None:

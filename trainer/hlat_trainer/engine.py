@@ -177,8 +177,15 @@ class Engine(ABC):
             group["lr"] = lr
 
     def train_step(self, batches: Iterator[tuple[Tensor, Tensor]], lr: float) -> StepResult:
-        """One optimizer step over `spec.grad_accum_steps` micro-batches of host tensors."""
-        accum, backend = self.spec.grad_accum_steps, self.backend
+        """One optimizer step over this rank's micro-batches of host tensors (`micro_batches`:
+        where the data-parallel degree does not divide the step's micro-batches, some ranks
+        train one more). Each micro-batch's loss is divided by the step's micro-batches per
+        rank on average, so that the gradients' average over the ranks is their mean over
+        every micro-batch of the global batch, whatever the split (and, where it is even,
+        bit for bit the division by the accumulation count it always was)."""
+        spec, backend = self.spec, self.backend
+        accum = spec.micro_batches(self.world.dp_rank)
+        share = spec.micro_batches_per_step / spec.data_parallel
         self.set_lr(lr)
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
@@ -191,7 +198,7 @@ class Engine(ABC):
                 targets, self.device)
             with backend.autocast():
                 logits = self.model(inputs)
-            loss = backend.loss(logits, targets) / accum
+            loss = backend.loss(logits, targets) / share
             loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach()
             backend.micro_batch_end()

@@ -2,7 +2,8 @@
 
 Steps count from 1: the first optimizer step is step 1, `step_<N>` holds the state after N
 steps, and a run resumed from it logs step N+1 first. One optimizer step accumulates
-gradients over `globalBatch / (microBatch x data-parallel degree)` micro-batches, clips the
+gradients over this rank's share of the step's `globalBatch / microBatch` micro-batches (the
+first ranks one more where the data-parallel degree does not divide them), clips the
 global norm, sets the scheduled rate and updates. Everything that must survive a restart is
 saved together: model, optimizer (including the stochastic-rounding generator), data loader
 position, spike monitor, step and token counters, and the RNG states; the LR schedule is a pure
@@ -488,10 +489,11 @@ class Trainer:
         self.ledger.charge("startup")  # the caller's set-up since __init__ (e.g. sinks)
         first = self.maybe_resume() + 1
         log.info(
-            "job %s: %s parameters, %d steps of %d tokens (%d micro-batches of %dx%d), "
-            "precision %s, starting at step %d",
+            "job %s: %s parameters, %d steps of %d tokens (%d micro-batches of %dx%d, %d on "
+            "this rank), precision %s, starting at step %d",
             self.job.name, f"{count_params(self.model):,}", total, self.spec.tokens_per_step,
-            self.spec.grad_accum_steps, self.spec.train.micro_batch, self.spec.data.seq_len,
+            self.spec.micro_batches_per_step, self.spec.train.micro_batch,
+            self.spec.data.seq_len, self.spec.micro_batches(self.world.dp_rank),
             self.spec.precision, first,
         )
         self.ledger.charge("restore")

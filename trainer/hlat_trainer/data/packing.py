@@ -14,11 +14,13 @@ Consecutive rows overlap by one token, so the tokens left over at the end of a r
 next one (the paper's "left over tokens ... used in the following sample") and every token
 except the very first is a target exactly once.
 
-A step's global batch of B sequences is, lane after lane, the next B/lanes rows of each lane.
-Data-parallel rank r of D reads lanes [r*lanes/D, (r+1)*lanes/D) and cuts its B/D rows, in that
-order, into micro-batches of `micro_batch` rows. The trainer reads one lane per sequence
-(lanes = B: each lane gives one row a step), so the global batch of every step is the same
-sequences at every data-parallel degree that divides it: a run resumed on fewer or more nodes
+A step's global batch of B sequences is, lane after lane, the next B/lanes rows of each lane,
+cut into B/micro_batch micro-batches. Data-parallel rank r of D reads the lanes of its share of
+them (`hlat_api.spec.micro_batch_share`: consecutive, B/micro_batch/D each, the first ranks one
+more when D does not divide them) and cuts its rows, in that order, into micro-batches of
+`micro_batch` rows. The trainer reads one lane per sequence (lanes = B: each lane gives one
+row a step), so the global batch of every step is the same sequences at every data-parallel
+degree that leaves each rank a micro-batch: a run resumed on fewer or more nodes
 (`PackedLoader.reshard`) trains on exactly the data it would have trained on, each lane going
 on where it stopped. (lanes = D, the default outside the trainer, is one stream per rank whose
 consecutive rows make its micro-batches.)
@@ -63,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hlat_api.spec import micro_batch_share
 from hlat_trainer.data.arrow import ArrowSource
 from hlat_trainer.data.tokenizer import Tokenizer
 from hlat_trainer.errors import UserError
@@ -285,7 +288,8 @@ class PackedLoader:
         _check_args(seq_len, micro_batch, dp_rank, dp_size, seed, prefetch)
         self.global_batch = global_batch or dp_size * micro_batch
         self.lanes = lanes or dp_size
-        _check_shape(self.global_batch, self.lanes, micro_batch, dp_size)
+        self.my_lanes = rank_lanes(self.global_batch, self.lanes, micro_batch, dp_size,
+                                   dp_rank)
         self.source = ArrowSource(paths, text_column)
         if self.source.num_documents < self.lanes:
             streams = ("one per data-parallel rank" if self.lanes == dp_size
@@ -297,8 +301,6 @@ class PackedLoader:
         self.tokenizer = tokenizer
         self.seq_len, self.micro_batch, self.prefetch = seq_len, micro_batch, prefetch
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
-        per_rank = self.lanes // dp_size
-        self.my_lanes = range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         self._deal = Deal()
         self._positions = dict.fromkeys(self.my_lanes, Position(0, 0, 0))
         self.wait_seconds = 0.0
@@ -555,17 +557,28 @@ def _check_args(
         raise UserError(f"the loader's prefetch must be at least 1 micro-batch, got {prefetch}")
 
 
-def _check_shape(global_batch: int, lanes: int, micro_batch: int, dp_size: int) -> None:
-    if global_batch % (micro_batch * dp_size):
+def rank_lanes(global_batch: int, lanes: int, micro_batch: int, dp_size: int, dp_rank: int
+               ) -> range:
+    """The lanes data-parallel rank `dp_rank` reads: those of its micro-batches of each step
+    (`micro_batch_share`: the first ranks take one more when the degree does not divide the
+    micro-batches), as the step's rows are laid out, lane after lane."""
+    if global_batch % micro_batch:
+        raise UserError(f"train.globalBatch {global_batch} is not divisible by microBatch "
+                        f"{micro_batch}")
+    if global_batch // micro_batch < dp_size:
+        raise UserError(f"train.globalBatch {global_batch} makes {global_batch // micro_batch} "
+                        f"micro-batches of {micro_batch}, fewer than the {dp_size} "
+                        "data-parallel ranks")
+    share = micro_batch_share(global_batch // micro_batch, dp_size, dp_rank)
+    rows_per_lane = global_batch // lanes if global_batch % lanes == 0 else 0
+    first, end = share.start * micro_batch, share.stop * micro_batch
+    if not rows_per_lane or first % rows_per_lane or end % rows_per_lane:
         raise UserError(
-            f"train.globalBatch {global_batch} is not divisible by microBatch x data-parallel "
-            f"degree = {micro_batch} x {dp_size}"
+            f"the loader's {lanes} lanes must divide the global batch of {global_batch} "
+            f"sequences and split over the {dp_size} data-parallel ranks at micro-batch "
+            f"boundaries (rank {dp_rank} trains sequences {first} to {end - 1} of a step)"
         )
-    if lanes % dp_size or global_batch % lanes:
-        raise UserError(
-            f"the loader's {lanes} lanes must split evenly over the {dp_size} data-parallel "
-            f"ranks and divide the global batch of {global_batch} sequences"
-        )
+    return range(first // rows_per_lane, end // rows_per_lane)
 
 
 _LAYOUT_HINTS = {

@@ -32,6 +32,18 @@ def effective(spec: PretrainJobSpec, size: int | None) -> PretrainJobSpec:
     return spec.model_copy(update={"nodes": size, "elastic": None})
 
 
+def pace(spec: PretrainJobSpec, size: int) -> str:
+    """What a size costs a step, for the Events: nothing to say where its data-parallel ranks
+    split the micro-batches evenly; otherwise how many ranks train one more and the speed."""
+    sized = effective(spec, size)
+    if not sized.uneven:
+        return ""
+    most, dp = sized.grad_accum_steps, sized.data_parallel
+    more = sized.micro_batches_per_step % dp
+    return (f"; {more} of its {dp} data-parallel ranks train {most} micro-batches a step, the "
+            f"others {most - 1}: about {spec.speed_at(size):.0%} of full speed")
+
+
 def can_host(node: ObservedNode, selector: Mapping[str, str]) -> bool:
     """Could take a worker pod now: Ready, not cordoned, carrying the selector's labels."""
     return node.ready and not node.cordoned and all(

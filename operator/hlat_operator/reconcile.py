@@ -560,7 +560,8 @@ def _shrink(p: _Pass, spec: PretrainJobSpec) -> bool:
     _resize(p, d, target, Reason.SHRUNK,
             f"{count} usable nodes for {spec.nodes} workers, short for {waited:.0f}s "
             f"(elastic.waitSeconds={wait:g}): restarting on {target} of "
-            f"{d.nodes} nodes from the latest complete checkpoint, the same global batch")
+            f"{d.nodes} nodes from the latest complete checkpoint, the same global batch"
+            f"{elastic.pace(d, target)}")
     return True
 
 
@@ -599,7 +600,7 @@ def _grow(p: _Pass, spec: PretrainJobSpec) -> bool:
         return False
     _resize(p, d, target, Reason.GROWN,
             f"{count} usable nodes and checkpoint step_{latest} complete: restarting on "
-            f"{target} of {d.nodes} nodes from it")
+            f"{target} of {d.nodes} nodes from it{elastic.pace(d, target)}")
     return True
 
 

@@ -96,6 +96,24 @@ def test_below_min_nodes_the_job_waits() -> None:
     assert len([p for p in w.live() if p.node]) == 2
 
 
+def test_a_size_that_splits_the_batch_unevenly_is_taken_and_its_cost_said() -> None:
+    """5 micro-batches a step on 3 nodes (2, 2, 1) shrink to 2 (3 and 2): the size is taken,
+    as one that divides them would be, and the Event says what it costs a step; the even
+    split says nothing of the kind."""
+    w = World(elastic_spec(**{"train.globalBatch": 5}), nodes=("node-a", "node-b", "node-c"))
+    _shrunk(w)
+    w.until("Running", step=3, limit=WAIT + 120)
+    assert len(w.live()) == 2 and _config_nodes(w) == 2
+    (shrunk,) = [e.message for e in w.events if e.reason == Reason.SHRUNK]
+    assert shrunk.endswith("; 1 of its 2 data-parallel ranks train 3 micro-batches a step, "
+                           "the others 2: about 67% of full speed"), shrunk
+    even = World(elastic_spec(), nodes=("node-a", "node-b", "node-c"))
+    _shrunk(even)
+    even.until("Running", step=3, limit=WAIT + 120)
+    (message,) = [e.message for e in even.events if e.reason == Reason.SHRUNK]
+    assert message.endswith("the same global batch"), message
+
+
 def test_without_elastic_the_job_waits_for_all_its_nodes() -> None:
     w = World(elastic_spec(elastic=None), nodes=("node-a", "node-b", "node-c"))
     _shrunk(w)

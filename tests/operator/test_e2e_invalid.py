@@ -72,7 +72,9 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     ("lr-not-a-number", {"optimizer.lr": "fast"}, "lr"),
     ("min-lr-above-lr", {"optimizer.minLr": 1.0}, "minLr"),
     ("warmup-longer-than-run", {"optimizer.warmupSteps": 100}, "warmupSteps"),
-    ("global-batch-not-divisible", {"train.globalBatch": 6}, "globalBatch"),
+    ("global-batch-not-divisible", {"train.globalBatch": 5}, "globalBatch"),  # by microBatch 2
+    # one micro-batch of 2 for 2 data-parallel ranks (6, three on two, is valid: uneven)
+    ("global-batch-below-a-micro-batch-a-rank", {"train.globalBatch": 2}, "globalBatch"),
     ("micro-batch-zero", {"train.microBatch": 0}, "microBatch"),
     ("steps-and-tokens", {"train.tokens": 1e6}, "train"),
     ("checkpoint-interval-zero", {"checkpoint.interval": 0}, "interval"),

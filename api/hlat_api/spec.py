@@ -574,9 +574,7 @@ class PretrainJobSpec(_Model):
         """Steps per second at `nodes`, relative to `self.nodes` (compute-bound, collectives
         aside): a step takes as long as the most micro-batches a rank trains. The paper's 7B
         (1024 micro-batches, 4 data-parallel ranks a node) on 63 of its 64 nodes: 4/5."""
-        model_ranks = self.parallelism.tensor * self.parallelism.pipeline
-        dp = nodes * self.ranks_per_node // model_ranks
-        return self.grad_accum_steps / -(-self.micro_batches_per_step // dp)
+        return self.grad_accum_steps / self.model_copy(update={"nodes": nodes}).grad_accum_steps
 
     # --- cross-field validation ---------------------------------------------------------------
 

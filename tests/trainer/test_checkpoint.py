@@ -81,3 +81,16 @@ def test_a_save_on_a_full_volume_says_the_volume_is_full(small_volume: Path, flo
     assert f"checkpoint volume {small_volume} has" in message and "MiB free of 1.0 MiB" in message
     assert "lower checkpoint.keep, or grow the volume" in message
     assert not (step_dir(small_volume, "job", 7) / "done").exists()
+
+
+def test_an_asynchronous_save_on_a_full_volume_logs_that_the_volume_is_full(
+        small_volume: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The asynchronous save's failure does not stop training (the next save may succeed); its
+    error log says the volume is full, as the synchronous save's error does."""
+    _join_alone()
+    ck = Checkpointer(small_volume, "job", keep=2, async_=True)
+    with caplog.at_level("ERROR", logger="hlat_trainer.checkpoint"):
+        ck.save(7, {"model": {"w": torch.randn(300_000)}})
+        ck.wait()
+    assert "No space left on device: checkpoint step_7 could not be written" in caplog.text
+    assert ck.committed != 7 and not (step_dir(small_volume, "job", 7) / "done").exists()

@@ -261,8 +261,10 @@ class Cluster:
                              size: str = "100Gi") -> None:
         """A PV/PVC pair backed by ``host_dir`` (ReadWriteMany), like an FSx for Lustre claim.
 
-        The PV is pre-bound to the claim, so the real PV controller binds them at once; the
-        process kubelet mounts the directory into every pod that uses the claim.
+        The PV is pre-bound to the claim, so the real PV controller binds them without a
+        provisioner; the process kubelet mounts the directory into every pod that uses the claim.
+        Returns once the claim is Bound: until then the scheduler rejects every pod that uses it
+        ("pod has unbound immediate PersistentVolumeClaims"), whatever else is wrong with the pod.
         """
         host_dir.mkdir(parents=True, exist_ok=True)
         core = client.CoreV1Api(self.admin_api())
@@ -281,6 +283,22 @@ class Cluster:
             "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "",
                      "volumeName": pv_name, "resources": {"requests": {"storage": size}}},
         })
+        self.wait_claim_bound(namespace, claim)
+
+    def wait_claim_bound(self, namespace: str, claim: str, timeout: float = 60) -> None:
+        """The PV controller binds claims from its own work queue: under load, seconds later."""
+        core = client.CoreV1Api(self.admin_api())
+        deadline = time.monotonic() + timeout
+        phase = None
+        while time.monotonic() < deadline:
+            pvc: Obj = core.read_namespaced_persistent_volume_claim(claim, namespace)
+            phase = pvc.status.phase if pvc.status else None
+            if phase == "Bound":
+                return
+            time.sleep(0.2)
+        raise controlplane.StartupError(
+            f"PersistentVolumeClaim {namespace}/{claim} is {phase}, not Bound, after {timeout}s; "
+            f"see {self.config.logs_dir}/kube-controller-manager.log")
 
 
 def kubectl_binary() -> Path:

@@ -167,6 +167,7 @@ def ensure_volume(cluster: Cluster, namespace: str, host_dir: Path) -> None:
     except ApiException as err:
         if err.status != 409:
             raise
+        cluster.wait_claim_bound(namespace, CLAIM)
 
 
 def make_sample_data(out: Path) -> None:

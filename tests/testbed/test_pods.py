@@ -204,6 +204,8 @@ def test_env_and_volumes_reach_the_process(
         "stringData": {"password": "s3cret"}})
     shared = tmp_path / "fsx"
     cluster.create_shared_volume(namespace, "fsx", shared)
+    # it returns with the claim Bound: a pod created now is not rejected for an unbound claim
+    assert core.read_namespaced_persistent_volume_claim("fsx", namespace).status.phase == "Bound"
 
     def field(path: str) -> dict[str, object]:
         return {"valueFrom": {"fieldRef": {"fieldPath": path}}}

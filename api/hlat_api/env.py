@@ -52,6 +52,10 @@ class Env(StrEnum):
     SPARE = "HLAT_SPARE"
     """Set (to 1) in a spare pod: its launcher starts no trainer until the restart record
     gives its pod a node rank."""
+    SNAPSHOT_DIR = "HLAT_SNAPSHOT_DIR"
+    """Where the trainer keeps its in-memory snapshots (checkpoint.memoryInterval): a directory
+    on a memory file system that outlives the trainer process (set by hlat-launch: one per pod,
+    under /dev/shm, removed when the launcher ends)."""
     LOG_FORMAT = "HLAT_LOG_FORMAT"
     """`json` (one object per step on stdout) or `bar` (progress bar); default by isatty."""
 

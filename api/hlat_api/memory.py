@@ -154,6 +154,15 @@ def state_bytes_per_rank(dims: ModelDims, *, tp: int, dp: int, precision: str, m
     return params_per_rank(dims, tp) * (b.weights_grads + b.optimizer / shards)
 
 
+def snapshot_bytes_per_rank(dims: ModelDims, *, tp: int, dp: int, precision: str,
+                            zero1: bool) -> float:
+    """One in-memory snapshot of a rank (checkpoint.memoryInterval): its weights and its part
+    of the optimizer state, not its gradients (the torch-native stack: NxD takes none)."""
+    b = bytes_per_param(precision, False, zero1)
+    shards = dp if zero1 else 1
+    return params_per_rank(dims, tp) * (b.weight + b.optimizer / shards)
+
+
 @dataclass(frozen=True)
 class Layout:
     """What the activation estimate needs to know about a run, per rank."""

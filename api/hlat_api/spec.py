@@ -36,6 +36,7 @@ from hlat_api.memory import (
     Layout,
     activation_bytes,
     reserve_gib,
+    snapshot_bytes_per_rank,
     state_bytes_per_rank,
 )
 from hlat_api.podtemplate import PodTemplate
@@ -237,6 +238,14 @@ class CheckpointSpec(_Model):
         validation_alias=AliasChoices("async", "async_"),
         description="Write in the background; the step waits only for the copy to host memory.",
     )
+    memory_interval: PositiveInt | None = None
+    """Also snapshot each rank's state into its pod's memory (/dev/shm, held by the launcher,
+    so a trainer crash loses nothing there) every this many steps: a trainer restarted in its
+    pod resumes from the newest snapshot every rank holds, when it is not older than the
+    durable checkpoint, with nothing read from the volume and at most this many steps lost.
+    Each rank keeps its two newest (host memory: twice its state). A replaced pod (a lost node)
+    resumes from the durable checkpoint. Unset: off. torch-native backends (cpu, cuda,
+    neuron-native)."""
 
 
 class StorageSpec(_Model):
@@ -772,6 +781,60 @@ def estimate_state_bytes_per_rank(spec: PretrainJobSpec) -> float:
                                 managed=uses_nxd(spec), zero1=p.zero1)
 
 
+SNAPSHOTS_KEPT = 2
+"""In-memory snapshots a rank keeps: the newest, and the one before while the next is written."""
+SNAPSHOT_MEMORY_SHARE = 0.5
+"""At most this share of a node's memory (the worker's request) may hold snapshots: the rest
+is the trainers' own (processes, the data loader, an asynchronous save's staged copy)."""
+
+
+def snapshot_gib_per_node(spec: PretrainJobSpec) -> float:
+    """Host memory a node's ranks' in-memory snapshots take (SNAPSHOTS_KEPT each)."""
+    p = spec.parallelism
+    one = snapshot_bytes_per_rank(spec.model.dims(), tp=p.tensor * p.pipeline,
+                                  dp=spec.data_parallel, precision=spec.precision,
+                                  zero1=p.zero1)
+    return SNAPSHOTS_KEPT * one * spec.ranks_per_node / GIB
+
+
+def _check_snapshots(spec: PretrainJobSpec) -> None:
+    """checkpoint.memoryInterval: the torch-native stack (NxD checkpoints its own state), and
+    the snapshots fit in their share of the node's memory."""
+    if spec.checkpoint.memory_interval is None:
+        return
+    if spec.fault_tolerance.restart_strategy != "InPlace":
+        raise SpecError("checkpoint.memoryInterval",
+                        "in-memory snapshots serve restarts in place: set "
+                        "faultTolerance.restartStrategy: InPlace (a recreated gang starts on "
+                        "new pods, with none of the old pods' memory), or unset it")
+    if uses_nxd(spec):
+        raise SpecError("checkpoint.memoryInterval",
+                        "in-memory snapshots are taken by the torch-native engine, not "
+                        "neuron-xla (NxD saves its own state): unset it, or set backend: "
+                        "neuron-native")
+    memory = INSTANCE_TYPES[spec.instance_type].memory
+    if memory is None:
+        return
+    node_gib = _gib(memory)
+    need = snapshot_gib_per_node(spec)
+    if need > SNAPSHOT_MEMORY_SHARE * node_gib:
+        raise SpecError(
+            "checkpoint.memoryInterval",
+            f"in-memory snapshots need {need:.0f} GiB per node ({SNAPSHOTS_KEPT} per rank, "
+            f"{spec.ranks_per_node} ranks), over {SNAPSHOT_MEMORY_SHARE:.0%} of a "
+            f"{spec.instance_type}'s {node_gib:g} GiB: unset it, or shard the state more "
+            "(parallelism.zero1, a higher parallelism.tensor, more nodes)")
+
+
+def _gib(quantity: str) -> float:
+    """A Kubernetes memory quantity (Gi, Mi) in GiB."""
+    units = {"Gi": 1.0, "Mi": 1 / 1024, "Ti": 1024.0}
+    for suffix, scale in units.items():
+        if quantity.endswith(suffix):
+            return float(quantity[: -len(suffix)]) * scale
+    return float(quantity) / GIB
+
+
 def memory_layout(spec: PretrainJobSpec) -> Layout:
     """What the activation estimate reads from the spec. Attention is eager (s x s scores
     kept) on NxD (nxd_model.CoreAttention) and on neuron-native (counted as SDPA's math
@@ -922,4 +985,5 @@ def _check_eval(spec: PretrainJobSpec) -> None:
 
 
 _CHECKS = (_check_image, _check_devices, _check_model, _check_parallelism, _check_batch,
-           _check_lengths, _check_memory, _check_spares, _check_eval, _check_elastic)
+           _check_lengths, _check_memory, _check_spares, _check_eval, _check_elastic,
+           _check_snapshots)

@@ -392,3 +392,30 @@ def test_a_pod_cache_url_the_compiler_would_ignore_is_refused(
     monkeypatch.setattr(launch, "supervise", lambda *a: pytest.fail("must not start torchrun"))
     assert launch.main([]) == ExitCode.CONFIG_ERROR
     assert "NEURON_COMPILE_CACHE_URL=s3://bucket/cache" in capsys.readouterr().err
+
+
+def test_the_in_place_agent_s_trainers_share_a_snapshot_directory_in_memory_for_the_pod_s_life(
+    config_file: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """HLAT_SNAPSHOT_DIR (checkpoint.memoryInterval): one directory per pod on /dev/shm, in
+    the environment of every trainer the agent starts, there while it runs, gone after."""
+    from hlat_trainer import agent
+
+    _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config_file), Env.GANG_LEASE: "llama-gang"}))
+    seen: dict[str, Any] = {}
+
+    class FakeAgent:
+        def __init__(self, layout: Any, argv: Any, env: dict[str, str], *args: Any,
+                     **kwargs: Any) -> None:
+            seen["dir"] = Path(env[Env.SNAPSHOT_DIR])
+
+        def run(self, *args: Any) -> int:
+            seen["existed"] = seen["dir"].is_dir()
+            (seen["dir"] / "job").mkdir()
+            return 0
+
+    monkeypatch.setattr(agent, "Agent", FakeAgent)
+    monkeypatch.setattr(agent.LeaseControl, "from_environment", staticmethod(lambda env: None))
+    assert launch.main([]) == 0
+    assert seen["existed"] and seen["dir"].parent == Path("/dev/shm")
+    assert not seen["dir"].exists()

@@ -43,6 +43,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import shutil
 import time
 from abc import ABC, abstractmethod
@@ -55,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from hlat_api import PretrainJobSpec
+from hlat_api import Env, PretrainJobSpec
 from hlat_api.layout import CheckpointEntry, latest_complete, step_dir
 from hlat_trainer.backends import Backend
 from hlat_trainer.checkpoint import (
@@ -69,6 +70,7 @@ from hlat_trainer.distributed import World
 from hlat_trainer.errors import UserError, first_line
 from hlat_trainer.optim import AdamWSR
 from hlat_trainer.parallel import DataParallel, LocalParams, apply_ac, apply_tp, nxd_param_norm
+from hlat_trainer.snapshot import Snapshots, agree, all_hold, copy_into, fits, snapshot_root
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +121,8 @@ class Restored:
     """Loop state by the saving run's global rank: this rank's own under the same layout, the
     first tensor-parallel rank of every saving data-parallel rank otherwise."""
     same_layout: bool
+    source: str = "checkpoint"
+    """What it was loaded from: the durable `checkpoint`, or an in-memory `snapshot`."""
 
 
 def pack(obj: dict[str, Any]) -> bytes:
@@ -157,6 +161,11 @@ class Engine(ABC):
         host = dist.new_group(backend="gloo")  # CPU collectives beside the device's
         assert isinstance(host, dist.ProcessGroup)
         self._host_group = host
+
+    def snapshot(self, step: int, loop_state: bytes) -> float:
+        """Keep this rank's state in memory as of `step` (checkpoint.memoryInterval); returns
+        the seconds it held the loop. Engines that take none return 0."""
+        return 0.0
 
     def sum_over_ranks(self, value: int) -> int:
         """`value` summed over every rank, modulo 2^64 (a collective on the host: every rank
@@ -321,6 +330,13 @@ class TorchEngine(Engine):
         self.checkpointer = Checkpointer(self.root, job, spec.checkpoint.keep,
                                          async_=spec.checkpoint.async_, rank=world.rank,
                                          meta=self._meta())
+        root = snapshot_root(os.environ)
+        self.snapshots = (Snapshots(root, job, world.rank, self.layout)
+                          if spec.checkpoint.memory_interval and root is not None else None)
+        if spec.checkpoint.memory_interval and root is None:
+            log.warning("checkpoint.memoryInterval is set but no launcher keeps this pod's "
+                        "memory across restarts (%s unset): no in-memory snapshots",
+                        Env.SNAPSHOT_DIR)
 
     def describe(self) -> str:
         w = self.world
@@ -346,6 +362,8 @@ class TorchEngine(Engine):
 
     def fence(self, fenced: Callable[[], bool]) -> None:
         self.checkpointer.fenced = fenced
+        if self.snapshots is not None:
+            self.snapshots.fenced = fenced
 
     def wait(self) -> None:
         self.checkpointer.wait()
@@ -385,6 +403,11 @@ class TorchEngine(Engine):
     def save(self, step: int, loop_state: bytes) -> float:
         return self.checkpointer.save(step, self._state(loop_state))
 
+    def snapshot(self, step: int, loop_state: bytes) -> float:
+        if self.snapshots is None:
+            return 0.0
+        return self.snapshots.save(step, self._state(loop_state))
+
     def _init_optimizer_state(self) -> None:
         """Materialise the optimizer's state (a step with lr 0 on zero gradients) to load into."""
         shards = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -405,6 +428,9 @@ class TorchEngine(Engine):
         for path in self.checkpointer.remove_incomplete():
             log.warning("removed incomplete checkpoint %s (no `done` marker)", path)
         entry = latest_complete(self.root, self.job)
+        from_memory = self._resume_from_memory(entry.step if entry else 0)
+        if from_memory is not None:
+            return from_memory
         if entry is None:
             return None
         saved = read_layout(entry.path) or self.layout
@@ -430,6 +456,41 @@ class TorchEngine(Engine):
             return None
         self._restore_optimizer(state, same_partition, step)
         return Restored(step, saved, {w: state[f"loop.rank{w}"] for w in wanted}, same)
+
+    def _resume_from_memory(self, durable: int) -> Restored | None:
+        """Load the newest in-memory snapshot every rank holds, when there is one not older
+        than the durable checkpoint of step `durable` (a collective: every rank calls it, and
+        every rank gets the same answer). Nothing is loaded unless every rank's fits."""
+        if self.snapshots is None:
+            return None
+        newest, saved = 0, None
+        for step in self.snapshots.steps():
+            if step < max(durable, 1):
+                break
+            saved = self.snapshots.read(step)
+            if saved is not None:
+                newest = step
+                break
+        agreed = agree(newest, self._host_group)
+        if agreed == 0:
+            return None
+        if agreed != newest:
+            saved = self.snapshots.read(agreed) if agreed in self.snapshots.steps() else None
+        self._init_optimizer_state()
+        state = self._state(b"")
+        if not all_hold(saved is not None and fits(state, saved), self._host_group):
+            log.warning("in-memory snapshot step_%d is not whole on every rank: resuming from "
+                        "the durable checkpoint", agreed)
+            return None
+        assert saved is not None
+        copy_into(state, saved)
+        self._restore_optimizer(state, True, agreed)
+        if durable:
+            self.checkpointer.committed = durable
+        log.info("in-memory snapshot step_%d loaded (durable checkpoint: step_%d)", agreed,
+                 durable)
+        r = self.world.rank
+        return Restored(agreed, self.layout, {r: state[f"loop.rank{r}"]}, True, "snapshot")
 
     def _restore_optimizer(self, state: dict[str, Any], same_partition: bool, step: int) -> None:
         tp = self.world.tp_rank

@@ -52,6 +52,7 @@ import argparse
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -278,6 +279,7 @@ def run_in_place(env: Mapping[str, str], spec: PretrainJobSpec, base: dict[str, 
         base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several workers
     trainer_argv = list(command[command.index("hlat_trainer") + 1:])
     spare = env.get(Env.SPARE) == "1"
+    base[Env.SNAPSHOT_DIR] = snapshot_dir()
     runner = agent.Agent(layout, trainer_argv, base, agent.LeaseControl.from_environment(env),
                          spec.fault_tolerance.backoff.max_seconds + agent.WAIT_MARGIN_SECONDS,
                          pod=env.get(Env.POD_NAME, ""), spare=spare,
@@ -289,7 +291,22 @@ def run_in_place(env: Mapping[str, str], spec: PretrainJobSpec, base: dict[str, 
     for sig in FORWARDED:
         signal.signal(sig, stop)
     attempt = -1 if spare else _int_var(env, Env.ATTEMPT, 0, 0)
-    return runner.run(attempt, _int_var(env, Env.STEPS_DONE, 0, 0), launched)
+    try:
+        return runner.run(attempt, _int_var(env, Env.STEPS_DONE, 0, 0), launched)
+    finally:  # the pod's snapshots go with the launcher: nothing else would free the memory
+        shutil.rmtree(base[Env.SNAPSHOT_DIR], ignore_errors=True)
+
+
+SHM = Path("/dev/shm")
+
+
+def snapshot_dir(shm: Path = SHM) -> str:
+    """A directory of this pod's for the trainers' in-memory snapshots (HLAT_SNAPSHOT_DIR):
+    on /dev/shm (the pod's memory-backed emptyDir) where it is writable, else the temporary
+    directory; the launcher outlives every trainer it restarts in place, so what they keep
+    there survives their crashes."""
+    where = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+    return tempfile.mkdtemp(prefix="hlat-snapshots-", dir=where)
 
 
 def _root_comm_env(master_addr: str, attempt: int) -> dict[str, str]:

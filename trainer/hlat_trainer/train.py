@@ -325,7 +325,8 @@ class Trainer:
                 restored.saved.world, restored.saved.dp, self.world.size, self.world.dp, how,
                 self.loader.position_text())
         self.state.load_state_dict(loop["train"])
-        log.info("resumed from checkpoint step_%d: next step is %d", restored.step,
+        where = "in-memory snapshot" if restored.source == "snapshot" else "checkpoint"
+        log.info("resumed from %s step_%d: next step is %d", where, restored.step,
                  restored.step + 1)
         return restored.step
 
@@ -448,6 +449,16 @@ class Trainer:
         log.info("checkpoint step_%d: training blocked %.3fs", step, blocked)
         return blocked
 
+    def snapshots_due(self, step: int) -> bool:
+        """Whether this rank snapshots its state into memory after `step`."""
+        every = self.spec.checkpoint.memory_interval
+        return every is not None and step % every == 0 and not self.extracting_graphs
+
+    def snapshot(self, step: int) -> float:
+        """Step `step`'s state into this pod's memory (checkpoint.memoryInterval)."""
+        self.observe_norms()  # the monitor is part of the loop state
+        return self.engine.snapshot(step, self.loop_state())
+
     def evaluates(self, step: int, total: int) -> bool:
         """Whether the held-out loss is taken after `step` (spec.eval)."""
         ev = self.spec.eval
@@ -534,6 +545,13 @@ class Trainer:
                     # checkpointer's part: what the log, the step time and goodput all use
                     blocked = self.ledger.charge("checkpoint")
                     self._off_step_time(blocked)
+                if self.snapshots_due(step):
+                    compiled = self._charge_step(step, wait, compiled, staged)
+                    wait = staged = 0.0
+                    self.snapshot(step)
+                    held = self.ledger.charge("checkpoint")
+                    self._off_step_time(held)
+                    blocked = (blocked or 0.0) + held
                 validation = None
                 if self.evaluates(step, total) and not self.extracting_graphs:
                     self.observe_norms()  # waits for the step: its time is the step's

@@ -1,0 +1,76 @@
+"""In-memory snapshots (checkpoint.memoryInterval) across real processes: two ranks (gloo,
+torchrun), ZeRO-1 and stochastic rounding, every process SIGKILLed between durable checkpoints
+while the launcher's snapshot directory (HLAT_SNAPSHOT_DIR) survives, as in a pod whose
+trainers are restarted in place."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from test_distributed import ENV, kill_node, layout, run, run_until_step, torchrun
+
+from hlat_api.layout import latest_complete
+
+pytestmark = pytest.mark.slow
+
+
+def by_step(stdout: str) -> dict[int, float]:
+    return {int(e["step"]): float(e["loss"]) for e in map(json.loads, (
+        line for line in stdout.splitlines() if line.startswith("{")))}
+
+
+def resumed_from(stderr: str) -> tuple[str, int]:
+    m = re.search(r"resumed from (in-memory snapshot|checkpoint) step_(\d+)", stderr)
+    assert m, stderr[-3000:]
+    return m.group(1), int(m.group(2))
+
+
+def test_a_crashed_trainer_resumes_from_memory_losing_at_most_one_step_and_never_from_a_torn_one(
+        write_config: Callable[..., Path]) -> None:
+    """Killed at least 4 steps past the durable step_8, with snapshots every step:
+    - the restart resumes from the newest snapshot both ranks hold, no older than one step
+      before the last step logged, not from step_8;
+    - with a copy of the same state whose rank-1 snapshots are truncated (a write cut off), no
+      rank resumes from memory: the run resumes from step_8;
+    - every loss of all three runs is the same at each step: model, ZeRO-1 optimizer shards,
+      rounding generator, data position and RNG all restored (the durable path's exactness
+      against an uninterrupted run is test_distributed's)."""
+    config = write_config(train__steps=24, checkpoint__interval=8, checkpoint__memoryInterval=1,
+                          precision="bf16-sr")
+    base = config.parent
+    env = {**ENV, "HLAT_SNAPSHOT_DIR": str(base / "shm")}
+    proc, lines = run_until_step(torchrun(config, 2, *layout(2, 1), f"checkpoint.dir={base}/ck"),
+                                 12, env)
+    kill_node(proc)
+    assert proc.stdout is not None
+    logged = by_step("".join(lines) + proc.stdout.read())
+    last = max(logged)
+    durable = latest_complete(base / "ck", "job")
+    assert durable is not None and durable.step == 8 and last >= 12, (durable, last)
+    shutil.copytree(base / "ck", base / "ck2")
+    shutil.copytree(base / "shm", base / "shm2")
+
+    resumed = run(torchrun(config, 2, *layout(2, 1), f"checkpoint.dir={base}/ck"), env)
+    source, step = resumed_from(resumed.stderr)
+    assert source == "in-memory snapshot" and step >= last - 1, (source, step, last)
+    after = by_step(resumed.stdout)
+    assert min(after) == step + 1 and max(after) == 24
+    assert "step_16" in {p.name for p in (base / "ck" / "job").iterdir()}, \
+        "durable checkpoints go on"
+
+    torn = sorted((base / "shm2" / "job" / "rank_00001").glob("step_*.pt"))
+    assert torn
+    for f in torn:
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    again = run(torchrun(config, 2, *layout(2, 1), f"checkpoint.dir={base}/ck2"),
+                {**ENV, "HLAT_SNAPSHOT_DIR": str(base / "shm2")})
+    assert resumed_from(again.stderr) == ("checkpoint", 8)
+    durably = by_step(again.stdout)
+    assert min(durably) == 9 and max(durably) == 24
+    assert {s: logged[s] for s in logged if s > 8} == {s: durably[s] for s in logged if s > 8}
+    assert after == {s: durably[s] for s in after}

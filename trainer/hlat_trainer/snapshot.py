@@ -1,0 +1,159 @@
+"""In-memory snapshots (checkpoint.memoryInterval): each rank's state in its pod's memory, so a
+trainer restarted in its pod resumes from the last snapshot instead of the durable checkpoint.
+
+Layout: `<HLAT_SNAPSHOT_DIR>/<job>/rank_<r>/step_<N>.pt`, one self-contained file per rank and
+step (torch.save of the rank's own tensors, DTensors as their local shards, and its loop
+state), written to a temporary name and renamed: a file under its final name is whole. The
+directory is on a memory file system (/dev/shm) that hlat-launch creates per pod and removes
+when it ends, so it outlives the trainer process (a crash loses nothing there) but not the pod.
+Each rank keeps its `SNAPSHOTS_KEPT` newest.
+
+A snapshot is used only when every rank holds the same step (`agree`: a rank that died while
+writing step N still holds N - interval), with the same layout as this run, and it is not
+older than the newest durable checkpoint. Snapshots never touch the durable checkpoints: the
+`done` marker still means durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from hlat_api import Env
+from hlat_api.spec import SNAPSHOTS_KEPT
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"step_(\d+)\.pt")
+
+
+def snapshot_root(env: Mapping[str, str]) -> Path | None:
+    """The launcher's directory for snapshots (HLAT_SNAPSHOT_DIR); None when no launcher
+    keeps one (a run started by hand, or a gang recreated at each restart): nothing would
+    outlive the process to restore from."""
+    raw = env.get(Env.SNAPSHOT_DIR)
+    return Path(raw) if raw else None
+
+
+def _local(value: Any) -> Any:
+    """A DTensor's local shard (what this rank holds); anything else as it is."""
+    local = getattr(value, "_local_tensor", None)
+    return local if isinstance(local, Tensor) else value
+
+
+def _locals(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with every DTensor, at any depth, as its local shard."""
+    return {k: _locals(v) if isinstance(v, dict) else _local(v) for k, v in state.items()}
+
+
+class Snapshots:
+    """This rank's snapshots of one job."""
+
+    def __init__(self, root: Path, job: str, rank: int, layout: Any,
+                 keep: int = SNAPSHOTS_KEPT) -> None:
+        self.dir = root / job / f"rank_{rank:05d}"
+        self.layout = asdict(layout)
+        self.keep = keep
+        self.fenced: Callable[[], bool] = lambda: False
+
+    def steps(self) -> list[int]:
+        """The steps of this rank's whole snapshot files, newest first."""
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return []
+        return sorted((int(m.group(1)) for n in names if (m := _NAME.fullmatch(n))),
+                      reverse=True)
+
+    def save(self, step: int, state: dict[str, Any]) -> float:
+        """Write `state` as step `step`'s snapshot; returns the seconds it took. A fenced
+        trainer (its attempt is over) writes none: a later attempt may be restoring."""
+        if self.fenced():
+            return 0.0
+        started = time.perf_counter()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"step_{step}.pt"
+        partial = path.with_suffix(".tmp")
+        payload = {"step": step, "layout": self.layout, "state": _locals(state)}
+        torch.save(payload, partial)
+        if self.fenced():
+            partial.unlink(missing_ok=True)
+            return time.perf_counter() - started
+        os.replace(partial, path)
+        for old in self.steps()[self.keep:]:
+            (self.dir / f"step_{old}.pt").unlink(missing_ok=True)
+        return time.perf_counter() - started
+
+    def read(self, step: int) -> dict[str, Any] | None:
+        """Step `step`'s state if its file is whole and of this run's layout, else None."""
+        try:
+            payload = torch.load(self.dir / f"step_{step}.pt", weights_only=True)
+        except Exception as err:  # missing, torn or unreadable: not a snapshot to use
+            log.warning("in-memory snapshot step_%d is unreadable (%s)", step, err)
+            return None
+        if payload.get("step") != step or payload.get("layout") != self.layout:
+            log.warning("in-memory snapshot step_%d is of another run or layout (%s): not "
+                        "used", step, payload.get("layout"))
+            return None
+        state: dict[str, Any] = payload["state"]
+        return state
+
+    def clear(self) -> None:
+        for step in self.steps():
+            (self.dir / f"step_{step}.pt").unlink(missing_ok=True)
+
+
+def agree(newest: int, group: dist.ProcessGroup) -> int:
+    """The step every rank holds a readable snapshot of, given each rank's newest (0: none):
+    the lowest of them, if every rank holds that one too (the caller checks it with
+    `all_hold`); 0 when any rank has none."""
+    value = torch.tensor([newest], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return int(value.item())
+
+
+def all_hold(held: bool, group: dist.ProcessGroup) -> bool:
+    flag = torch.tensor([1 if held else 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def fits(state: dict[str, Any], saved: dict[str, Any]) -> bool:
+    """Whether a snapshot's entries are `state`'s (nested dicts, such as the model's state
+    dict, alike), tensors of the same shapes and dtypes."""
+    if set(saved) != set(state):
+        return False
+    for key, value in state.items():
+        target, kept = _local(value), saved[key]
+        if isinstance(value, dict):
+            if not isinstance(kept, dict) or not fits(value, kept):
+                return False
+        elif isinstance(target, Tensor) and (
+                not isinstance(kept, Tensor) or kept.shape != target.shape
+                or kept.dtype != target.dtype):
+            return False
+    return True
+
+
+def copy_into(state: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Copy a snapshot that `fits` into `state`: the live model's and optimizer's tensors in
+    place (so the model and optimizer hold it), other entries replaced."""
+    with torch.no_grad():
+        for key, value in state.items():
+            target = _local(value)
+            if isinstance(value, dict):
+                copy_into(value, saved[key])
+            elif isinstance(target, Tensor):
+                target.copy_(saved[key])
+            else:
+                state[key] = saved[key]

@@ -89,6 +89,11 @@ class Heartbeat(BaseModel):
     validation_step: int | None = None
     checkpoint_step: int | None = None
     """Newest complete checkpoint's step."""
+    snapshot_step: int | None = None
+    """Newest in-memory snapshot this worker's ranks hold (checkpoint.memoryInterval): with
+    every pod's, what a restart in place can resume from."""
+    resumed_step: int | None = None
+    """The step this attempt resumed from (a checkpoint or an in-memory snapshot; 0: none)."""
     checkpoint_seconds: float | None = None
     """Longest whole checkpoint write of this attempt (asynchronous: start to commit): what the
     operator scales into how long a worker in phase `checkpointing` may go without progress

@@ -147,6 +147,13 @@ class OperatorState(BaseModel):
     """The attempt whose fault is already counted in this state (makes recounting a no-op)."""
     ready_attempt: int | None = None
     """The attempt that became Ready (all workers training), for time-to-recover."""
+    lost_attempt: int | None = None
+    """The attempt whose resumed step corrects the last restart's lost steps: the restart
+    counted them from the durable checkpoint (`lost_basis`); an attempt that resumed from a
+    newer in-memory snapshot lost fewer."""
+    lost_basis: int = 0
+    lost_counted: int = 0
+    lost_step_seconds: float = 0.0
     high_step: int = 0
     """The highest step node rank 0 of any attempt reported: the next gang's recomputed work
     ends there."""

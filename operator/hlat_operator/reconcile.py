@@ -215,6 +215,9 @@ class _Pass:
         self.lead: Heartbeat | None = None
         """Node rank 0's heartbeat of the attempt the status had when the pass began."""
         self.lost_work = 0.0
+        self.snapshot_step = -1
+        """The newest in-memory snapshot every worker of the attempt reports holding (-1:
+        none): what a restart in place resumes from, when its pods are kept."""
         self.slowdowns: dict[str, float] = {}
         self.straggler_share = 0.0
         """The share of each step a flagged slow node costs now (goodput's `straggler`
@@ -1328,8 +1331,13 @@ def _count_fault(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> int:
     """Record the fault once per attempt (a replayed pass counts nothing again): the attempts
     in a row without a new checkpoint, the node to avoid, `lastFailure`. Returns the streak."""
     ft, s, attempt = spec.fault_tolerance, p.status, p.status.attempt
-    latest = s.latest_checkpoint.step if s.latest_checkpoint else -1
+    # progress: a restore point (a durable checkpoint, or an in-memory snapshot every worker
+    # holds) newer than the one the attempt started from
+    latest = max(s.latest_checkpoint.step if s.latest_checkpoint else -1, p.snapshot_step)
     start = p.state.checkpoint_at_attempt_start
+    resumed = p.lead.resumed_step if p.lead is not None else None  # the attempt's own Lease
+    if resumed is not None:
+        start = max(start if start is not None else -1, resumed)
     if p.state.faulted_attempt == attempt:  # replayed pass: this fault is already counted
         streak = p.state.no_progress_streak
     else:
@@ -1391,9 +1399,16 @@ def _restart(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> None:
     latest = s.latest_checkpoint.step if s.latest_checkpoint else -1
     s.restarts.total += 1
     s.restarts.counted += int(_counts(spec, fault))
+    if spec.checkpoint.memory_interval:  # in place, most faults keep the pods' snapshots
+        latest = max(latest, p.snapshot_step)
     lost = _lost_steps(p, latest)
     s.lost_steps += lost
-    p.lost_work = lost * (p.lead.step_seconds or 0.0) if p.lead is not None else 0.0
+    step_seconds = (p.lead.step_seconds or 0.0) if p.lead is not None else 0.0
+    p.lost_work = lost * step_seconds
+    if spec.checkpoint.memory_interval:  # the next attempt says where it resumed
+        p.state = p.state.model_copy(update={
+            "lost_attempt": s.attempt + 1, "lost_basis": latest, "lost_counted": lost,
+            "lost_step_seconds": step_seconds})
     p.restarted = True
     in_place = (builders.in_place(spec)
                 and p.state.in_place_failures < IN_PLACE_FAILURES_BEFORE_RECREATE)
@@ -1533,12 +1548,31 @@ def _update_progress(p: _Pass, spec: PretrainJobSpec) -> None:
     if lead is not None and p.old.phase in ACTIVE and (
             lead.phase not in STARTING_PHASES) and lead.step > p.state.high_step:
         p.state = p.state.model_copy(update={"high_step": lead.step})
+    held = [b.snapshot_step for b in beats if b is not None and b.snapshot_step is not None]
+    p.snapshot_step = min(held) if beats and len(held) == len(beats) else -1
+    _correct_lost_steps(p, lead)
     progress = accounting.progress_of(beats, spec.total_steps, p.status.progress)
     if progress is not None:
         p.status.progress = progress
     newer = accounting.newer_checkpoint(beats, p.status.latest_checkpoint, p.stamp)
     if newer is not None:
         p.status.latest_checkpoint = newer
+
+
+def _correct_lost_steps(p: _Pass, lead: Heartbeat | None) -> None:
+    """Once the attempt a restart expected to resume from the snapshot every worker held says
+    where it did resume (checkpoint.memoryInterval): a pod lost with its memory sent it back to
+    an older snapshot or the durable checkpoint, and the steps between were lost too (a
+    snapshot completed after the restart's last look: fewer were)."""
+    st = p.state
+    if (st.lost_attempt is None or lead is None or p.status.attempt != st.lost_attempt
+            or lead.resumed_step is None):  # `lead`: the attempt's own Lease
+        return
+    more = max(max(st.lost_basis, 0) - max(lead.resumed_step, 0), -st.lost_counted)
+    p.status.lost_steps = max(0, p.status.lost_steps + more)
+    p.lost_work += more * st.lost_step_seconds
+    p.state = st.model_copy(update={"lost_attempt": None, "lost_basis": 0, "lost_counted": 0,
+                                    "lost_step_seconds": 0.0})
 
 
 def _account_uptime(p: _Pass) -> None:

@@ -307,7 +307,11 @@ class World:
         pod = self.pod_of(rank)
         name = labels.worker_lease_name(JOB.name, pod.attempt or 0, rank)
         old = self.leases.get(name)
-        hb = Heartbeat(attempt=pod.attempt, exit_code=exit_code, exit_reason=reason)
+        # the launcher patches these three annotations (agent.LeaseControl.report_exit): the
+        # trainer's last beat stays beside them
+        last = old.heartbeat if old is not None and old.heartbeat is not None else Heartbeat()
+        hb = last.model_copy(update={"attempt": pod.attempt, "exit_code": exit_code,
+                                     "exit_reason": reason})
         self.leases[name] = ObservedLease(name, old.renew_time if old else None, hb)
 
     def pod_of(self, rank: int) -> ObservedPod:

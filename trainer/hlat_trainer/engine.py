@@ -167,6 +167,9 @@ class Engine(ABC):
         the seconds it held the loop. Engines that take none return 0."""
         return 0.0
 
+    snapshot_step: int | None = None
+    """The newest in-memory snapshot this rank holds (None: none, or not taken)."""
+
     def sum_over_ranks(self, value: int) -> int:
         """`value` summed over every rank, modulo 2^64 (a collective on the host: every rank
         calls it; a rank whose part must not count passes 0)."""
@@ -406,7 +409,9 @@ class TorchEngine(Engine):
     def snapshot(self, step: int, loop_state: bytes) -> float:
         if self.snapshots is None:
             return 0.0
-        return self.snapshots.save(step, self._state(loop_state))
+        took = self.snapshots.save(step, self._state(loop_state))
+        self.snapshot_step = step
+        return took
 
     def _init_optimizer_state(self) -> None:
         """Materialise the optimizer's state (a step with lr 0 on zero gradients) to load into."""
@@ -485,6 +490,7 @@ class TorchEngine(Engine):
         assert saved is not None
         copy_into(state, saved)
         self._restore_optimizer(state, True, agreed)
+        self.snapshot_step = agreed
         if durable:
             self.checkpointer.committed = durable
         log.info("in-memory snapshot step_%d loaded (durable checkpoint: step_%d)", agreed,

@@ -402,6 +402,7 @@ class Trainer:
             fields.setdefault("step", self.state.step)
             fields.setdefault("tokens", self.state.tokens)
             self.heartbeat.update(checkpoint_step=self.engine.committed,
+                                  snapshot_step=self.engine.snapshot_step,
                                   activity=self.ledger.snapshot(), **fields)
 
     def _charge_step(self, step: int, data_wait: float, compiled_since: float,
@@ -512,7 +513,7 @@ class Trainer:
         self._window = (time.perf_counter(), first - 1, 0.0)  # since, at step, saves blocked
         # on a compiling backend (XLA) the first step of every attempt compiles its graphs
         self._beat(phase="compiling" if self.backend.compiles else "training", step=first - 1,
-                   tokens=self.state.tokens)
+                   tokens=self.state.tokens, resumed_step=first - 1)
         batches = self._batches()
         finished = False
         compiled = self.backend.compile_seconds()

@@ -275,6 +275,8 @@ class TrainerCensus:
 
     def __init__(self, env: Env) -> None:
         self.env, self.most, self.most_pods = env, 0, 0
+        self.worst: tuple[str, list[str]] | None = None
+        """The pod and its trainers (pid, state, parent, command line) when `most` was seen."""
         self.names: set[str] = set()  # every pod seen while the job ran
         self.last_seen: dict[int, float] = {}  # trainer pid -> when last seen running
         self._stop = threading.Event()
@@ -295,7 +297,8 @@ class TrainerCensus:
                     pids = faults.trainer_pids(self.env.cluster.config, self.env.ns, name)
                 except (PodNotFound, OSError, ValueError):
                     continue
-                self.most = max(self.most, len(pids))
+                if len(pids) > self.most:
+                    self.most, self.worst = len(pids), (name, [_describe(p) for p in pids])
                 self.last_seen.update(dict.fromkeys(pids, time.time()))
             self._stop.wait(0.1)
 
@@ -306,6 +309,17 @@ class TrainerCensus:
     def __exit__(self, *_: object) -> None:
         self._stop.set()
         self._thread.join(5)
+
+
+def _describe(pid: int) -> str:
+    """A process as the census saw it: pid, state and parent (/proc/PID/stat), command line."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+    except OSError as err:
+        return f"{pid}: gone ({err})"
+    return f"{pid} state {fields[0]} parent {fields[1]} at {time.time():.2f}: {cmd}"
 
 
 def losses(log: str) -> dict[int, list[float]]:

@@ -64,7 +64,7 @@ def check_in_place(job_env: Env, r: dict[str, object], kept: int, counted: int =
     assert len(set(before.items()) & set(after.items())) == kept, (before, after)
     census = r["census"]
     assert isinstance(census, TrainerCensus)
-    assert census.most == 1, "two trainers of one node rank ran at once"
+    assert census.most == 1, f"two trainers of one node rank ran at once: {census.worst}"
     assert census.most_pods == 1, "two live pods of one node rank"
     log = job_env.cluster.pod_log(job_env.ns, f"{JOB}-a0-0")
     seen = losses(log)
@@ -266,7 +266,7 @@ def test_a_lost_node_s_rank_moves_to_a_warm_spare(job_env: Env) -> None:
               for q in job_env.pods()):
         assert time.monotonic() < deadline, "a spare still runs after the job succeeded"
         time.sleep(0.5)
-    assert census.most == 1 and census.most_pods == 1
+    assert census.most == 1 and census.most_pods == 1, census.worst
     log = job_env.cluster.pod_log(job_env.ns, f"{JOB}-a0-0")
     seen = losses(log) | losses(job_env.cluster.pod_log(job_env.ns, f"{JOB}-s0"))
     assert max(seen) == 40
@@ -352,7 +352,7 @@ def test_a_trainer_cut_off_from_the_api_server_commits_nothing_once_its_lease_ra
     log = job_env.cluster.pod_log(job_env.ns, pod)
     assert FENCED in attempt_log(log, 0), "the cut-off trainer never tried to commit"
     assert done["restarts"]["total"] == 1 and done["restarts"]["inPlace"] == 1, done["restarts"]
-    assert census.most == 1 and census.most_pods == 1
+    assert census.most == 1 and census.most_pods == 1, census.worst
     resumed = resumed_from(attempt_log(log, done["attempt"]))
     before_cut = [step for step, at in commits.first_seen.items() if at <= cut_at + duration + 1]
     assert resumed in before_cut, (resumed, commits.first_seen, cut_at)

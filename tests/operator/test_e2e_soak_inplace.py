@@ -97,7 +97,8 @@ def test_thirty_random_faults_restarted_in_place_end_with_an_uninterrupted_run_s
     assert done["attempt"] == worker_faults and done["progress"]["step"] == STEPS
     in_place = [m for _, m in job_env.event_messages() if "restarting in place" in m]
     assert len(in_place) == worker_faults, in_place
-    assert census.most == 1, "two trainers of one node rank ran in one pod at once"
+    assert census.most == 1, f"two trainers of one node rank ran in one pod at once: " \
+                             f"{census.worst}"
     assert census.most_pods == 1, "two live pods of one node rank"
     # one pod per deleted pod or failed launcher, not one gang per fault
     replaced = injected["delete"] + injected["launcher"]

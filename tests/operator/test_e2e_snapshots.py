@@ -1,0 +1,70 @@
+"""In-memory snapshots end to end (checkpoint.memoryInterval, restarts in place): the launchers
+keep each pod's snapshots in its /dev/shm across trainer crashes. A trainer SIGKILLed between
+durable checkpoints resumes from memory, losing at most one step; a pod deleted takes its
+memory with it, and every rank resumes from the durable checkpoint. Either way the steps
+trained again repeat the first attempt's losses bit for bit, and status counts what was lost."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from e2e_env import JOB, Env, TrainerCensus, attempt_log, losses
+from e2e_spec import tiny_spec
+
+from hlat_testbed import faults
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+DURABLE_EVERY = 25
+
+
+def _run(job_env: Env, fault: str) -> tuple[dict[str, Any], int, str]:
+    """Train 60 steps, snapshots every step, durable every 25; `fault` (kill: rank 1's
+    trainer; delete: rank 1's pod) once rank 0 logged a step at least 8 past step_25. Returns
+    the final status, the durable checkpoint the fault came after, and rank 0's log (both
+    attempts: its pod is kept)."""
+    spec = tiny_spec(steps=60, restartStrategy="InPlace")
+    spec["checkpoint"].update({"interval": DURABLE_EVERY, "memoryInterval": 1})
+    job_env.create(spec)
+    pod0, pod1 = f"{JOB}-a0-0", f"{JOB}-a0-1"
+    with TrainerCensus(job_env) as census:
+        job_env.wait("a step past the durable checkpoint", lambda s: (
+            (s.get("latestCheckpoint") or {}).get("step", 0) >= DURABLE_EVERY
+            and (s.get("progress") or {}).get("step", 0) >= DURABLE_EVERY + 8), 240)
+        if fault == "kill":
+            faults.kill_trainer(job_env.cluster.config, job_env.ns, pod1)
+        else:
+            job_env.core.delete_namespaced_pod(pod1, job_env.ns)
+        done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 240)
+    assert census.most == 1, census.worst
+    assert done["restarts"]["inPlace"] == 1 and done["attempt"] == 1, done["restarts"]
+    log = job_env.cluster.pod_log(job_env.ns, pod0)
+    seen = losses(log)
+    assert max(seen) == 60
+    for step, values in seen.items():  # trained again: the same numbers
+        assert all(v == values[0] for v in values), (step, values)
+    return done, DURABLE_EVERY, log
+
+
+def test_a_killed_trainer_resumes_from_its_pod_s_memory_losing_at_most_one_step(
+        job_env: Env) -> None:
+    done, durable, log = _run(job_env, "kill")
+    later = attempt_log(log, 1)
+    resumed = re.search(r"resumed from in-memory snapshot step_(\d+)", later)
+    assert resumed, later[-3000:]
+    step, trained = int(resumed.group(1)), max(losses(log[:log.index(later)]))
+    assert step > durable and trained - step <= 1, (step, trained)
+    assert done["lostSteps"] <= trained - step, done["lostSteps"]
+
+
+def test_a_deleted_pod_takes_its_memory_and_every_rank_resumes_from_the_durable_checkpoint(
+        job_env: Env) -> None:
+    """The restart counted the steps from the snapshot every worker held; the attempt that
+    resumed from step_25 corrected it: at least the 8 steps the fault waited for were lost."""
+    done, durable, log = _run(job_env, "delete")
+    later = attempt_log(log, 1)
+    assert f"resumed from checkpoint step_{durable}" in later, later[-3000:]
+    trained = max(losses(log[:log.index(later)]))
+    assert 8 <= done["lostSteps"] <= trained - durable, (done["lostSteps"], trained)

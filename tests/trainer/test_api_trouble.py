@@ -134,3 +134,28 @@ def test_a_trainer_cut_off_from_the_api_server_for_longer_than_its_lease_commits
     beat({"step": 1, "tokens": 1, "loss": 1.0, "tokens_per_second": 1.0, "step_seconds": 1.0})
     beat.api = Accepting()  # the API server reachable again
     assert beat.fenced_now() is False
+
+
+class Counting(Accepting):
+    """Accepts every renewal and counts them."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def patch_namespaced_lease(self, *args: Any, **kwargs: Any) -> None:
+        self.calls += 1
+
+
+def test_the_check_before_each_in_memory_snapshot_asks_the_api_server_nothing() -> None:
+    """Snapshots come every step (checkpoint.memoryInterval: 1): asking with `fenced_now`, a
+    renewal each, made the trainers' Lease writes 6x those of training without them (505 vs
+    79 in 10 s on the rig, bench_recovery's steady writes 43.8/s vs 8.7/s). `fenced_lately`
+    answers from the renewals so far."""
+    api = Counting()
+    beat = LeaseHeartbeat(api, "ns", "w-0", "w-0", period=0.2, attempt=0)
+    assert [beat.fenced_lately() for _ in range(100)] == [False] * 100
+    assert api.calls == 0
+    beat._accepted_at -= 1.5  # no renewal accepted for longer than the Lease's duration
+    assert beat.fenced_lately() is True and api.calls == 0
+    beat.fenced = True
+    assert beat.fenced_lately() is True

@@ -55,7 +55,10 @@ def test_a_crashed_trainer_resumes_from_memory_losing_at_most_one_step_and_never
     shutil.copytree(base / "ck", base / "ck2")
     shutil.copytree(base / "shm", base / "shm2")
 
+    partial = base / "shm" / "job" / "rank_00000" / "step_99.tmp"  # a write cut off
+    partial.write_bytes(b"\0" * 4096)
     resumed = run(torchrun(config, 2, *layout(2, 1), f"checkpoint.dir={base}/ck"), env)
+    assert not partial.exists(), "a partial snapshot's memory is freed at the restart"
     source, step = resumed_from(resumed.stderr)
     assert source == "in-memory snapshot" and step >= last - 1, (source, step, last)
     after = by_step(resumed.stdout)

@@ -178,9 +178,12 @@ class Engine(ABC):
         dist.all_reduce(total, group=self._host_group)
         return int(total.item()) & ((1 << 64) - 1)
 
-    def fence(self, fenced: Callable[[], bool]) -> None:
+    def fence(self, fenced: Callable[[], bool], lately: Callable[[], bool] | None = None
+              ) -> None:
         """Ask `fenced` before marking a checkpoint complete: a trainer whose attempt is over
-        commits none. The managed (NxD) engine's `done` is written by the backend's own save,
+        commits none. `lately`: the same question answered from what is known already (no
+        request), asked before each in-memory snapshot (one a step: `fenced` renews the Lease
+        to answer). The managed (NxD) engine's `done` is written by the backend's own save,
         which has no such hook: there the trainer only stops itself at its next report."""
         return None
 
@@ -363,10 +366,11 @@ class TorchEngine(Engine):
     def committed(self) -> int | None:
         return self.checkpointer.committed
 
-    def fence(self, fenced: Callable[[], bool]) -> None:
+    def fence(self, fenced: Callable[[], bool], lately: Callable[[], bool] | None = None
+              ) -> None:
         self.checkpointer.fenced = fenced
         if self.snapshots is not None:
-            self.snapshots.fenced = fenced
+            self.snapshots.fenced = lately or fenced
 
     def wait(self) -> None:
         self.checkpointer.wait()
@@ -468,6 +472,7 @@ class TorchEngine(Engine):
         every rank gets the same answer). Nothing is loaded unless every rank's fits."""
         if self.snapshots is None:
             return None
+        self.snapshots.remove_partial()
         newest, saved = 0, None
         for step in self.snapshots.steps():
             if step < max(durable, 1):

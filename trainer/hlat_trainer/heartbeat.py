@@ -185,6 +185,14 @@ class LeaseHeartbeat:
             return True
         return False
 
+    def fenced_lately(self) -> bool:
+        """`fenced_now`'s answer from the renewals so far, with no request of its own (for what
+        the loop does every step: an in-memory snapshot; a renewal each would be a write a
+        step): refused for good, or no renewal accepted for longer than the Lease's duration."""
+        with self._lock:
+            silent = time.monotonic() - self._accepted_at
+        return self.fenced or silent > self.lease_seconds
+
     def _loop(self) -> None:
         """Renew every period, counted from one renewal's start to the next's: a slow API call
         does not stretch the cadence (three late renewals in a row would let the Lease expire

@@ -108,9 +108,11 @@ class Snapshots:
         state: dict[str, Any] = payload["state"]
         return state
 
-    def clear(self) -> None:
-        for step in self.steps():
-            (self.dir / f"step_{step}.pt").unlink(missing_ok=True)
+    def remove_partial(self) -> None:
+        """Delete what a trainer killed while writing left (a whole snapshot's worth of the
+        pod's memory each)."""
+        for partial in self.dir.glob("step_*.tmp"):
+            partial.unlink(missing_ok=True)
 
 
 def agree(newest: int, group: dist.ProcessGroup) -> int:

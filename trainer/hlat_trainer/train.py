@@ -286,7 +286,7 @@ class Trainer:
         self.heartbeat = LeaseHeartbeat.from_environment(self.world.local_rank)
         self.ledger.charge("startup")
         if self.heartbeat is not None:
-            self.engine.fence(self.heartbeat.fenced_now)
+            self.engine.fence(self.heartbeat.fenced_now, self.heartbeat.fenced_lately)
             self.sinks.append(self.heartbeat)
             self._beat(phase="starting")
             self.heartbeat.start()

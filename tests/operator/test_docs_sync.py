@@ -102,6 +102,8 @@ _BENCH_CASES = {
     "trainer frozen": ("trainer hung, timeout 8 s", "InPlace"),
     "node lost, InPlace (only": ("node down", "InPlace"),
     "node lost, InPlace with a warm spare": ("node down, a warm spare", "InPlace+spare"),
+    "trainer SIGKILLed, InPlace with in-memory snapshots": (
+        "trainer SIGKILLed, snapshots in memory every step", "InPlace+memory"),
 }
 
 

@@ -22,7 +22,8 @@ DURABLE_EVERY = 25
 
 def _run(job_env: Env, fault: str) -> tuple[dict[str, Any], int, str]:
     """Train 60 steps, snapshots every step, durable every 25; `fault` (kill: rank 1's
-    trainer; delete: rank 1's pod) once rank 0 logged a step at least 8 past step_25. Returns
+    trainer; delete: rank 1's trainer frozen, then its pod deleted) once the status shows a
+    step at least 8 past step_25. Returns
     the final status, the durable checkpoint the fault came after, and rank 0's log (both
     attempts: its pod is kept)."""
     spec = tiny_spec(steps=60, restartStrategy="InPlace")
@@ -35,7 +36,9 @@ def _run(job_env: Env, fault: str) -> tuple[dict[str, Any], int, str]:
             and (s.get("progress") or {}).get("step", 0) >= DURABLE_EVERY + 8), 240)
         if fault == "kill":
             faults.kill_trainer(job_env.cluster.config, job_env.ns, pod1)
-        else:
+        else:  # frozen first: a deletion takes seconds to reach the trainer, and the gang
+            # would train on meanwhile, past the next durable checkpoint (a CI run did)
+            faults.hang_trainer(job_env.cluster.config, job_env.ns, pod1)
             job_env.core.delete_namespaced_pod(pod1, job_env.ns)
         done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 240)
     assert census.most == 1, census.worst

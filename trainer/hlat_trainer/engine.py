@@ -70,7 +70,7 @@ from hlat_trainer.distributed import World
 from hlat_trainer.errors import UserError, first_line
 from hlat_trainer.optim import AdamWSR
 from hlat_trainer.parallel import DataParallel, LocalParams, apply_ac, apply_tp, nxd_param_norm
-from hlat_trainer.snapshot import Snapshots, agree, all_hold, copy_into, fits, snapshot_root
+from hlat_trainer.snapshot import Snapshots, agree, copy_into, fits, snapshot_root
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +169,12 @@ class Engine(ABC):
 
     snapshot_step: int | None = None
     """The newest in-memory snapshot this rank holds (None: none, or not taken)."""
+
+    def _all_ok(self, ok: bool) -> bool:
+        """True only if every rank says ok (a collective: every rank calls it)."""
+        flag = torch.tensor([1 if ok else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._host_group)
+        return bool(flag.item())
 
     def sum_over_ranks(self, value: int) -> int:
         """`value` summed over every rank, modulo 2^64 (a collective on the host: every rank
@@ -488,7 +494,7 @@ class TorchEngine(Engine):
             saved = self.snapshots.read(agreed) if agreed in self.snapshots.steps() else None
         self._init_optimizer_state()
         state = self._state(b"")
-        if not all_hold(saved is not None and fits(state, saved), self._host_group):
+        if not self._all_ok(saved is not None and fits(state, saved)):
             log.warning("in-memory snapshot step_%d is not whole on every rank: resuming from "
                         "the durable checkpoint", agreed)
             return None
@@ -678,9 +684,3 @@ class ManagedEngine(Engine):
             log.warning("checkpoint %s is unreadable on rank %d: %s", path, self.world.rank,
                         first_line(err))
             return None
-
-    def _all_ok(self, ok: bool) -> bool:
-        """True only if every rank says ok (a collective: every rank calls it)."""
-        flag = torch.tensor([1 if ok else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._host_group)
-        return bool(flag.item())

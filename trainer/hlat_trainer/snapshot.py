@@ -31,6 +31,7 @@ from torch import Tensor
 
 from hlat_api import Env
 from hlat_api.spec import SNAPSHOTS_KEPT
+from hlat_trainer.parallel import local
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +46,9 @@ def snapshot_root(env: Mapping[str, str]) -> Path | None:
     return Path(raw) if raw else None
 
 
-def _local(value: Any) -> Any:
-    """A DTensor's local shard (what this rank holds); anything else as it is."""
-    local = getattr(value, "_local_tensor", None)
-    return local if isinstance(local, Tensor) else value
-
-
 def _locals(state: dict[str, Any]) -> dict[str, Any]:
     """`state` with every DTensor, at any depth, as its local shard."""
-    return {k: _locals(v) if isinstance(v, dict) else _local(v) for k, v in state.items()}
+    return {k: _locals(v) if isinstance(v, dict) else local(v) for k, v in state.items()}
 
 
 class Snapshots:
@@ -118,16 +113,10 @@ class Snapshots:
 def agree(newest: int, group: dist.ProcessGroup) -> int:
     """The step every rank holds a readable snapshot of, given each rank's newest (0: none):
     the lowest of them, if every rank holds that one too (the caller checks it with
-    `all_hold`); 0 when any rank has none."""
+    `Engine._all_ok`); 0 when any rank has none."""
     value = torch.tensor([newest], dtype=torch.int64)
     dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
     return int(value.item())
-
-
-def all_hold(held: bool, group: dist.ProcessGroup) -> bool:
-    flag = torch.tensor([1 if held else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
 
 
 def fits(state: dict[str, Any], saved: dict[str, Any]) -> bool:
@@ -136,7 +125,7 @@ def fits(state: dict[str, Any], saved: dict[str, Any]) -> bool:
     if set(saved) != set(state):
         return False
     for key, value in state.items():
-        target, kept = _local(value), saved[key]
+        target, kept = local(value), saved[key]
         if isinstance(value, dict):
             if not isinstance(kept, dict) or not fits(value, kept):
                 return False
@@ -152,7 +141,7 @@ def copy_into(state: dict[str, Any], saved: dict[str, Any]) -> None:
     place (so the model and optimizer hold it), other entries replaced."""
     with torch.no_grad():
         for key, value in state.items():
-            target = _local(value)
+            target = local(value)
             if isinstance(value, dict):
                 copy_into(value, saved[key])
             elif isinstance(target, Tensor):

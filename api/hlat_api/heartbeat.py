@@ -47,13 +47,18 @@ class Activity(BaseModel):
     compile: float = 0
     """Graph compilation (XLA/Neuron; 0 on eager backends)."""
     restore: float = 0
-    """Loading the checkpoint the attempt resumed from."""
+    """Loading the durable checkpoint the attempt resumed from."""
+    memory_restore: float = 0
+    """Loading the in-memory snapshot the attempt resumed from instead (checkpoint.memoryInterval:
+    no storage read)."""
     productive: float = 0
     """Steps no earlier attempt had finished (less data wait and compilation)."""
     recompute: float = 0
     """Steps at or below the highest step an earlier attempt finished: work done again."""
     checkpoint: float = 0
-    """Saves blocking the training loop."""
+    """Durable saves blocking the training loop."""
+    snapshot: float = 0
+    """In-memory snapshots (checkpoint.memoryInterval) blocking the training loop."""
     data_wait: float = 0
     """The loop waiting for the data loader."""
     evaluation: float = 0

@@ -154,11 +154,15 @@ class Badput(_Model):
     compile: float = 0
     """Graph compilation (XLA/Neuron; 0 on eager backends)."""
     restore: float = 0
-    """Loading the checkpoint an attempt resumed from."""
+    """Loading the durable checkpoint an attempt resumed from."""
+    memory_restore: float = 0
+    """Loading the in-memory snapshot an attempt resumed from instead (no storage read)."""
     recompute: float = 0
     """Steps trained again after a restart (the work lost since the last checkpoint)."""
     checkpoint: float = 0
-    """Saves blocking the training loop."""
+    """Durable saves blocking the training loop."""
+    snapshot: float = 0
+    """In-memory snapshots (checkpoint.memoryInterval) blocking the training loop."""
     data_wait: float = 0
     """The training loop waiting for the data loader."""
     evaluation: float = 0
@@ -226,7 +230,8 @@ class Goodput(_Model):
     """The rest of the wall time, by cause; productiveSeconds plus all of them is wallSeconds."""
     lost_work_seconds: float = 0
     """Training time thrown away by restarts: lost steps x the step time when each fault
-    hit."""
+    hit. With in-memory snapshots (checkpoint.memoryInterval) a restart's share is added once
+    its next attempt says where it resumed: this figure never goes down."""
     checkpoint_age_seconds: float | None = None
     """Time since the latest complete checkpoint was first reported."""
     capacity: float | None = None

@@ -77,7 +77,8 @@ FLEET: tuple[Panel, ...] = (
     Panel("Badput by cause", "s",
           ((f"sum by (cause) (increase(hlat_job_badput_seconds_total{NS}[$__range]))", "{{cause}}"),),
           "Time that did not train over the dashboard's range: pending, startup, compile, "
-          "restore, recompute, checkpoint, data wait, detection, teardown, backoff, resize, other."),
+          "restore (from storage, from memory), recompute, checkpoint, snapshot, data wait, detection, "
+          "teardown, backoff, resize, other."),
     Panel("Uptime ratio", "percentunit", ((f"hlat_job_uptime_ratio{NS}", "{{pretrainjob}}"),),
           "Running time over running + down time since each job first ran (HLAT paper, Table 1)."),
     Panel("Restarts by reason", "short",

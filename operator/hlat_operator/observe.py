@@ -148,9 +148,11 @@ class OperatorState(BaseModel):
     ready_attempt: int | None = None
     """The attempt that became Ready (all workers training), for time-to-recover."""
     lost_attempt: int | None = None
-    """The attempt whose resumed step corrects the last restart's lost steps: the restart
-    counted them from the durable checkpoint (`lost_basis`); an attempt that resumed from a
-    newer in-memory snapshot lost fewer."""
+    """The attempt whose resumed step settles the last restart's loss: the restart counted
+    `lost_counted` steps back to `lost_basis` (the snapshot every worker held); an attempt that
+    resumed from an older snapshot or the durable checkpoint lost more, one that resumed from a
+    newer snapshot fewer. The lost work (steps x `lost_step_seconds`) goes into status only then,
+    so that it never has to go back."""
     lost_basis: int = 0
     lost_counted: int = 0
     lost_step_seconds: float = 0.0

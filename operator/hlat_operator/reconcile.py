@@ -1293,9 +1293,11 @@ def _move_off_straggler(p: _Pass, spec: PretrainJobSpec, slow: stragglers.Slow,
 
 def _restart_cost(p: _Pass, spec: PretrainJobSpec) -> float:
     """What a restart costs this job, as measured so far: the mean of its attempts' starts
-    (pending, startup, compilation and restore, from goodput) plus the restart's backoff."""
+    (pending, startup, compilation and restore from storage or memory, from goodput) plus the
+    restart's backoff."""
     b = p.old.goodput.badput_seconds
-    starts = (b.pending + b.startup + b.compile + b.restore) / (p.status.restarts.total + 1)
+    starts = (b.pending + b.startup + b.compile + b.restore + b.memory_restore) / (
+        p.status.restarts.total + 1)
     return starts + spec.fault_tolerance.backoff.initial_seconds
 
 
@@ -1404,11 +1406,18 @@ def _restart(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> None:
     lost = _lost_steps(p, latest)
     s.lost_steps += lost
     step_seconds = (p.lead.step_seconds or 0.0) if p.lead is not None else 0.0
-    p.lost_work = lost * step_seconds
-    if spec.checkpoint.memory_interval:  # the next attempt says where it resumed
+    if spec.checkpoint.memory_interval:
+        # the next attempt says where it resumed (`_correct_lost_steps`), and the lost work is
+        # added then: status.goodput.lostWorkSeconds only grows, as the counter that follows it
+        # must; an earlier restart's, never confirmed (its attempt did not report), as counted
+        st = p.state
+        if st.lost_attempt is not None:
+            p.lost_work += st.lost_counted * st.lost_step_seconds
         p.state = p.state.model_copy(update={
             "lost_attempt": s.attempt + 1, "lost_basis": latest, "lost_counted": lost,
             "lost_step_seconds": step_seconds})
+    else:
+        p.lost_work += lost * step_seconds
     p.restarted = True
     in_place = (builders.in_place(spec)
                 and p.state.in_place_failures < IN_PLACE_FAILURES_BEFORE_RECREATE)
@@ -1570,7 +1579,7 @@ def _correct_lost_steps(p: _Pass, lead: Heartbeat | None) -> None:
         return
     more = max(max(st.lost_basis, 0) - max(lead.resumed_step, 0), -st.lost_counted)
     p.status.lost_steps = max(0, p.status.lost_steps + more)
-    p.lost_work += more * st.lost_step_seconds
+    p.lost_work += (st.lost_counted + more) * st.lost_step_seconds  # more >= -lost_counted
     p.state = st.model_copy(update={"lost_attempt": None, "lost_basis": 0, "lost_counted": 0,
                                     "lost_step_seconds": 0.0})
 

@@ -2,7 +2,8 @@
 keep each pod's snapshots in its /dev/shm across trainer crashes. A trainer SIGKILLed between
 durable checkpoints resumes from memory, losing at most one step; a pod deleted takes its
 memory with it, and every rank resumes from the durable checkpoint. Either way the steps
-trained again repeat the first attempt's losses bit for bit, and status counts what was lost."""
+trained again repeat the first attempt's losses bit for bit, and status counts what was lost
+and where the restart's load came from (goodput's memoryRestore vs restore)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def test_a_killed_trainer_resumes_from_its_pod_s_memory_losing_at_most_one_step(
     step, trained = int(resumed.group(1)), max(losses(log[:log.index(later)]))
     assert step > durable and trained - step <= 1, (step, trained)
     assert done["lostSteps"] <= trained - step, done["lostSteps"]
+    badput = done["goodput"]["badputSeconds"]  # the restart loaded memory, not storage
+    assert badput["memoryRestore"] > 0 and badput["snapshot"] > 0, badput
 
 
 def test_a_deleted_pod_takes_its_memory_and_every_rank_resumes_from_the_durable_checkpoint(
@@ -77,3 +80,5 @@ def test_a_deleted_pod_takes_its_memory_and_every_rank_resumes_from_the_durable_
     assert step % durable == 0 and step >= durable, step
     trained = max(losses(log[:log.index(later)]))
     assert 0 <= done["lostSteps"] <= trained - step, (done["lostSteps"], trained, step)
+    badput = done["goodput"]["badputSeconds"]
+    assert badput["memoryRestore"] == 0 and badput["restore"] > 0, badput

@@ -24,11 +24,12 @@ def test_a_trainer_crash_loses_the_steps_since_the_snapshot_every_worker_holds()
     w.step()
     assert w.status.phase == "Restarting"
     assert w.status.lost_steps == 1
-    assert w.status.goodput.lost_work_seconds == 0.5
+    assert w.status.goodput.lost_work_seconds == 0  # counted once the next attempt confirms
     restart(w)
     w.beat(26, "starting", resumed_step=26)
     w.step()
     assert w.status.lost_steps == 1  # it resumed where the restart counted from
+    assert w.status.goodput.lost_work_seconds == 0.5
 
 
 def test_an_attempt_that_resumed_from_the_durable_checkpoint_counts_the_steps_back_to_it(
@@ -88,3 +89,37 @@ def test_faults_with_no_snapshot_newer_than_the_attempt_s_start_are_no_progress(
     assert w.status.phase == "Failed"
     assert "without a new complete checkpoint" in (w.status.conditions[-1].message or "") or any(
         "noProgressRestarts" in (c.message or "") for c in w.status.conditions)
+
+
+def test_lost_work_only_grows_when_the_next_attempt_resumed_past_the_count() -> None:
+    """A snapshot completed after the restart's last look: the next attempt resumed from step
+    27, so nothing was lost. lostSteps (a gauge) goes back to 0; lostWorkSeconds, which the
+    counter hlat_job_lost_work_seconds_total follows and which can never go back, never
+    counted the step at all."""
+    w = snapshot_world()
+    w.beat(27, checkpoint_step=20, snapshot_step=26)
+    w.step()
+    w.trainer_exit(1, 137)
+    w.step()
+    assert w.status.lost_steps == 1
+    seen = [w.status.goodput.lost_work_seconds]
+    restart(w)
+    w.beat(27, "starting", resumed_step=27)
+    w.step()
+    seen.append(w.status.goodput.lost_work_seconds)
+    assert w.status.lost_steps == 0 and seen == [0, 0], seen
+
+
+def test_a_restart_whose_attempt_never_reported_keeps_its_lost_work_as_counted() -> None:
+    """Two restarts, the first attempt after the fault dead before it said where it resumed:
+    the first restart's step stays counted when the second is made."""
+    w = snapshot_world()
+    w.beat(27, checkpoint_step=20, snapshot_step=26)
+    w.step()
+    w.trainer_exit(1, 137)
+    w.step()
+    restart(w)
+    w.trainer_exit(1, 137)  # before any report of the new attempt
+    w.step()
+    assert w.status.restarts.total == 2
+    assert w.status.goodput.lost_work_seconds == 0.5, w.status.goodput

@@ -335,3 +335,25 @@ def test_the_update_waits_for_an_asynchronous_save_s_copy_of_the_state(
     # the waits, as checkpoint time (how long they are depends on how much of the copy the
     # step's forward and backward overlapped: the less, the busier the machine)
     assert sum(waited) > 0 and trainer.ledger.seconds["checkpoint"] >= sum(waited)
+
+
+def test_snapshots_and_a_restore_from_memory_are_charged_as_their_own_causes(
+    make_job: Callable[..., Job], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """checkpoint.memoryInterval: the time snapshots hold the loop is `snapshot`, not the
+    durable `checkpoint`; an attempt that resumes from memory charges its load to
+    `memory_restore` and nothing to `restore` (the durable path's cause). The goodput table
+    and the operator's restart cost read them apart."""
+    from hlat_api import Env
+
+    monkeypatch.setenv(Env.SNAPSHOT_DIR, str(tmp_path / "shm"))
+    job = make_job(train__steps=4, checkpoint__interval=100, checkpoint__memoryInterval=1)
+    first, _ = collect(job)
+    spent = first.ledger.snapshot()
+    assert spent.snapshot > 0 and first.resumed_from == "checkpoint"
+    assert spent.memory_restore == 0
+    again, seen = collect(make_job(train__steps=6, checkpoint__interval=100,
+                                   checkpoint__memoryInterval=1))
+    spent = again.ledger.snapshot()
+    assert again.resumed_from == "snapshot" and seen[0]["step"] == 5
+    assert spent.memory_restore > 0 and spent.restore == 0, spent

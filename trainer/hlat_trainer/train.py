@@ -283,6 +283,8 @@ class Trainer:
         self._window = (time.perf_counter(), 0, 0.0)  # last report: when, at which step, saves
         self.peak_flops = self._peak_flops()
         self.steps_done = steps_done(os.environ)
+        self.resumed_from = "checkpoint"
+        """What the attempt resumed from (`maybe_resume`): a durable `checkpoint` or a `snapshot`."""
         self.heartbeat = LeaseHeartbeat.from_environment(self.world.local_rank)
         self.ledger.charge("startup")
         if self.heartbeat is not None:
@@ -307,8 +309,10 @@ class Trainer:
                      "rng": torch.get_rng_state()})
 
     def maybe_resume(self) -> int:
-        """Load the newest complete checkpoint, if any; returns the step it holds (0: fresh)."""
+        """Load the newest complete checkpoint, if any; returns the step it holds (0: fresh).
+        `resumed_from` says from what: the durable checkpoint or an in-memory snapshot."""
         restored = self.engine.resume()
+        self.resumed_from = restored.source if restored is not None else "checkpoint"
         if restored is None:
             return 0
         if restored.same_layout:
@@ -508,7 +512,7 @@ class Trainer:
             self.spec.data.seq_len, self.spec.micro_batches(self.world.dp_rank),
             self.spec.precision, first,
         )
-        self.ledger.charge("restore")
+        self.ledger.charge("memory_restore" if self.resumed_from == "snapshot" else "restore")
         stats: dict[str, Any] = {"step": first - 1}
         self._window = (time.perf_counter(), first - 1, 0.0)  # since, at step, saves blocked
         # on a compiling backend (XLA) the first step of every attempt compiles its graphs
@@ -550,7 +554,7 @@ class Trainer:
                     compiled = self._charge_step(step, wait, compiled, staged)
                     wait = staged = 0.0
                     self.snapshot(step)
-                    held = self.ledger.charge("checkpoint")
+                    held = self.ledger.charge("snapshot")
                     self._off_step_time(held)
                     blocked = (blocked or 0.0) + held
                 validation = None

@@ -25,6 +25,10 @@ The model (Monte Carlo over independent runs; numpy only; seeded, so determinist
   counts a gang as running from when its pods run, so its own ratio also counts the in-pod start
   (compile-cache and checkpoint load) and the detection time as up.
   goodput = training seconds that count (not recomputed) / wall seconds.
+- Recovery paths (issue 34, `RecoveryPath`): where a restart resumes from per fault kind (its
+  own node's in-memory snapshot, a peer's replica of it, or the durable checkpoint), what it
+  then loses (the training since that state) and what the restart costs (the load of that
+  state). Evaluated on the same faults as the durable-only baseline (`evaluate_path`).
 """
 
 from __future__ import annotations
@@ -75,6 +79,28 @@ LLAMA3_SHARES: dict[FaultKind, float] = {
     kind: sum(n for n, k in LLAMA3_ROOT_CAUSES.values() if k == kind) / LLAMA3_UNEXPECTED
     for kind in KINDS
 }
+
+LLAMA3_PLANNED = 47
+"""Llama 3, section 3.3.4: the planned interruptions of the 54 days (automated maintenance such
+as firmware upgrades, or operators' configuration and dataset updates)."""
+
+LLAMA3_EFFECTIVE = 0.90
+"""Llama 3, section 3.3.4: effective training time (time spent on useful training over
+elapsed time) was "higher than 90%" over the 54 days."""
+
+LLAMA3_PARAMS, LLAMA3_STORAGE_BPS = 405e9, 2e12
+"""Llama 3: the 405B model; its checkpoints go to Tectonic, "2 TB/s sustainable throughput"
+(section 3.3.1, which also gives 1 MB to 4 GB of model state per GPU)."""
+
+RSC_MTTF_1K_S, RSC_MTTF_16K_S, RSC_GPUS = 7.9 * 3600.0, 1.8 * 3600.0, (1024, 16384)
+"""Meta's RSC study ("Revisiting Reliability in Large-Scale Machine Learning Research
+Clusters", Kokolis et al., HPCA 2025, arXiv 2410.21680): mean time to failure of a job on
+1,024 GPUs, 7.9 h (observed), and on 16,384 GPUs, 1.8 h (projected by its fitted model)."""
+
+TRN1_CHIPS = 16
+"""Trainium chips per trn1.32xlarge: 64 nodes hold 1,024 chips, 1,024 nodes 16,384. Comparing
+them with RSC's GPU counts assumes a chip (and its share of the host) fails as often as an
+A100 there: an assumption, no per-chip failure figure for Trainium being public."""
 
 SYNC_SAVE_7B_S, ASYNC_SAVE_7B_S = 148.8, 6.3
 """Seconds a 7B checkpoint blocks training, synchronous vs asynchronous DCP save (PyTorch blog
@@ -143,6 +169,15 @@ class ClusterTimes:
     """Assumption: reading a 7B checkpoint takes about as long as a synchronous save of it."""
     node_replacement_s: float = 0.0
     """Extra wait for a node to replace a lost one; 0 assumes a spare with a warm cache."""
+    in_place_restart_s: float = 0.8
+    """An in-place restart (restartStrategy InPlace: the launcher starts a new trainer in the
+    same pod) from the end of the backoff to the first step, less the graph and state loads:
+    measured on the local cluster, trainer SIGKILLed, 2.0 s fault -> next step less 0.2 s
+    detection and the rig's 1 s backoff (benchmarks section 5; the hang case gives 0.9 s)."""
+    spare_start_s: float = 1.8
+    """A lost node's ranks restarting on a warm spare (spareNodes), from the end of the backoff
+    to the first step, less the loads: measured on the local cluster, 18.9 s fault -> next step
+    less 16.1 s detection and the 1 s backoff (benchmarks section 5)."""
 
     def heartbeat_timeout_s(self) -> float:
         learned = max(self.heartbeat_floor_s, self.safety_factor * self.step_s)
@@ -160,6 +195,25 @@ class ClusterTimes:
             "node_lost": FaultCost(self.node_monitor_grace_s + poll,
                                    max(self.backoff_s, self.force_delete_s)
                                    + self.node_replacement_s + start),
+        }
+
+    def in_place_costs(self, load_s: Mapping[FaultKind, float],
+                       node_lost_detection_s: float | None = None) -> dict[FaultKind, FaultCost]:
+        """Per kind, with in-place restarts (what in-memory snapshots need): detection, then the
+        backoff, the measured restart (in place for a crash or hang; on a warm spare for a lost
+        node, which waits for no force-delete), the compiled graphs' load and `load_s[kind]`,
+        the load of the state it resumes from. `node_lost_detection_s`: None for today's
+        (node monitor grace + half a resync)."""
+        detect = self.node_monitor_grace_s + self.resync_s / 2
+        if node_lost_detection_s is not None:
+            detect = node_lost_detection_s
+        graphs = self.backoff_s + self.compile_cache_load_s
+        return {
+            "crash": FaultCost(self.crash_detection_s,
+                               graphs + self.in_place_restart_s + load_s["crash"]),
+            "hang": FaultCost(self.heartbeat_timeout_s(),
+                              graphs + self.in_place_restart_s + load_s["hang"]),
+            "node_lost": FaultCost(detect, graphs + self.spare_start_s + load_s["node_lost"]),
         }
 
 
@@ -263,13 +317,24 @@ def _check(ok: bool, name: str, what: str) -> None:
 
 # --- fault rates -------------------------------------------------------------------------------
 
-Rate = Literal["hlat", "llama3", "llama3-hw"]
+Rate = Literal["hlat", "llama3", "llama3-hw", "rsc-1k", "rsc-16k"]
 
 
 def llama3_node_mtbf_s(hardware_only: bool = False) -> float:
     """Mean seconds between unexpected interruptions per host in Llama 3's snapshot."""
     faults = LLAMA3_UNEXPECTED * (LLAMA3_HARDWARE if hardware_only else 1.0)
     return LLAMA3_DAYS * DAY * LLAMA3_HOSTS / faults
+
+
+def rsc_node_mtbf_s(gpus: int) -> float:
+    """A node's mean running seconds between faults from RSC's job MTTF at `gpus` (1,024 or
+    16,384), TRN1_CHIPS accelerators a node. The two imply different per-node rates: 7.9 h x 64
+    nodes = 506 h, 1.8 h x 1,024 nodes = 1,843 h (RSC's fit grows slower than linearly with
+    the job's size). Each is used at its own size: the 1,024-GPU one for 64 trn1 nodes, the
+    16,384-GPU one for 1,024 nodes."""
+    mttf = dict(zip(RSC_GPUS, (RSC_MTTF_1K_S, RSC_MTTF_16K_S), strict=True))
+    _check(gpus in mttf, "gpus", f"RSC publishes {RSC_GPUS}, not {gpus}")
+    return mttf[gpus] * gpus / TRN1_CHIPS
 
 
 def fitted_node_mtbf_s(scenario: Scenario, target_uptime: float = PAPER_UPTIME_WITH) -> float:
@@ -286,6 +351,8 @@ def node_mtbf_for(rate: Rate, scenario: Scenario, target_uptime: float) -> float
     gang size keeps the per-node rate."""
     if rate == "hlat":
         return fitted_node_mtbf_s(replace(scenario, nodes=PAPER_NODES), target_uptime)
+    if rate in ("rsc-1k", "rsc-16k"):
+        return rsc_node_mtbf_s(RSC_GPUS[rate == "rsc-16k"])
     return llama3_node_mtbf_s(hardware_only=rate == "llama3-hw")
 
 
@@ -316,6 +383,8 @@ class Timelines:
     """Running seconds of each attempt that ended in a fault (all runs)."""
     faulted_run: Ints
     """The run of each of them."""
+    faulted_kind: Ints
+    """The kind of the fault that ended each of them (index into KINDS)."""
     final_up: Floats
     """Per run: running seconds of the attempt still running at the end."""
     down: Floats
@@ -336,12 +405,14 @@ def _arrivals(rng: np.random.Generator, rate: float, shares: Floats, horizon: fl
     return np.concatenate(gaps), np.concatenate(kinds)
 
 
-def _run(scenario: Scenario, seed: int, run: int) -> tuple[Floats, float, float, Ints]:
+def _run(scenario: Scenario, seed: int, run: int
+         ) -> tuple[Floats, float, float, Ints, Ints]:
     """One run: (running seconds of the faulted attempts, of the final one, down seconds,
-    faults per kind)."""
+    faults per kind, the kind of each fault)."""
     end, rate = scenario.duration_s, scenario.job_rate
     if rate == 0:
-        return np.zeros(0), end, 0.0, np.zeros(len(KINDS), dtype=np.int64)
+        return (np.zeros(0), end, 0.0, np.zeros(len(KINDS), dtype=np.int64),
+                np.zeros(0, dtype=np.int64))
     shares = np.array([scenario.shares[k] for k in KINDS])
     gaps, kinds = _arrivals(np.random.default_rng([seed, run, 0]), rate,
                             shares / shares.sum(), end)
@@ -364,7 +435,7 @@ def _run(scenario: Scenario, seed: int, run: int) -> tuple[Floats, float, float,
     down_in = np.minimum(down[:n], end - fault_at[:n])
     final_up = end - (fault_at[n - 1] + down[n - 1]) if n else end
     counts = np.bincount(kinds[:n], minlength=len(KINDS)).astype(np.int64)
-    return gaps[:n], max(0.0, float(final_up)), float(down_in.sum()), counts
+    return gaps[:n], max(0.0, float(final_up)), float(down_in.sum()), counts, kinds[:n]
 
 
 def simulate(scenario: Scenario, runs: int, seed: int) -> Timelines:
@@ -376,6 +447,7 @@ def simulate(scenario: Scenario, runs: int, seed: int) -> Timelines:
         faulted_up=np.concatenate([p[0] for p in parts]),
         faulted_run=np.concatenate([np.full(len(p[0]), i, dtype=np.int64)
                                     for i, p in enumerate(parts)]),
+        faulted_kind=np.concatenate([p[4] for p in parts]).astype(np.int64),
         final_up=np.array([p[1] for p in parts]),
         down=np.array([p[2] for p in parts]),
         faults=np.array([p[3] for p in parts], dtype=np.int64).reshape(runs, len(KINDS)),
@@ -438,6 +510,194 @@ def best_interval(intervals: Floats, goodput: Floats) -> float:
         if a < 0 and x[0] <= -b / (2 * a) <= x[-1]:
             return float(math.exp(-b / (2 * a)))
     return float(intervals[i])
+
+
+# --- recovery paths: in-memory snapshots and peer replicas (issue 34) ---------------------------
+# With checkpoint.memoryInterval every rank writes its state to its pod's /dev/shm every N steps
+# (docs/trainer.md); the launcher holds it, so an in-place restart after a crash or a hang
+# resumes from it with nothing read from storage and at most the steps since it lost. A lost
+# node takes its memory: today its replacement, and with it the whole gang, resumes from the
+# durable checkpoint. Peer replicas (a node's snapshot copied to another node) and lost-node
+# detection within 5 s are not built: `Snapshots.peer` and `RecoveryPath.node_lost_detection_s`
+# model them as the design target. Training progress is counted in training seconds from the
+# start; durable saves and snapshots are taken at multiples of their intervals of it (the
+# trainer saves at steps that are multiples of checkpoint.interval and memoryInterval), so a
+# restore from memory may leave the newest durable checkpoint behind it.
+
+Source = Literal["memory", "peer", "durable"]
+SOURCES: tuple[Source, ...] = ("memory", "peer", "durable")
+_EPS = 1e-9
+
+PEER_LOAD_S = 20.0
+"""Assumption (design target, nothing built): a lost node's replacement pulls the node's
+snapshot from its peer (the paper's 7B: 51 GiB a node, `hlat_api.spec.snapshot_gib_per_node`
+halved) over EFA at an effective 2.5 GiB/s and loads it, 20 s."""
+
+
+@dataclass(frozen=True)
+class Snapshots:
+    """In-memory snapshots (checkpoint.memoryInterval) and, as the design target, a replica of
+    each on a peer node."""
+
+    interval_s: float
+    """Training seconds between two snapshots (memoryInterval x the step time)."""
+    block_s: float = ASYNC_SAVE_7B_S
+    """Seconds a snapshot blocks training. Assumption: copying the state to host memory costs
+    what an asynchronous DCP save blocks for it (the copy to host memory, 6.3 s for a 7B);
+    nothing measured it for a 7B on trn1 (the local cluster's job is tiny)."""
+    load_s: float = ASYNC_SAVE_7B_S
+    """Seconds an in-place restart takes to load the snapshot from /dev/shm onto the devices.
+    Assumption: as long as the copy out."""
+    peer: bool = False
+    """Design target, not built: each snapshot is also on a peer node when it stops blocking
+    (the copy runs in the background; its cost to the steps is not modelled), so a lost node's
+    replacement resumes from it."""
+    peer_load_s: float = PEER_LOAD_S
+    """Seconds a lost node's replacement takes to fetch and load its peer's replica."""
+
+    def __post_init__(self) -> None:
+        _check(self.interval_s > 0, "interval_s", "must be > 0")
+        _check(self.block_s >= 0, "block_s", "must be >= 0")
+        _check(self.load_s >= 0, "load_s", "must be >= 0")
+        _check(self.peer_load_s >= 0, "peer_load_s", "must be >= 0")
+
+    @property
+    def overhead(self) -> float:
+        """Wall seconds per training second that snapshots add (spread over the steps)."""
+        return self.block_s / self.interval_s
+
+
+@dataclass(frozen=True)
+class RecoveryPath:
+    """Where an in-place restart resumes from per fault kind, and what that costs. No
+    snapshots: every restart reads the durable checkpoint (the baseline)."""
+
+    name: str
+    snapshots: Snapshots | None = None
+    node_lost_detection_s: float | None = None
+    """From a node's loss until the operator acts: None for today's (node monitor grace + half
+    a resync); 5 s is the design target (issue 34), not built."""
+
+    def __post_init__(self) -> None:
+        _check(self.node_lost_detection_s is None or self.node_lost_detection_s >= 0,
+               "node_lost_detection_s", "must be >= 0")
+
+    def source(self, kind: FaultKind) -> Source:
+        """The state a restart after a fault of `kind` resumes from: its own node's memory
+        after a crash or a hang (the launcher and /dev/shm outlive the trainer), a peer's
+        replica after a node loss when there is one, the durable checkpoint otherwise."""
+        if self.snapshots is None:
+            return "durable"
+        if kind != "node_lost":
+            return "memory"
+        return "peer" if self.snapshots.peer else "durable"
+
+    def costs(self, times: ClusterTimes) -> dict[FaultKind, FaultCost]:
+        """Per kind: detection and recovery with in-place restarts, the state's load being a
+        durable checkpoint's read from storage, a snapshot's from memory or a replica's from
+        the peer."""
+        snap = self.snapshots
+        load = {"durable": times.checkpoint_load_s,
+                "memory": snap.load_s if snap else math.nan,
+                "peer": snap.peer_load_s if snap else math.nan}
+        return times.in_place_costs({k: load[self.source(k)] for k in KINDS},
+                                    self.node_lost_detection_s)
+
+
+@dataclass(frozen=True)
+class PathFigures(Figures):
+    """Figures of a recovery path; blocking_s counts snapshots' blocking too."""
+
+    snapshot_blocking_s: Floats
+    """Per run: seconds snapshots blocked training."""
+    restores: Ints
+    """Per run and source (SOURCES order): restarts that resumed from it. A restart from
+    memory falls back to the durable checkpoint when that is newer."""
+
+
+def _padded(tl: Timelines) -> tuple[Floats, Ints, npt.NDArray[np.bool_]]:
+    """The faulted attempts as (runs x most faults of a run) arrays, and which cells hold one."""
+    runs = len(tl.final_up)
+    counts = np.bincount(tl.faulted_run, minlength=runs)
+    width = int(counts.max()) if len(tl.faulted_run) else 0
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    col = np.arange(len(tl.faulted_run)) - starts[tl.faulted_run]
+    up, kind = np.zeros((runs, width)), np.zeros((runs, width), dtype=np.int64)
+    valid = np.zeros((runs, width), dtype=bool)
+    up[tl.faulted_run, col], kind[tl.faulted_run, col] = tl.faulted_up, tl.faulted_kind
+    valid[tl.faulted_run, col] = True
+    return up, kind, valid
+
+
+def _advance(start: Floats, up: Floats, ckpt: Checkpointing, slow: float
+             ) -> tuple[Floats, Floats, Floats]:
+    """Attempts that resumed at progress `start` and ran `up` seconds: (training seconds,
+    seconds blocked by durable saves, progress of the newest complete durable save they made,
+    NaN where none). Durable saves at multiples of the interval of progress; a training second
+    takes `slow` wall seconds (snapshots)."""
+    tau, block = ckpt.interval_s, ckpt.blocking_s
+    first = (np.floor(start / tau + _EPS) + 1) * tau
+    reach = (first - start) * slow
+    cycle = tau * slow + block
+    started = np.where(up >= reach, np.floor((up - reach) / cycle) + 1, 0.0)
+    last = reach + np.maximum(started - 1, 0.0) * cycle
+    blocked = np.where(started > 0, (started - 1) * block + np.minimum(block, up - last), 0.0)
+    complete = np.where(up >= reach + ckpt.complete_s,
+                        np.floor((up - reach - ckpt.complete_s) / cycle) + 1, 0.0)
+    durable = np.where(complete > 0, first + (complete - 1) * tau, np.nan)
+    return (up - blocked) / slow, blocked, durable
+
+
+def evaluate_path(tl: Timelines, ckpt: Checkpointing, path: RecoveryPath) -> PathFigures:
+    """Per-run figures of `path` on timelines simulated with its costs (`path.costs`). Each
+    fault loses the progress since the state its restart resumes from (`path.source`): the
+    newest snapshot, or the newest complete durable save when that is newer or the source is
+    durable; the durable checkpoint is tracked across attempts, so a durable restore after a
+    restore from memory goes back past it. Goodput = progress at the end / wall seconds."""
+    up, kind, valid = _padded(tl)
+    runs = len(tl.final_up)
+    snap = path.snapshots
+    slow = 1.0 + (snap.overhead if snap else 0.0)
+    source = np.array([SOURCES.index(path.source(k)) for k in KINDS])
+    durable_at = SOURCES.index("durable")
+    at, durable = np.zeros(runs), np.zeros(runs)
+    lost, blocked, snapped = np.zeros(runs), np.zeros(runs), np.zeros(runs)
+    restores = np.zeros((runs, len(SOURCES)), dtype=np.int64)
+    for i in range(up.shape[1]):
+        ok = valid[:, i]
+        trained, blocking, saved = _advance(at, up[:, i], ckpt, slow)
+        reached = at + trained
+        durable_now = np.where(np.isnan(saved), durable, saved)
+        newest = (np.floor(reached / snap.interval_s + _EPS) * snap.interval_s if snap
+                  else durable_now)
+        src = source[kind[:, i]]
+        from_durable = (src == durable_at) | (newest < durable_now - 1e-6)
+        resume = np.where(from_durable, durable_now, newest)
+        lost += np.where(ok, reached - resume, 0.0)
+        blocked += np.where(ok, blocking, 0.0)
+        snapped += np.where(ok, trained * (slow - 1), 0.0)
+        used = np.where(from_durable, durable_at, src)
+        np.add.at(restores, (np.flatnonzero(ok), used[ok]), 1)
+        at, durable = np.where(ok, resume, at), np.where(ok, durable_now, durable)
+    trained, blocking, _ = _advance(at, tl.final_up, ckpt, slow)
+    snapped += trained * (slow - 1)
+    ran = np.bincount(tl.faulted_run, weights=tl.faulted_up, minlength=runs) + tl.final_up
+    wall = ran + tl.down
+    return PathFigures(
+        uptime=ran / wall, goodput=(at + trained) / wall, lost_work_s=lost,
+        blocking_s=blocked + blocking + snapped, down_s=tl.down, faults=tl.faults,
+        snapshot_blocking_s=snapped, restores=restores)
+
+
+def snapshot_interval_s(block_s: float, mtbf_s: float, step_s: float,
+                        durable_interval_s: float) -> float:
+    """The snapshot interval to use: Daly's for the snapshot's blocking and the mean running
+    seconds between the faults it serves, as a whole number of steps that divides the durable
+    interval's (so each durable save's step is also a snapshot's), the nearest in log."""
+    steps = max(1, round(durable_interval_s / step_s))
+    divisors = [d for d in range(1, steps + 1) if steps % d == 0]
+    target = max(daly_interval(block_s, mtbf_s) / step_s, 1.0)
+    return min(divisors, key=lambda d: abs(math.log(d / target))) * step_s
 
 
 # --- fail-slow nodes (stragglers) --------------------------------------------------------------

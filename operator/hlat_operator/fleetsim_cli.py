@@ -218,10 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Defaults and their sources: docs/benchmarks.md, the fleet simulator's section.")
     p.add_argument("--nodes", type=_number(int, 0, True), default=64, help="gang size (64)")
     p.add_argument("--days", type=pos, default=28.0, help="job duration (28)")
-    p.add_argument("--rate", choices=["hlat", "llama3", "llama3-hw"], default="hlat",
+    p.add_argument("--rate", choices=["hlat", "llama3", "llama3-hw", "rsc-1k", "rsc-16k"],
+                   default="hlat",
                    help="fault rate: fitted so the uptime with recovery is --target-uptime "
                         "(hlat, the default), or Llama 3's 419 unexpected interruptions per "
-                        "2,048 hosts in 54 days (llama3; llama3-hw: the 78%% hardware ones)")
+                        "2,048 hosts in 54 days (llama3; llama3-hw: the 78%% hardware ones), "
+                        "or RSC's job MTTF at 16 chips a node: 7.9 h on 1,024 GPUs (rsc-1k, "
+                        "506 h a node) or 1.8 h on 16,384 (rsc-16k, 1,843 h a node)")
     p.add_argument("--node-mtbf-hours", type=pos, default=None,
                    help="running hours between faults of one node; overrides --rate")
     p.add_argument("--target-uptime", type=pos, default=PAPER_UPTIME_WITH,

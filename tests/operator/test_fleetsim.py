@@ -261,3 +261,130 @@ def test_a_replacement_within_the_wait_is_a_rigid_restart() -> None:
 def test_node_loss_bad_input_names_the_field(build: Callable[[], object], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         build()
+
+
+# --- recovery paths: in-memory snapshots and peer replicas (issue 34) --------------------------
+
+def _only(kind: str, **changes: Any) -> fs.Scenario:
+    """64 nodes for a week, every fault of one kind, one every ~4 h of the gang."""
+    shares = {k: float(k == kind) for k in fs.KINDS}
+    return replace(fs.Scenario(duration_s=7 * DAY, node_mtbf_s=64 * 4 * 3600.0, shares=shares),
+                   **changes)
+
+
+def _path_figures(scenario: fs.Scenario, path: fs.RecoveryPath, runs: int = 40,
+                  seed: int = 0) -> fs.PathFigures:
+    tl = fs.simulate(replace(scenario, costs=path.costs(fs.ClusterTimes())), runs, seed)
+    return fs.evaluate_path(tl, fs.async_saves(2000.0, 10.0, 100.0), path)
+
+
+def test_a_restart_from_memory_loses_at_most_one_snapshot_interval_per_fault() -> None:
+    snap = fs.Snapshots(interval_s=200.0, block_s=1.0)
+    memory = _path_figures(_only("crash"), fs.RecoveryPath("snapshots", snap))
+    durable = _path_figures(_only("crash"), fs.RecoveryPath("today"))
+    faults = memory.faults.sum(axis=1)
+    assert faults.min() > 20
+    assert np.all(memory.lost_work_s <= faults * snap.interval_s)
+    # about half an interval a fault (uniform), not half a durable interval (1,000 s)
+    assert memory.lost_work_s.sum() / faults.sum() == pytest.approx(100.0, rel=0.1)
+    assert durable.lost_work_s.sum() / faults.sum() > 800.0
+    assert memory.restores[:, 0].tolist() == faults.tolist()  # all from memory
+    assert memory.restores[:, 1:].sum() == 0
+    assert memory.goodput.mean() > durable.goodput.mean() + 0.02
+
+
+def test_with_a_peer_replica_a_node_loss_reads_no_durable_checkpoint_and_loses_less() -> None:
+    snap = fs.Snapshots(interval_s=200.0, block_s=1.0)
+    built = _path_figures(_only("node_lost"), fs.RecoveryPath("snapshots", snap))
+    target = _path_figures(_only("node_lost"),
+                           fs.RecoveryPath("target", replace(snap, peer=True), 5.0))
+    faults = target.faults.sum(axis=1)
+    assert built.restores[:, 2].tolist() == built.faults.sum(axis=1).tolist()  # storage
+    assert target.restores[:, 2].sum() == 0 and target.restores[:, 1].tolist() == faults.tolist()
+    assert target.lost_work_s.mean() < 0.3 * built.lost_work_s.mean()
+    assert target.goodput.mean() > built.goodput.mean()
+    # and its restart reads nothing from storage: the peer's load instead of the checkpoint's
+    times = fs.ClusterTimes()
+    costs = fs.RecoveryPath("target", replace(snap, peer=True), 5.0).costs(times)
+    today = fs.RecoveryPath("today").costs(times)
+    assert costs["node_lost"].detection_s == 5.0
+    assert today["node_lost"].recovery_s - costs["node_lost"].recovery_s == pytest.approx(
+        times.checkpoint_load_s - snap.peer_load_s)
+
+
+def test_a_node_loss_after_a_restore_from_memory_goes_back_to_the_last_durable_save() -> None:
+    """By hand: durable saves at multiples of 1,000 s of progress (sync, free), snapshots every
+    100 s (free). Both runs: a crash at 1,550 s resumes from the snapshot at 1,500 (50 s lost).
+    Run 0: a node lost 300 s later (1,800; no durable save since 1,000) resumes from 1,000 (800
+    s lost), then 500 s more: 1,500 s of progress. Run 1: a node lost 600 s later (2,100; the
+    durable save at 2,000 made 500 s after the restore) loses 100 s; 2,500 s of progress."""
+    tl = fs.Timelines(duration_s=2700.0, faulted_up=np.array([1550.0, 300.0, 1550.0, 600.0]),
+                      faulted_run=np.array([0, 0, 1, 1]), faulted_kind=np.array([0, 2, 0, 2]),
+                      final_up=np.array([500.0, 500.0]), down=np.array([50.0, 50.0]),
+                      faults=np.array([[1, 0, 1], [1, 0, 1]]))
+    path = fs.RecoveryPath("snapshots", fs.Snapshots(100.0, block_s=0.0))
+    fig = fs.evaluate_path(tl, fs.sync_saves(1000.0, 0.0), path)
+    assert fig.lost_work_s.tolist() == pytest.approx([850.0, 150.0])
+    assert fig.goodput.tolist() == pytest.approx([1500.0 / 2400.0, 2500.0 / 2700.0])
+    assert fig.restores.tolist() == [[1, 0, 1], [1, 0, 1]]
+
+
+def test_without_snapshots_the_path_model_agrees_with_the_durable_one() -> None:
+    tl = fs.simulate(faulty(), runs=30, seed=4)
+    for saves in (fs.sync_saves(1500.0), fs.async_saves(1500.0)):
+        old, new = fs.evaluate(tl, saves), fs.evaluate_path(tl, saves, fs.RecoveryPath("today"))
+        assert new.goodput == pytest.approx(old.goodput, abs=1e-12)
+        assert new.lost_work_s == pytest.approx(old.lost_work_s)
+        assert new.snapshot_blocking_s.sum() == 0
+
+
+def test_snapshots_cost_their_blocking_when_nothing_fails() -> None:
+    tl = fs.simulate(fs.Scenario(duration_s=DAY), runs=2, seed=0)
+    path = fs.RecoveryPath("snapshots", fs.Snapshots(interval_s=100.0, block_s=5.0))
+    fig = fs.evaluate_path(tl, fs.sync_saves(DAY * 2, 1.0), path)
+    assert fig.goodput == pytest.approx(1 / 1.05)
+    assert fig.snapshot_blocking_s == pytest.approx(DAY * (1 - 1 / 1.05))
+
+
+def test_paths_same_seed_same_figures() -> None:
+    path = fs.RecoveryPath("target", fs.Snapshots(300.0, peer=True), 5.0)
+    one, two = _path_figures(faulty(), path, 10, 3), _path_figures(faulty(), path, 10, 3)
+    assert one.goodput.tolist() == two.goodput.tolist()
+    assert one.restores.tolist() == two.restores.tolist()
+    assert _path_figures(faulty(), path, 10, 4).goodput.tolist() != one.goodput.tolist()
+
+
+def test_rsc_rates_give_its_job_mttfs_at_16_chips_a_node() -> None:
+    one_k = fs.Scenario(nodes=64, node_mtbf_s=fs.rsc_node_mtbf_s(1024))
+    sixteen_k = fs.Scenario(nodes=1024, node_mtbf_s=fs.rsc_node_mtbf_s(16384))
+    assert 1 / one_k.job_rate == pytest.approx(7.9 * 3600)
+    assert 1 / sixteen_k.job_rate == pytest.approx(1.8 * 3600)
+    # the two imply different per-node rates: RSC's fit is not linear in the job's size
+    assert fs.rsc_node_mtbf_s(16384) / fs.rsc_node_mtbf_s(1024) == pytest.approx(3.65, abs=0.01)
+    assert fs.node_mtbf_for("rsc-16k", sixteen_k, 0.9) == fs.rsc_node_mtbf_s(16384)
+
+
+def test_the_snapshot_interval_divides_the_durable_one_near_daly_s() -> None:
+    step = fs.HLAT_STEP_S
+    chosen = fs.snapshot_interval_s(6.3, 7.9 * 3600, step, 1000 * step) / step
+    assert 1000 % round(chosen) == 0
+    assert 0.7 < chosen * step / fs.daly_interval(6.3, 7.9 * 3600) < 1.3
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda: fs.Snapshots(interval_s=0), "interval_s"),
+    (lambda: fs.Snapshots(interval_s=10, block_s=-1), "block_s"),
+    (lambda: fs.Snapshots(interval_s=10, peer_load_s=-1), "peer_load_s"),
+    (lambda: fs.RecoveryPath("x", node_lost_detection_s=-5), "node_lost_detection_s"),
+    (lambda: fs.rsc_node_mtbf_s(2048), "gpus"),
+])
+def test_path_bad_input_names_the_field(build: Callable[[], object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        build()
+
+
+def test_cli_takes_the_rsc_rates(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--json", "--rate", "rsc-1k", "--runs", "3", "--days", "3",
+                     "--sweep-points", "5"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["inputs"]["job_mtbf_s"] == pytest.approx(7.9 * 3600)

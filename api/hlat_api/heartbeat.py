@@ -30,6 +30,16 @@ job's progress, its time is not training, and the worker publishes leaving it at
 its next beat)."""
 
 
+PEER_PORT = 29490
+"""Each worker's launcher listens here (in-place restarts) so that its peers can tell it is
+reachable: below the rendezvous ports (29500 + attempt % 16) and the ephemeral range."""
+PEER_PROBE_SECONDS = 0.5
+"""How often a launcher connects to its neighbours' (node ranks one below and one above, in a
+ring), and how long a connection may take."""
+PEER_LOST_SECONDS = 2.0
+"""A neighbour reached once and then not for this long is reported unreachable."""
+
+
 def lease_name(pod_name: str) -> str:
     """The Lease of a worker pod shares the pod's name (a different kind, so no clash)."""
     return pod_name
@@ -116,14 +126,22 @@ class Heartbeat(BaseModel):
     activity: Activity | None = None
     """Seconds per activity since the attempt began, up to `progress_time` (one annotation,
     JSON)."""
+    unreachable_ranks: list[int] | None = None
+    """Set by the launcher: the node ranks of this attempt whose launchers it reached and then
+    could not for `PEER_LOST_SECONDS` (a TCP connection to `PEER_PORT` refused or timed out);
+    `[]` once it reaches them again. A node's kernel answers a connection even while its
+    processes are starved or stopped, so a slow node is not reported; a lost or cut-off one
+    is, seconds before the node lifecycle controller's grace runs out."""
+    unreachable_since: datetime | None = None
+    """When the launcher last reached the first of `unreachable_ranks` (its own clock)."""
 
-    @field_validator("activity", mode="before")
+    @field_validator("activity", "unreachable_ranks", mode="before")
     @classmethod
-    def _decode_activity(cls, value: Any) -> Any:
+    def _decode_json(cls, value: Any) -> Any:
         return json.loads(value) if isinstance(value, str) else value
 
     def to_annotations(self) -> dict[str, str]:
-        return {PREFIX + k: json.dumps(v, separators=(",", ":")) if isinstance(v, dict)
+        return {PREFIX + k: json.dumps(v, separators=(",", ":")) if isinstance(v, dict | list)
                 else str(v) for k, v in self.model_dump(mode="json").items() if v is not None}
 
     @classmethod

@@ -40,6 +40,11 @@ TRAINER_EXITED: Final = "hlat.dev/trainer-exited"
 """Label a worker's launcher puts on its Lease when the trainer of that attempt exited and the
 pod stays for an in-place restart (value: the exit code). The operator watches only Leases
 carrying it (a server-side selector), so a crash is seen at once, not at the next resync."""
+REPORTED: Final = "hlat.dev/reported"
+"""Label a worker's launcher puts on its Lease with a report the operator must act on at once:
+`exit` (its trainer exited, `TRAINER_EXITED` set too) or `peers` (it cannot reach a peer
+node's launcher: `Heartbeat.unreachable_ranks`). The operator watches only Leases carrying
+it (a server-side selector), so neither waits for the next resync."""
 ATTEMPT_STARTED: Final = "hlat.dev/attempt-started"
 """Annotation on a worker pod kept for an in-place restart: when the operator moved it to its
 current attempt (the startup clock of that attempt runs from then, not from the container's
@@ -161,6 +166,19 @@ def spare_hostname(job: str, serial: int) -> str:
 def worker_hostname(job: str, rank: int) -> str:
     """Stable across attempts: `<job>-0.<service>` is always the rendezvous master."""
     return f"{dns_label(job)}-{rank}"
+
+
+def pod_hostname(job: str, pod: str) -> str | None:
+    """The hostname a worker or spare pod of `job` was created with, from its name (None: not
+    one of the job's pod names)."""
+    for prefix, host in ((f"{job}-s", "s"), (f"{job}-a", "")):
+        tail = pod[len(prefix):] if pod.startswith(prefix) else ""
+        if host == "s" and tail.isdigit():
+            return spare_hostname(job, int(tail))
+        attempt, _, rank = tail.partition("-")
+        if not host and attempt.isdigit() and rank.isdigit():
+            return worker_hostname(job, int(rank))
+    return None
 
 
 def master_addr(job: str) -> str:

@@ -7,7 +7,9 @@ A gang is only as alive as its least alive member, so any one of these ends the 
   and any other code are retryable, within budget (unlike Kubeflow's 1-127-is-permanent rule:
   an NCCL/EFA timeout exits 1 and is exactly what a restart fixes);
 - a worker pod deleted, or terminating without the operator asking;
-- the node of a worker NotReady/unreachable (after a grace), gone, or unhealthy by its own
+- the node of a worker unreachable from its neighbours' launchers (`unreachable_fault`:
+  seconds after the loss, before its Node turns NotReady), NotReady/unreachable (after a
+  grace), gone, or unhealthy by its own
   health reporters (`nodehealth`: AcceleratedHardwareReady=False, NeuronHealth=True, HyperPod's
   health label), or a worker exiting with `ExitCode.NODE_FAULT` (its Neuron device or driver):
   infrastructure faults, no budget;
@@ -35,7 +37,12 @@ from datetime import UTC, datetime
 
 from hlat_api import labels
 from hlat_api.env import ExitCode
-from hlat_api.heartbeat import EXPIRY_PERIODS, STARTING_PHASES
+from hlat_api.heartbeat import (
+    EXPIRY_PERIODS,
+    PEER_LOST_SECONDS,
+    PEER_PROBE_SECONDS,
+    STARTING_PHASES,
+)
 from hlat_api.labels import Reason
 from hlat_api.spec import PretrainJobSpec
 from hlat_operator.config import OperatorSettings
@@ -65,6 +72,9 @@ class Fault:
     problem: NodeProblem | None = None
     """For a node fault: the condition (or label, or exit) that implicated the node, named in
     the message (status, event) and the metric."""
+    unreachable: bool = False
+    """A node lost by its peers' word (`unreachable_fault`): its Node may still look Ready,
+    but its pod is treated as on a dead node (not kept, force-deleted, a spare takes it)."""
 
     @property
     def permanent(self) -> bool:
@@ -361,7 +371,44 @@ def detect_fault(
                 return fault
     if phase != "Running":
         return None  # heartbeats are judged once the whole gang runs
-    return _heartbeat_fault(spec, pods, observed, now, settings)
+    return (unreachable_fault(pods, observed, now, settings)
+            or _heartbeat_fault(spec, pods, observed, now, settings))
+
+
+PEER_SETTLE_SECONDS = 4 * PEER_PROBE_SECONDS
+"""After an outage of the API server (or the operator's start), the launchers' rounds that
+clear reports the outage held back."""
+
+
+def unreachable_fault(pods: list[ObservedPod], observed: Observed, now: datetime,
+                      settings: OperatorSettings) -> Fault | None:
+    """A node its neighbours' launchers cannot reach (`Heartbeat.unreachable_ranks`, written
+    by `hlat_trainer.peers`: reached in this attempt, then not for PEER_LOST_SECONDS) and that
+    does not report them back: lost, seconds before its Node turns NotReady. Peers that report
+    each other cannot reach one another but both still reach the API server: a network
+    problem between them, left to the heartbeat timeout. Not judged in the first
+    `PEER_SETTLE_SECONDS` after the operator got the API server back: a neighbour that came back
+    during an outage is still reported until its launcher's next round clears it."""
+    if _back_from_outage(observed, now, PEER_SETTLE_SECONDS):
+        return None
+    said: dict[int, set[int]] = {}
+    for pod in pods:
+        lease = observed.lease_of(pod)
+        beat = lease.heartbeat if lease is not None else None
+        if pod.rank is not None and not pod.finished and beat is not None:
+            said[pod.rank] = set(beat.unreachable_ranks or ())
+    for pod in sorted(pods, key=lambda p: p.rank if p.rank is not None else -1):
+        if pod.rank is None or pod.finished:
+            continue
+        reporters = sorted(r for r, lost in said.items() if pod.rank in lost and r != pod.rank)
+        if not reporters or said.get(pod.rank, set()) & set(reporters):
+            continue
+        who = ", ".join(str(r) for r in reporters)
+        return Fault(Reason.NODE_LOST,
+                     f"node {pod.node or '?'} of pod {pod.name} is unreachable from its peers "
+                     f"(the launchers of node rank {who}, for {PEER_LOST_SECONDS:.0f}s or more)",
+                     pod.name, pod.node, unreachable=True)
+    return None
 
 
 def heartbeat_ages(observed: Observed, attempt: int, now: datetime) -> dict[str, float]:

@@ -29,7 +29,7 @@ from kubernetes import client
 from kubernetes import config as kube_config
 
 from hlat_api.apitimeouts import bound_requests
-from hlat_api.labels import COMPONENT, JOB, TRAINER_EXITED, WORKER, Reason
+from hlat_api.labels import COMPONENT, JOB, REPORTED, WORKER, Reason
 from hlat_api.manifest import API_GROUP, API_VERSION
 from hlat_api.status import PretrainJobStatus
 from hlat_operator import heap, late_apis, observe, queueing
@@ -292,7 +292,7 @@ def configure_kopf(settings: kopf.OperatorSettings, ours: OperatorSettings) -> N
     # handler alone filters client-side, after every pod of the cluster crossed the wire)
     settings.watching.label_selectors["v1", "pods"] = POD_SELECTOR
     settings.watching.label_selectors["coordination.k8s.io", "v1", "leases"] = (
-        f"{JOB},{TRAINER_EXITED}")
+        f"{JOB},{REPORTED}")
     settings.watching.label_selectors[queueing.GROUP, queueing.VERSION, "workloads"] = JOB
 
 
@@ -370,10 +370,11 @@ def own_refresh(rt: Runtime, namespace: str, name: str, event: Mapping[str, Any]
 
 
 @kopf.on.event("coordination.k8s.io", "v1", "leases",
-               labels={JOB: kopf.PRESENT, TRAINER_EXITED: kopf.PRESENT})
-async def on_trainer_exit(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
+               labels={JOB: kopf.PRESENT, REPORTED: kopf.PRESENT})
+async def on_launcher_report(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
     """A launcher reported its trainer's exit (in-place restarts keep the pod, so no pod
-    event says so): decide now, not at the next resync."""
+    event says so), or neighbours it cannot reach (a node lost, seconds before its Node says
+    so): decide now, not at the next resync."""
     runtime().metrics.watch_events.labels("Lease").inc()
     job = labels.get(JOB)
     if job and namespace:

@@ -153,6 +153,9 @@ class OperatorState(BaseModel):
     resumed from an older snapshot or the durable checkpoint lost more, one that resumed from a
     newer snapshot fewer. The lost work (steps x `lost_step_seconds`) goes into status only then,
     so that it never has to go back."""
+    peer_lost: list[str] = []
+    """Pods found lost by their peers (`faults.unreachable_fault`) that still exist: treated as
+    on a dead node whatever their Node says (its kubelet, gone too, will not confirm)."""
     lost_basis: int = 0
     lost_counted: int = 0
     lost_step_seconds: float = 0.0

@@ -747,7 +747,8 @@ def _teardown(p: _Pass, pods: list[ObservedPod], keep_finished: bool = False) ->
         assert pod.deletion_timestamp is not None
         stuck = (p.now - pod.deletion_timestamp).total_seconds()
         node = p.observed.nodes.get(pod.node) if pod.node else None
-        dead = pod.node is None or node_dead(node, p.now, 0.0, p.observed.nodes_known)
+        dead = (pod.node is None or node_dead(node, p.now, 0.0, p.observed.nodes_known)
+                or pod.name in p.state.peer_lost)
         if stuck >= p.settings.force_delete_after_seconds and dead:
             p.actions.append(DeletePod(pod.name, grace_seconds=0))
             p.event(
@@ -1321,6 +1322,10 @@ def _beat(p: _Pass, lease_name: str) -> Heartbeat | None:
 def _on_fault(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> None:
     """Count the fault, then end the job or restart the gang."""
     p.fault = fault
+    if fault.unreachable and fault.pod:
+        present = {pod.name for pod in p.observed.pods}
+        lost = [n for n in p.state.peer_lost if n in present and n != fault.pod] + [fault.pod]
+        p.state = p.state.model_copy(update={"peer_lost": lost})
     streak = _count_fault(p, spec, fault)
     verdict = _verdict(spec, p.status, fault, streak)
     if verdict is not None:
@@ -1461,6 +1466,8 @@ def _on_unhealthy_node(p: _Pass, pod: ObservedPod) -> bool:
 
 
 def _on_dead_node(p: _Pass, pod: ObservedPod) -> bool:
+    if pod.name in p.state.peer_lost:
+        return True
     return pod.node is not None and node_dead(p.observed.nodes.get(pod.node), p.now, 0.0,
                                               p.observed.nodes_known)
 
@@ -1525,7 +1532,7 @@ def _ensure_spares(p: _Pass, spec: PretrainJobSpec) -> None:
 def _keepable(p: _Pass, pod: ObservedPod, attempt: int) -> bool:
     if pod.spare or pod.attempt is None or pod.attempt > attempt or pod.terminating:
         return False
-    if pod.rank is None:
+    if pod.rank is None or pod.name in p.state.peer_lost:
         return False
     if pod.phase in ("Failed", "Succeeded", "Unknown"):
         return False

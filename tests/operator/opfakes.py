@@ -300,7 +300,24 @@ class World:
                 }
             )
             name = labels.worker_lease_name(JOB.name, pod.attempt or 0, pod.rank or 0)
+            old = self.leases.get(name)
+            if old is not None and old.heartbeat is not None:  # a merge patch: the launcher's
+                hb = hb.model_copy(update={  # report (report_unreachable) stays beside it
+                    k: getattr(old.heartbeat, k) for k in ("unreachable_ranks",
+                                                           "unreachable_since")})
             self.leases[name] = ObservedLease(name, self.now, hb)
+
+    def peers_unreachable(self, rank: int, ranks: list[int]) -> None:
+        """The launcher of node rank `rank` reports the neighbours it cannot reach
+        (agent.LeaseControl.report_unreachable: two annotations patched, the trainer's last
+        beat and its renewTime kept)."""
+        pod = self.pod_of(rank)
+        name = labels.worker_lease_name(JOB.name, pod.attempt or 0, rank)
+        old = self.leases.get(name)
+        last = old.heartbeat if old is not None and old.heartbeat is not None else Heartbeat()
+        hb = last.model_copy(update={"unreachable_ranks": ranks,
+                                     "unreachable_since": self.now if ranks else None})
+        self.leases[name] = ObservedLease(name, old.renew_time if old else None, hb)
 
     def trainer_exit(self, rank: int, exit_code: int = 137, reason: str | None = None) -> None:
         """An in-place launcher reports that the trainer of rank `rank` exited (the pod stays)."""

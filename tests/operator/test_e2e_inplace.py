@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -228,17 +229,20 @@ def test_rank_0_s_failed_pod_moves_to_a_warm_spare_which_becomes_the_master(job_
 
 def test_a_lost_node_s_rank_moves_to_a_warm_spare(job_env: Env) -> None:
     """spareNodes 1 on the rig's 3 nodes: the spare's launcher waits with warm standbys; rank
-    1's node goes down; the spare takes rank 1 at once (no pod scheduled, no force-delete
-    waited for); rank 0's pod is kept."""
+    1's node goes down; rank 0's launcher finds it unreachable and the operator acts within
+    5 s (before the Node turns NotReady); the spare takes rank 1 at once (no pod scheduled, no
+    force-delete waited for); rank 0's pod is kept."""
     victim = f"{JOB}-a0-1"
     node = spare_uid = ""
+    down_at = 0.0
 
     def node_down() -> None:
-        nonlocal node, spare_uid
+        nonlocal node, spare_uid, down_at
         # the spare comes once the attempt trains: after run_fault's snapshot of the pods
         job_env.wait("the spare ready", lambda s: (s.get("spares") or {}).get("ready") == 1, 60)
         spare_uid = job_env.core.read_namespaced_pod(f"{JOB}-s0", job_env.ns).metadata.uid
         node = job_env.core.read_namespaced_pod(victim, job_env.ns).spec.node_name
+        down_at = time.time()
         faults.node_down(job_env.cluster.config, node)
 
     try:
@@ -251,6 +255,14 @@ def test_a_lost_node_s_rank_moves_to_a_warm_spare(job_env: Env) -> None:
     assert isinstance(done, dict) and isinstance(before, dict)
     assert done["restarts"] == {"total": 1, "counted": 0, "inPlace": 1}, done["restarts"]
     assert done["spares"]["promoted"] == 1, done["spares"]
+    # found by rank 0's launcher (hlat_trainer.peers), not by the node lifecycle controller
+    # (16 s of grace on the rig): within 5 s of the fault
+    failure = done["lastFailure"]
+    assert "unreachable from its peers" in failure["message"], failure
+    at = datetime.fromisoformat(failure["time"].replace("Z", "+00:00")).timestamp()
+    detected = at - down_at
+    print(f"lost node found by its peers {detected:.2f}s after the fault")
+    assert 0 < detected <= 5.0, (detected, failure)
     pods = {p.metadata.name: p for p in job_env.pods()}
     spare = pods[f"{JOB}-s0"]
     assert spare.metadata.uid == spare_uid  # the same pod, now rank 1

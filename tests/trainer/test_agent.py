@@ -123,7 +123,8 @@ class StalledControl:
     def record(self, fresh: bool = False) -> None:
         self.release.wait(10)
 
-    def report_exit(self, attempt: int, code: int, reason: str | None = None) -> None:
+    def report_exit(self, attempt: int, rank: int, code: int, reason: str | None = None
+                    ) -> None:
         self.exits.append((attempt, code, time.monotonic()))
 
 
@@ -156,3 +157,37 @@ def test_a_worker_killed_while_a_read_of_the_record_hangs_is_reported_at_once(
         control.release.set()
     assert [(a, c) for a, c, _ in control.exits] == [(2, 137)]
     assert control.exits[0][2] - worker.dies < 1.0
+
+
+class PromotingControl:
+    """A watched record that names the spare pod `job-s0` for node rank 2 of attempt 1."""
+
+    pushed = True
+
+    def __init__(self) -> None:
+        self.exits: list[tuple[int, int, int]] = []
+
+    def record(self, fresh: bool = False) -> Any:
+        from hlat_api.gang import GangRecord
+
+        return GangRecord(attempt=1, ranks={"job-s0": 2})
+
+    def report_exit(self, attempt: int, rank: int, code: int, reason: str | None = None
+                    ) -> None:
+        self.exits.append((attempt, rank, code))
+
+
+def test_a_promoted_spare_reports_its_trainer_s_exit_under_the_rank_it_took(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spare pod is created as node rank 0's twin (HLAT_NODE_RANK=0): once the record gives
+    it rank 2, its trainer's exit goes on rank 2's Lease, not on rank 0's (which blamed rank
+    0's pod for it)."""
+    control = PromotingControl()
+    layout = agent.NodeLayout(nnodes=3, nproc=1, node_rank=0, master_addr="job-0.job",
+                              master_port=29500)
+    run = agent.Agent(layout, [], {}, control=control, wait_bound=0.3, warm=False,
+                      pod="job-s0", spare=True)
+    monkeypatch.setattr(run, "_start", lambda *args: [Killed(time.monotonic() + 0.2)])
+    monkeypatch.setattr(agent, "stop_all", lambda procs, grace: None)
+    assert run._loop(attempt=-1, steps_done=0, started=time.monotonic()) == 137
+    assert control.exits == [(1, 2, 137)]

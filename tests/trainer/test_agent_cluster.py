@@ -106,10 +106,10 @@ def test_an_exit_report_refused_once_the_next_attempt_began_is_dropped_at_once(
         "metadata": {"name": labels.worker_lease_name("tiny", 0, 0)}, "spec": {}})
     worker = CountedPatches(workers_with_the_operator_s_role(cluster, namespace, attempt=1))
     control = LeaseControl(worker, namespace, gang, "tiny", node_rank=0)
-    control.report_exit(0, 1)
+    control.report_exit(0, 0, 1)
     assert worker.patches == 1
 
     admin.patch_namespaced_lease(gang, namespace, {"metadata": {
         "annotations": GangRecord(attempt=0).to_annotations()}})
-    control.report_exit(0, 1)
+    control.report_exit(0, 0, 1)
     assert worker.patches == 1 + REPORT_TRIES

@@ -52,7 +52,7 @@ def test_a_record_read_that_fails_without_a_message_is_no_record(
     control = LeaseControl(Unreachable(error), "ns", "tiny-gang", "tiny", node_rank=0)
     with caplog.at_level(logging.WARNING):
         assert control.record(fresh=True) is None
-        control.report_exit(0, 1)
+        control.report_exit(0, 0, 1)
     assert type(error).__name__ in caplog.text
 
 

@@ -96,7 +96,8 @@ class Reports:
     def record(self, fresh: bool = False) -> None:
         return None
 
-    def report_exit(self, attempt: int, code: int, reason: str | None = None) -> None:
+    def report_exit(self, attempt: int, rank: int, code: int, reason: str | None = None
+                    ) -> None:
         self.exits.append((attempt, code, reason))
 
 

@@ -22,14 +22,18 @@ is true; without it the first worker reserves every core of the node and the oth
   name and HLAT_STEPS_DONE, on a fresh rendezvous (`RENDEZVOUS_PORTS`). Never two trainers
   for one rank: the new ones start only after the old ones are reaped.
 - A worker that exits non-zero: its local peers are stopped (as torchrun does), the exit code
-  is written to this node's Lease of that attempt (`Heartbeat.exit_code`, and the
-  `labels.TRAINER_EXITED` label the operator watches; `Heartbeat.exit_reason` `OOMKilled` when
+  is written to this node's Lease of that attempt, under the node rank it runs (a promoted
+  spare's is the record's) (`Heartbeat.exit_code`, the `labels.TRAINER_EXITED` label, and
+  `labels.REPORTED`, which the operator watches; `Heartbeat.exit_reason` `OOMKilled` when
   it died by SIGKILL and the container's memory cgroup counted an OOM kill since the attempt
   began, `hlat_trainer.oom`), and the launcher waits for the next
   attempt, at most `backoff.maxSeconds` + `WAIT_MARGIN_SECONDS`; then it exits with the code and
   the pod fails, which the operator handles by recreating it. `ExitCode.CONFIG_ERROR` exits at
   once (permanent), and so does `ExitCode.NODE_FAULT` (the pod must leave its node: a trainer
   restarted in place would meet the same device). All workers exiting 0 ends the pod successfully.
+- Peers (`hlat_trainer.peers`, jobs of several nodes): the launcher listens on `PEER_PORT` and
+  watches its two neighbours'; one it cannot reach any more is reported on its Lease
+  (`Heartbeat.unreachable_ranks`), so that a lost node is acted on within seconds.
 - Warm standby: for every local rank a process is kept started ahead of time with torch and
   the trainer imported (`hlat_trainer.standby`), waiting on its stdin for the attempt's
   environment; a restart costs the rendezvous and the checkpoint load, not the imports. The
@@ -65,8 +69,10 @@ from typing import Any, Protocol
 
 from hlat_api import Env, ExitCode, Heartbeat, labels
 from hlat_api.gang import GangRecord
+from hlat_api.heartbeat import PREFIX
 from hlat_trainer.errors import first_line
 from hlat_trainer.oom import OOM_KILLED, OomCounter
+from hlat_trainer.peers import PeerWatch
 
 log = logging.getLogger("hlat_launch")
 
@@ -110,9 +116,15 @@ class Control(Protocol):
         """The job's restart record now (None: unreadable for the moment); `fresh`: read from
         the API server even while watching."""
 
-    def report_exit(self, attempt: int, code: int, reason: str | None = None) -> None:
-        """Tell the operator the trainer of `attempt` on this node exited with `code`, for
-        `reason` where the launcher knows it (`oom.OOM_KILLED`)."""
+    def report_exit(self, attempt: int, rank: int, code: int, reason: str | None = None
+                    ) -> None:
+        """Tell the operator the trainer of `attempt` on this node (node rank `rank` in it)
+        exited with `code`, for `reason` where the launcher knows it (`oom.OOM_KILLED`)."""
+
+    def report_unreachable(self, attempt: int, rank: int, ranks: list[int],
+                           since: datetime | None) -> bool:
+        """Tell the operator which neighbours this node cannot reach (`peers.PeerWatch`);
+        True: written."""
 
 
 class LeaseControl:
@@ -197,10 +209,13 @@ class LeaseControl:
             return None
         return GangRecord.from_annotations(lease.metadata.annotations)
 
-    def report_exit(self, attempt: int, code: int, reason: str | None = None) -> None:
-        name = labels.worker_lease_name(self.job, attempt, self.node_rank)
+    def report_exit(self, attempt: int, rank: int, code: int, reason: str | None = None
+                    ) -> None:
+        # the rank of the attempt, not the pod's first: a promoted spare was created as rank 0
+        name = labels.worker_lease_name(self.job, attempt, rank)
         beat = Heartbeat(attempt=attempt, exit_code=code, exit_reason=reason)
-        body = {"metadata": {"labels": {labels.TRAINER_EXITED: str(code)},
+        body = {"metadata": {"labels": {labels.TRAINER_EXITED: str(code),
+                                        labels.REPORTED: "exit"},
                              "annotations": {k: v for k, v in beat.to_annotations().items()
                                              if k.endswith(("exit_code", "exit_reason",
                                                             "attempt"))}}}
@@ -221,6 +236,23 @@ class LeaseControl:
                 self._failed(f"reporting the exit on Lease {name}", err)
                 if tries + 1 < REPORT_TRIES and self._wait_moved_past(attempt, POLL_SECONDS):
                     return
+
+    def report_unreachable(self, attempt: int, rank: int, ranks: list[int],
+                           since: datetime | None) -> bool:
+        """Tell the operator which neighbours this node cannot reach (`peers.PeerWatch`), on
+        the Lease of node rank `rank` in `attempt`; `[]` clears the report (and the label
+        that has the operator hear every renewal of the Lease). True: written."""
+        name = labels.worker_lease_name(self.job, attempt, rank)
+        beat = Heartbeat(unreachable_ranks=ranks, unreachable_since=since).to_annotations()
+        keys = (PREFIX + "unreachable_ranks", PREFIX + "unreachable_since")
+        body = {"metadata": {"labels": {labels.REPORTED: "peers" if ranks else None},
+                             "annotations": {k: beat.get(k) for k in keys}}}
+        try:
+            self.api.patch_namespaced_lease(name, self.namespace, body)
+        except Exception as err:  # 404/403: the attempt is over; else tried again next round
+            self._failed(f"reporting unreachable peers on Lease {name}", err)
+            return getattr(err, "status", None) in (403, 404)
+        return True
 
     def _moved_past(self, attempt: int) -> bool:
         record = self.record()
@@ -398,6 +430,11 @@ class Agent:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     oom: OomCounter = field(default_factory=OomCounter)
     """The container's OOM kills, marked at each attempt's start."""
+    watch_peers: bool = False
+    """Watch this node's neighbours (`peers.PeerWatch`, started by `run`): a job of several
+    nodes."""
+    peers: PeerWatch | None = None
+    """That watch, told each attempt this node runs and each restart record it reads."""
 
     def _attempt_env(self, attempt: int, steps_done: int, started: float) -> dict[str, str]:
         job = self.env.get(Env.JOB_NAME, "")
@@ -440,11 +477,16 @@ class Agent:
         self.standbys = []
         self.standbys_due = self.clock() + STANDBY_DELAY_SECONDS if self.warm else None
         self.procs = procs
+        if self.peers is not None:
+            self.peers.follow(attempt, self.layout.node_rank)
         _say(f"attempt {attempt}: started {len(procs)} worker(s) "
              f"(pids {', '.join(str(p.pid) for p in procs)})")
         return procs
 
     def run(self, attempt: int, steps_done: int, started: float) -> int:
+        if self.watch_peers and self.layout.nnodes > 1:
+            self.peers = PeerWatch(self.env.get(Env.JOB_NAME, ""), self.layout.nnodes,
+                                   self.control.report_unreachable).start()
         if self.warm:
             self.standbys = [Standby(self.env, self.argv) for _ in range(self.layout.nproc)]
         try:
@@ -453,6 +495,8 @@ class Agent:
             stop_all(self.procs, STOP_GRACE_SECONDS)
             for standby in self.standbys:
                 standby.discard()
+            if self.peers is not None:
+                self.peers.stop()
 
     def _keep_standbys(self) -> None:
         if self.standbys_due is None:
@@ -492,6 +536,8 @@ class Agent:
                 reading = RecordRead(self.control)
             elif self.control.pushed:
                 record = self.control.record()  # the watch's latest: no request
+            if record is not None and self.peers is not None:
+                self.peers.seen(record)
             rank = self._rank(record) if record is not None else None
             if record is not None and record.attempt > attempt and rank is not None:
                 began = self.clock()
@@ -528,7 +574,7 @@ class Agent:
             _say(f"attempt {attempt}: a worker exited with {code}"
                  f"{' (out of memory: the kernel killed it)' if reason else ''}; waiting for "
                  "the next attempt")
-            self.control.report_exit(attempt, code, reason)
+            self.control.report_exit(attempt, self.layout.node_rank, code, reason)
             failed_at = next_read = self.clock()
 
 

@@ -283,7 +283,8 @@ def run_in_place(env: Mapping[str, str], spec: PretrainJobSpec, base: dict[str, 
     runner = agent.Agent(layout, trainer_argv, base, agent.LeaseControl.from_environment(env),
                          spec.fault_tolerance.backoff.max_seconds + agent.WAIT_MARGIN_SECONDS,
                          pod=env.get(Env.POD_NAME, ""), spare=spare,
-                         attempt_env=_root_comm_env if root_comm else None)
+                         attempt_env=_root_comm_env if root_comm else None,
+                         watch_peers=multi)
 
     def stop(sig: int, _frame: object) -> None:
         raise SystemExit(128 + sig)

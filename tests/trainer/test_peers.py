@@ -147,3 +147,21 @@ def test_two_launchers_on_loopback(silent: bool) -> None:
     finally:
         other.stop()
     assert [r[2] for r in reports] == ([[1]] if silent else []), reports
+
+
+def test_a_name_that_stops_resolving_is_no_evidence_its_last_address_is_probed() -> None:
+    """DNS slow or away: the neighbour is probed at the address it had in this attempt, and is
+    reported only if that goes silent; never reported for the lookup alone."""
+    reports: Reports = []
+    resolving = {"tiny-1.tiny": True}
+    answering = {("10.0.0.1", 0): True}
+    watch = PeerWatch("tiny", 2, lambda *r: reports.append(r) is None,
+                      address=lambda host: ("10.0.0.1", 0) if resolving[host] else None,
+                      connect=lambda address, _: answering[address])
+    watch.follow(0, 0)
+    start = time.monotonic()
+    watch.probe(now=start)
+    resolving["tiny-1.tiny"] = False
+    assert watch.probe(now=start + 10) == [] and reports == []  # the old address answers
+    answering[("10.0.0.1", 0)] = False
+    assert watch.probe(now=start + 20) == [1]

@@ -76,6 +76,7 @@ class PeerWatch:
         self._record: GangRecord | None = None
         self._reached: dict[int, float] = {}  # rank -> when last reached (monotonic)
         self._reported: list[int] = []
+        self._addresses: dict[str, tuple[str, int]] = {}  # host -> its address this attempt
         self._watching: tuple[int, int] | None = None
         self._stop = threading.Event()
         self._server: socket.socket | None = None
@@ -152,13 +153,23 @@ class PeerWatch:
             return []
         if target != self._watching:  # a new attempt, or a new rank: nothing reached yet
             self._watching, self._reached, self._reported = target, {}, []
+            self._addresses = {}
         attempt, rank = target
+        silent = set()
         for other, host in self.hosts(rank).items():
-            address = self.address(host)
-            if address is not None and self.connect(address, self.period):
+            # a name that does not resolve now (DNS slow or away) is no evidence: the address
+            # it had in this attempt is probed, and without one the neighbour is not judged
+            address = self.address(host) or self._addresses.get(host)
+            if address is None:
+                continue
+            self._addresses[host] = address
+            if self.connect(address, self.period):
                 self._reached[other] = time.monotonic() if now is None else now
+            else:
+                silent.add(other)
         clock = time.monotonic() if now is None else now
-        lost = sorted(r for r, at in self._reached.items() if clock - at >= self.lost_after)
+        lost = sorted(r for r, at in self._reached.items()
+                      if clock - at >= self.lost_after and r in silent)
         if lost != self._reported:
             since = (datetime.now(UTC) - timedelta(seconds=clock - self._reached[lost[0]])
                      if lost else None)

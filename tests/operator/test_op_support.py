@@ -267,6 +267,12 @@ def test_the_operator_asks_the_api_server_for_worker_pods_only() -> None:
     workloads = Resource("kueue.x-k8s.io", "v1beta2", "workloads", kind="Workload",
                          namespaced=True, preferred=True, verbs=["list", "watch"])
     assert list(settings.watching.label_selectors.collect(workloads)) == ["hlat.dev/job"]
+    # Leases: only those a launcher put a report on (an exit, unreachable peers), not every
+    # heartbeat renewal of every worker
+    leases = Resource("coordination.k8s.io", "v1", "leases", kind="Lease", namespaced=True,
+                      preferred=True, verbs=["list", "watch"])
+    assert list(settings.watching.label_selectors.collect(leases)) == [
+        "hlat.dev/job,hlat.dev/reported"]
 
 
 @pytest.mark.parametrize(("chunk", "pages"), [(200, ["200", "200"]), (0, [None])])

@@ -113,3 +113,39 @@ def test_an_exit_report_refused_once_the_next_attempt_began_is_dropped_at_once(
         "annotations": GangRecord(attempt=0).to_annotations()}})
     control.report_exit(0, 0, 1)
     assert worker.patches == 1 + REPORT_TRIES
+
+
+def test_a_peers_report_reaches_the_lease_the_operator_watches_and_is_cleared(
+        cluster: Cluster, namespace: str) -> None:
+    """With the workers' own Role: a report of an unreachable neighbour lands on the Lease of
+    this node's rank in the attempt with the label the operator's watch selects (so it acts at
+    once), beside the trainer's own annotations; clearing it leaves `[]`, drops the time, and
+    keeps the label (an exit report may share it)."""
+    from datetime import UTC, datetime
+
+    from hlat_api.heartbeat import Heartbeat
+
+    admin = client.CoordinationV1Api(cluster.admin_api())
+    name = labels.worker_lease_name("tiny", 0, 1)
+    trainer = Heartbeat(attempt=0, step=7).to_annotations()
+    admin.create_namespaced_lease(namespace, {"metadata": {
+        "name": name, "labels": {labels.JOB: "tiny"}, "annotations": trainer}, "spec": {}})
+    worker = client.CoordinationV1Api(workers_with_the_operator_s_role(cluster, namespace))
+    control = LeaseControl(worker, namespace, labels.gang_lease_name("tiny"), "tiny",
+                           node_rank=0)  # a promoted spare: created as rank 0, runs rank 1
+    since = datetime.now(UTC)
+    assert control.report_unreachable(0, 1, [2], since)
+    meta = admin.read_namespaced_lease(name, namespace).metadata
+    beat = Heartbeat.from_annotations(meta.annotations)
+    assert beat is not None and beat.unreachable_ranks == [2] and beat.step == 7
+    assert beat.unreachable_since is not None
+    assert abs((beat.unreachable_since - since).total_seconds()) < 0.001
+    assert meta.labels[labels.REPORTED] == "peers"
+    assert control.report_unreachable(0, 1, [], None)
+    meta = admin.read_namespaced_lease(name, namespace).metadata
+    beat = Heartbeat.from_annotations(meta.annotations)
+    assert beat is not None and beat.unreachable_ranks == [] and beat.unreachable_since is None
+    assert meta.labels[labels.REPORTED] == "peers" and beat.step == 7
+    # another attempt's Lease is not this Role's: refused, and not made again (the attempt
+    # is over)
+    assert control.report_unreachable(3, 1, [2], since)

@@ -240,13 +240,16 @@ class LeaseControl:
     def report_unreachable(self, attempt: int, rank: int, ranks: list[int],
                            since: datetime | None) -> bool:
         """Tell the operator which neighbours this node cannot reach (`peers.PeerWatch`), on
-        the Lease of node rank `rank` in `attempt`; `[]` clears the report (and the label
-        that has the operator hear every renewal of the Lease). True: written."""
+        the Lease of node rank `rank` in `attempt`; `[]` clears the report. The label stays
+        once set (an exit report may have set it too): the operator then hears the Lease's
+        renewals for the rest of the attempt. True: written."""
         name = labels.worker_lease_name(self.job, attempt, rank)
         beat = Heartbeat(unreachable_ranks=ranks, unreachable_since=since).to_annotations()
         keys = (PREFIX + "unreachable_ranks", PREFIX + "unreachable_since")
-        body = {"metadata": {"labels": {labels.REPORTED: "peers" if ranks else None},
-                             "annotations": {k: beat.get(k) for k in keys}}}
+        meta: dict[str, Any] = {"annotations": {k: beat.get(k) for k in keys}}
+        if ranks:
+            meta["labels"] = {labels.REPORTED: "peers"}
+        body = {"metadata": meta}
         try:
             self.api.patch_namespaced_lease(name, self.namespace, body)
         except Exception as err:  # 404/403: the attempt is over; else tried again next round

@@ -51,6 +51,9 @@ def test_a_sigkilled_worker_restarts_the_gang_from_the_last_checkpoint(job_env: 
     running = job_env.wait("a checkpoint", lambda s: s.get("phase") == "Running"
                            and (s.get("latestCheckpoint") or {}).get("step", 0) >= 2, 180)
     reached = running["progress"]["step"]
+    # frozen first: on an idle machine the 40 steps take about 2 s and the status lags them,
+    # so a kill alone landed after the last step once (CI) and the resumed gang logged none
+    faults.hang(job_env.cluster.config, job_env.ns, f"{JOB}-a0-1")
     faults.kill(job_env.cluster.config, job_env.ns, f"{JOB}-a0-1")
     fault_at = time.monotonic()
     restarting = job_env.wait_phase("Restarting", 30)

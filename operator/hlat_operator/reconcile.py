@@ -746,9 +746,7 @@ def _teardown(p: _Pass, pods: list[ObservedPod], keep_finished: bool = False) ->
             continue
         assert pod.deletion_timestamp is not None
         stuck = (p.now - pod.deletion_timestamp).total_seconds()
-        node = p.observed.nodes.get(pod.node) if pod.node else None
-        dead = (pod.node is None or node_dead(node, p.now, 0.0, p.observed.nodes_known)
-                or pod.name in p.state.peer_lost)
+        dead = pod.node is None or _on_dead_node(p, pod)
         if stuck >= p.settings.force_delete_after_seconds and dead:
             p.actions.append(DeletePod(pod.name, grace_seconds=0))
             p.event(

@@ -171,9 +171,13 @@ def test_an_in_place_attempt_that_trained_resets_the_fallback_count() -> None:
     assert sorted(w.pods) == ["tiny-a0-0", "tiny-a0-1"]
 
 
-def spare_world() -> World:
-    w = World(raw_spec(**{"faultTolerance.restartStrategy": "InPlace",
-                          "faultTolerance.spareNodes": 1}))
+def spare_world(nodes: int = 2, spares: int = 1) -> World:
+    """An InPlace job of `nodes` nodes (a global batch every rank has a micro-batch of) with
+    `spares` spare nodes, on enough rig nodes for all of them and one more, Running."""
+    w = World(raw_spec(**{"nodes": nodes, "train.globalBatch": 4 * nodes,
+                          "faultTolerance.restartStrategy": "InPlace",
+                          "faultTolerance.spareNodes": spares}),
+              nodes=tuple(f"node-{i}" for i in range(nodes + spares + 1)))
     w.until("Running")
     for _ in range(3):
         w.schedule()

@@ -7,24 +7,15 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from opfakes import World, raw_spec
-from test_reconcile_inplace import restart
+from opfakes import World
+from test_reconcile_inplace import restart, spare_world
 
 from hlat_operator.faults import PEER_SETTLE_SECONDS
 from hlat_operator.reconcile import PatchPod
 
 
 def peer_world(nodes: int = 3, spares: int = 1) -> World:
-    w = World(raw_spec(**{"nodes": nodes, "train.globalBatch": 12, "train.microBatch": 4,
-                          "faultTolerance.restartStrategy": "InPlace",
-                          "faultTolerance.spareNodes": spares}),
-              nodes=tuple(f"node-{i}" for i in range(nodes + spares + 1)))
-    w.until("Running")
-    for _ in range(3):
-        w.schedule()
-        w.beat(5)
-        w.step()
-    return w
+    return spare_world(nodes, spares)
 
 
 def test_a_node_its_peers_cannot_reach_is_lost_at_once_and_its_rank_moves_to_the_spare(

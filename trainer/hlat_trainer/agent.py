@@ -252,9 +252,12 @@ class LeaseControl:
         body = {"metadata": meta}
         try:
             self.api.patch_namespaced_lease(name, self.namespace, body)
-        except Exception as err:  # 404/403: the attempt is over; else tried again next round
+        except Exception as err:  # the API server away: made again next round
             self._failed(f"reporting unreachable peers on Lease {name}", err)
-            return getattr(err, "status", None) in (403, 404)
+            # a refusal that cannot change (403/404: the attempt is over; 422) is not made
+            # again every half second; a conflict or throttling (409, 429) is
+            status = getattr(err, "status", None)
+            return isinstance(status, int) and 400 <= status < 500 and status not in (409, 429)
         return True
 
     def _moved_past(self, attempt: int) -> bool:

@@ -12,6 +12,7 @@ and torch-xla's own ZeRO-1 optimizer (xla_standin.py).
 
 from __future__ import annotations
 
+import gc
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -71,6 +72,9 @@ class Probe:
 
 
 def train(job: Job) -> tuple[Trainer, Probe, dict[str, int]]:
+    # a process trains one job: the previous test's trainer is garbage held by reference
+    # cycles, and its tensors' pending views would join this job's first graph
+    gc.collect()
     trainer = Trainer(job, backend=CpuXlaBackend(job.spec))
     probe = Probe()
     probe.attach(trainer)

@@ -219,7 +219,8 @@ class Engine(ABC):
                 targets, self.device)
             with backend.autocast():
                 logits = self.model(inputs)
-            loss = backend.loss(logits, targets) / share
+            loss = backend.loss(logits, targets)
+            loss = loss / self._divisor(share, loss)
             loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach()
             backend.micro_batch_end()
@@ -233,6 +234,21 @@ class Engine(ABC):
             loss_sum /= self.world.dp
         backend.step_end()
         return StepResult(loss_sum, grad_norm, data_wait, staging_wait, compute, sync)
+
+    def _divisor(self, share: float, like: Tensor) -> Tensor:
+        """`share` as a 0-d view of a 1-element device tensor uploaded once per value. Neither a
+        Python float nor a 0-d upload: torch-xla serves both from its scalar cache, where equal
+        values share one buffer and so one graph parameter; `loss / 2.0` then merges with the
+        model's own 2.0 (RMSNorm's backward) and `loss / 6.0` does not, and the graphs' hashes
+        would change with the accumulation count (a Trainium job compiling again whenever its
+        node count does). A 1-d upload gets a buffer of its own."""
+        key = (share, like.dtype)
+        if self._divisor_cache is None or self._divisor_cache[0] != key:
+            value = torch.tensor([share], dtype=like.dtype).to(like.device)
+            self._divisor_cache = (key, value)
+        return self._divisor_cache[1][0]
+
+    _divisor_cache: tuple[tuple[float, torch.dtype], Tensor] | None = None
 
     def eval_loss(self, batches: list[tuple[Tensor, Tensor]],
                   each: Callable[[], None] = lambda: None) -> Tensor:

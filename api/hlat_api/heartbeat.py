@@ -38,6 +38,9 @@ PEER_PROBE_SECONDS = 0.5
 ring), and how long a connection may take."""
 PEER_LOST_SECONDS = 2.0
 """A neighbour reached once and then not for this long is reported unreachable."""
+REPLICA_PORT = 29491
+"""Each worker's launcher (in-place restarts, in-memory snapshots) serves its peers' snapshot
+replicas here (`hlat_trainer.replica`)."""
 
 
 def lease_name(pod_name: str) -> str:

@@ -244,8 +244,17 @@ class CheckpointSpec(_Model):
     pod resumes from the newest snapshot every rank holds, when it is not older than the
     durable checkpoint, with nothing read from the volume and at most this many steps lost.
     Each rank keeps its two newest (host memory: twice its state). A replaced pod (a lost node)
-    resumes from the durable checkpoint. Unset: off. torch-native backends (cpu, cuda,
-    neuron-native)."""
+    resumes from a peer's replica (memoryReplicas), else from the durable checkpoint. Unset:
+    off. torch-native backends (cpu, cuda, neuron-native)."""
+    memory_replicas: int = Field(default=1, ge=0, le=1)
+    """With memoryInterval, and more than one node: copies of each node's snapshots kept in
+    another node's memory (the next node rank's, in a ring), pushed by the launchers over TCP
+    port 29491 off the training loop, checked by SHA-256. A node that is lost hands its ranks
+    to a spare or a new pod, which fetches their snapshots back from that peer before its
+    trainers start: the job resumes from memory with nothing read from the volume, when the
+    copy is no more than one snapshot behind the other ranks' newest. Host memory per node:
+    twice its own snapshots. 0: no copies (a lost node's ranks resume from the durable
+    checkpoint)."""
 
 
 class StorageSpec(_Model):
@@ -789,12 +798,14 @@ is the trainers' own (processes, the data loader, an asynchronous save's staged 
 
 
 def snapshot_gib_per_node(spec: PretrainJobSpec) -> float:
-    """Host memory a node's ranks' in-memory snapshots take (SNAPSHOTS_KEPT each)."""
+    """Host memory a node's in-memory snapshots take: SNAPSHOTS_KEPT of each of its ranks, and
+    as many copies of its predecessor's (checkpoint.memoryReplicas)."""
     p = spec.parallelism
     one = snapshot_bytes_per_rank(spec.model.dims(), tp=p.tensor * p.pipeline,
                                   dp=spec.data_parallel, precision=spec.precision,
                                   zero1=p.zero1)
-    return SNAPSHOTS_KEPT * one * spec.ranks_per_node / GIB
+    copies = 1 + (spec.checkpoint.memory_replicas if spec.nodes > 1 else 0)
+    return copies * SNAPSHOTS_KEPT * one * spec.ranks_per_node / GIB
 
 
 def _check_snapshots(spec: PretrainJobSpec) -> None:
@@ -821,7 +832,7 @@ def _check_snapshots(spec: PretrainJobSpec) -> None:
         raise SpecError(
             "checkpoint.memoryInterval",
             f"in-memory snapshots need {need:.0f} GiB per node ({SNAPSHOTS_KEPT} per rank, "
-            f"{spec.ranks_per_node} ranks), over {SNAPSHOT_MEMORY_SHARE:.0%} of a "
+            f"{spec.ranks_per_node} ranks, and as many of a peer's with memoryReplicas), over {SNAPSHOT_MEMORY_SHARE:.0%} of a "
             f"{spec.instance_type}'s {node_gib:g} GiB: unset it, or shard the state more "
             "(parallelism.zero1, a higher parallelism.tensor, more nodes)")
 

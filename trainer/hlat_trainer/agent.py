@@ -72,7 +72,8 @@ from hlat_api.gang import GangRecord
 from hlat_api.heartbeat import PREFIX
 from hlat_trainer.errors import first_line
 from hlat_trainer.oom import OOM_KILLED, OomCounter
-from hlat_trainer.peers import PeerWatch
+from hlat_trainer.peers import PeerWatch, peer_host
+from hlat_trainer.replica import ReplicaServer, Replicator, restore, successor
 
 log = logging.getLogger("hlat_launch")
 
@@ -441,6 +442,13 @@ class Agent:
     nodes."""
     peers: PeerWatch | None = None
     """That watch, told each attempt this node runs and each restart record it reads."""
+    replicate: bool = False
+    """Copy this node's in-memory snapshots to the node above and hold the node below's
+    (`hlat_trainer.replica`, checkpoint.memoryReplicas; started by `run`); a node whose ranks
+    hold none fetches theirs back before its trainers start."""
+    replicas: tuple[ReplicaServer, Replicator] | None = None
+    record_seen: GangRecord | None = None
+    """The newest restart record this launcher read."""
 
     def _attempt_env(self, attempt: int, steps_done: int, started: float) -> dict[str, str]:
         job = self.env.get(Env.JOB_NAME, "")
@@ -467,6 +475,8 @@ class Agent:
         if self.attempt_env is not None:
             common.update(self.attempt_env(self.layout.master_addr, attempt))
         self.oom.mark()
+        if self.replicas is not None:
+            self._restore_snapshots(attempt)
         self.exit_file = exit_file = Path(common[Env.EXIT_FILE])
         self.started_file = Path(common[Env.STARTED_FILE])
         procs = []
@@ -489,10 +499,35 @@ class Agent:
              f"(pids {', '.join(str(p.pid) for p in procs)})")
         return procs
 
+    def _restore_snapshots(self, attempt: int) -> None:
+        """Follow `attempt` as replica holder and pusher; fetch this node's ranks' snapshots
+        from the node above where they hold none (a spare that took the rank, a pod made
+        again): bounded by replica.IO_TIMEOUT_SECONDS per silence, and on failure the
+        trainers resume from the durable checkpoint."""
+        assert self.replicas is not None
+        server, pusher = self.replicas
+        job, rank = self.env.get(Env.JOB_NAME, ""), self.layout.node_rank
+        server.follow(job, attempt)
+        pusher.follow(attempt, rank)
+        if attempt < 1:
+            return  # a job's first attempt: nothing was snapshotted yet
+        record = self.record_seen
+        if record is None or record.attempt < attempt:
+            reading = RecordRead(self.control)  # a pod made again: who holds which rank
+            if reading.done.wait(CONNECT_SECONDS) and reading.record is not None:
+                record = self.record_seen = reading.record
+        holder = peer_host(job, record, successor(rank, self.layout.nnodes))
+        restore(Path(self.env[Env.SNAPSHOT_DIR]), job, pusher.ranks(rank), holder, say=_say)
+
     def run(self, attempt: int, steps_done: int, started: float) -> int:
         if self.watch_peers and self.layout.nnodes > 1:
             self.peers = PeerWatch(self.env.get(Env.JOB_NAME, ""), self.layout.nnodes,
                                    self.control.report_unreachable).start()
+        if self.replicate and self.layout.nnodes > 1 and self.env.get(Env.SNAPSHOT_DIR):
+            root = Path(self.env[Env.SNAPSHOT_DIR])
+            self.replicas = (ReplicaServer(root).start(),
+                             Replicator(root, self.env.get(Env.JOB_NAME, ""),
+                                        self.layout.nnodes, self.layout.nproc).start())
         if self.warm:
             self.standbys = [Standby(self.env, self.argv) for _ in range(self.layout.nproc)]
         try:
@@ -503,6 +538,8 @@ class Agent:
                 standby.discard()
             if self.peers is not None:
                 self.peers.stop()
+            for side in self.replicas or ():
+                side.stop()
 
     def _keep_standbys(self) -> None:
         if self.standbys_due is None:
@@ -542,8 +579,12 @@ class Agent:
                 reading = RecordRead(self.control)
             elif self.control.pushed:
                 record = self.control.record()  # the watch's latest: no request
-            if record is not None and self.peers is not None:
-                self.peers.seen(record)
+            if record is not None:
+                self.record_seen = record
+                if self.peers is not None:
+                    self.peers.seen(record)
+                if self.replicas is not None:
+                    self.replicas[1].seen(record)
             rank = self._rank(record) if record is not None else None
             if record is not None and record.attempt > attempt and rank is not None:
                 began = self.clock()

@@ -495,19 +495,11 @@ class TorchEngine(Engine):
         if self.snapshots is None:
             return None
         self.snapshots.remove_partial()
-        newest, saved = 0, None
-        for step in self.snapshots.steps():
-            if step < max(durable, 1):
-                break
-            saved = self.snapshots.read(step)
-            if saved is not None:
-                newest = step
-                break
-        agreed = agree(newest, self._host_group)
+        held = [step for step in self.snapshots.steps() if step >= max(durable, 1)]
+        agreed = agree(held, self._host_group)
         if agreed == 0:
             return None
-        if agreed != newest:
-            saved = self.snapshots.read(agreed) if agreed in self.snapshots.steps() else None
+        saved = self.snapshots.read(agreed)
         self._init_optimizer_state()
         state = self._state(b"")
         if not self._all_ok(saved is not None and fits(state, saved)):

@@ -284,7 +284,9 @@ def run_in_place(env: Mapping[str, str], spec: PretrainJobSpec, base: dict[str, 
                          spec.fault_tolerance.backoff.max_seconds + agent.WAIT_MARGIN_SECONDS,
                          pod=env.get(Env.POD_NAME, ""), spare=spare,
                          attempt_env=_root_comm_env if root_comm else None,
-                         watch_peers=multi)
+                         watch_peers=multi,
+                         replicate=(multi and spec.checkpoint.memory_interval is not None
+                                    and spec.checkpoint.memory_replicas > 0))
 
     def stop(sig: int, _frame: object) -> None:
         raise SystemExit(128 + sig)

@@ -50,6 +50,15 @@ def neighbours(rank: int, nnodes: int) -> list[int]:
     return sorted({(rank - 1) % nnodes, (rank + 1) % nnodes} - {rank})
 
 
+def peer_host(job: str, record: GangRecord | None, rank: int) -> str:
+    """Node rank `rank`'s host name (`<hostname>.<service>`) in `record`'s attempt: a rank a
+    spare took is at the spare's."""
+    holders = {r: pod for pod, r in (record.ranks if record else {}).items()}
+    host = (labels.pod_hostname(job, holders[rank]) if rank in holders
+            else None) or labels.worker_hostname(job, rank)
+    return f"{host}.{labels.service_name(job)}"
+
+
 def reachable(address: tuple[str, int], timeout: float) -> bool:
     """Whether a TCP connection to `address` is answered (accepted or refused) in `timeout`."""
     try:
@@ -135,14 +144,8 @@ class PeerWatch:
         at the spare's."""
         with self._lock:
             record = self._record
-        holders = {r: pod for pod, r in (record.ranks if record else {}).items()}
-        service = labels.service_name(self.job)
-        out = {}
-        for other in neighbours(rank, self.nnodes):
-            host = (labels.pod_hostname(self.job, holders[other]) if other in holders
-                    else None) or labels.worker_hostname(self.job, other)
-            out[other] = f"{host}.{service}"
-        return out
+        return {other: peer_host(self.job, record, other)
+                for other in neighbours(rank, self.nnodes)}
 
     def probe(self, now: float | None = None) -> list[int]:
         """Connect to each neighbour once; report when the set of those unreachable changed.

@@ -10,7 +10,9 @@ Each rank keeps its `SNAPSHOTS_KEPT` newest.
 
 A snapshot is used only when every rank holds the same step (`agree`: a rank that died while
 writing step N still holds N - interval), with the same layout as this run, and it is not
-older than the newest durable checkpoint. Snapshots never touch the durable checkpoints: the
+older than the newest durable checkpoint. With checkpoint.memoryReplicas the launcher also
+copies each snapshot into the next node's memory (`hlat_trainer.replica`), from where a rank
+that moved to a new pod fetches it back before its trainer starts. Snapshots never touch the durable checkpoints: the
 `done` marker still means durable.
 """
 
@@ -110,13 +112,16 @@ class Snapshots:
             partial.unlink(missing_ok=True)
 
 
-def agree(newest: int, group: dist.ProcessGroup) -> int:
-    """The step every rank holds a readable snapshot of, given each rank's newest (0: none):
-    the lowest of them, if every rank holds that one too (the caller checks it with
-    `Engine._all_ok`); 0 when any rank has none."""
-    value = torch.tensor([newest], dtype=torch.int64)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-    return int(value.item())
+def agree(held: list[int], group: dist.ProcessGroup) -> int:
+    """The newest step every rank holds a snapshot of, given each rank's steps (a collective:
+    every rank calls it and gets the same answer); 0 when they have none in common. A rank
+    that took a lost node's place holds what it fetched from its peer's replica
+    (`hlat_trainer.replica`), which may lag the others' newest: the step before may still
+    be common to all."""
+    everyone: list[list[int] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, sorted(held), group=group)
+    common = set.intersection(*(set(steps or ()) for steps in everyone))
+    return max(common, default=0)
 
 
 def fits(state: dict[str, Any], saved: dict[str, Any]) -> bool:

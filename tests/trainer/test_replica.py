@@ -1,0 +1,214 @@
+"""Snapshot replicas between launchers (hlat_trainer.replica), on real sockets on loopback and
+real processes: a node's newest snapshots land whole in its successor's memory and come back
+to a rank that lost its own; a copy cut mid-way (the pusher killed, the holder dying mid-reply)
+or not matching its checksum is never used and leaves the previous copies whole; the launcher
+of an ended attempt cannot overwrite what the next one restores from."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from hlat_api.gang import GangRecord
+from hlat_trainer import replica
+from hlat_trainer.replica import (
+    ReplicaError,
+    ReplicaServer,
+    Replicator,
+    fetch,
+    own_dir,
+    push,
+    replica_dir,
+    restore,
+)
+from hlat_trainer.snapshot import Snapshots
+
+JOB = "llm"
+
+
+@dataclass
+class Layout:
+    dp: int = 2
+    tp: int = 1
+
+
+def _snapshot(root: Path, rank: int, step: int, fill: float = 0.0) -> Path:
+    """Rank `rank`'s snapshot of `step`, written as the trainer writes it."""
+    snaps = Snapshots(root, JOB, rank, Layout())
+    snaps.save(step, {"w": torch.full((64, 64), fill + step), f"loop.rank{rank}": b"x" * 8})
+    return own_dir(root, JOB, rank) / f"step_{step}.pt"
+
+
+@pytest.fixture
+def holder(tmp_path: Path) -> Iterator[ReplicaServer]:
+    server = ReplicaServer(tmp_path / "holder", port=0).start()
+    yield server
+    server.stop()
+
+
+def _address(server: ReplicaServer) -> tuple[str, int]:
+    return ("127.0.0.1", server.port)
+
+
+def test_a_pushed_snapshot_comes_back_whole_and_loads(tmp_path: Path,
+                                                     holder: ReplicaServer) -> None:
+    path = _snapshot(tmp_path / "node1", rank=3, step=7)
+    assert push(_address(holder), JOB, 3, 7, 0, path) == path.stat().st_size
+    held = replica_dir(holder.root, JOB, 3) / "step_7.pt"
+    assert held.read_bytes() == path.read_bytes()
+    spare = tmp_path / "spare"
+    assert fetch(_address(holder), JOB, 3, own_dir(spare, JOB, 3)) == [7]
+    state = Snapshots(spare, JOB, 3, Layout()).read(7)
+    assert state is not None and torch.equal(state["w"], torch.full((64, 64), 7.0))
+
+
+def test_the_holder_keeps_the_two_newest_copies_and_a_fetch_brings_both(
+        tmp_path: Path, holder: ReplicaServer) -> None:
+    for step in (1, 2, 3):
+        push(_address(holder), JOB, 0, step, 0, _snapshot(tmp_path / "n0", 0, step))
+    assert sorted(os.listdir(replica_dir(holder.root, JOB, 0))) == ["step_2.pt", "step_3.pt"]
+    assert fetch(_address(holder), JOB, 0, tmp_path / "into") == [3, 2]
+    assert fetch(_address(holder), JOB, 5, tmp_path / "none") == []  # a rank it holds none of
+
+
+def test_an_ended_attempt_cannot_overwrite_the_copies_the_next_one_restores_from(
+        tmp_path: Path, holder: ReplicaServer) -> None:
+    push(_address(holder), JOB, 0, 4, 1, _snapshot(tmp_path / "n0", 0, 4))
+    holder.follow(JOB, 2)  # the holder's node runs attempt 2 now
+    with pytest.raises(ReplicaError, match="attempt 1 of llm is over"):
+        push(_address(holder), JOB, 0, 5, 1, _snapshot(tmp_path / "n0", 0, 5))
+    assert sorted(os.listdir(replica_dir(holder.root, JOB, 0))) == ["step_4.pt"]
+    push(_address(holder), JOB, 0, 6, 2, _snapshot(tmp_path / "n0", 0, 6))  # attempt 2's: taken
+    assert fetch(_address(holder), JOB, 0, tmp_path / "into") == [6, 4]
+
+
+_PUSH_HALF = textwrap.dedent("""
+    import json, socket, sys, time
+    host, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    conn = socket.create_connection((host, port))
+    head = {"op": "put", "job": "llm", "rank": 0, "step": 9, "attempt": 0, "size": size}
+    conn.sendall(json.dumps(head).encode() + b"\\n" + b"\\0" * (size // 2))
+    print("half", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_pusher_killed_mid_copy_leaves_the_holder_s_previous_copy_whole(
+        tmp_path: Path, holder: ReplicaServer) -> None:
+    push(_address(holder), JOB, 0, 8, 0, _snapshot(tmp_path / "n0", 0, 8))
+    proc = subprocess.Popen([sys.executable, "-c", _PUSH_HALF, "127.0.0.1", str(holder.port),
+                             str(1 << 22)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "half"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    directory = replica_dir(holder.root, JOB, 0)
+    deadline = time.monotonic() + 5
+    while any(n.endswith(".tmp") for n in os.listdir(directory)):  # the holder cleans up
+        assert time.monotonic() < deadline, os.listdir(directory)
+        time.sleep(0.05)
+    assert os.listdir(directory) == ["step_8.pt"]
+    assert fetch(_address(holder), JOB, 0, tmp_path / "into") == [8]
+
+
+def test_a_copy_that_does_not_match_its_checksum_is_refused(tmp_path: Path,
+                                                           holder: ReplicaServer) -> None:
+    with socket.create_connection(_address(holder)) as conn:
+        conn.sendall(json.dumps({"op": "put", "job": JOB, "rank": 0, "step": 3, "attempt": 0,
+                                 "size": 4}).encode() + b"\nabcd"
+                     + json.dumps({"sha256": "0" * 64}).encode() + b"\n")
+        answer = conn.makefile("rb").readline()
+    assert b"does not match" in answer or answer == b"", answer
+    assert not os.listdir(replica_dir(holder.root, JOB, 0))
+
+
+_SERVE_HALF = textwrap.dedent("""
+    import json, socket, sys
+    srv = socket.create_server(("127.0.0.1", 0))
+    print(srv.getsockname()[1], flush=True)
+    conn, _ = srv.accept()
+    conn.makefile("rb").readline()
+    whole = b"w" * 1000
+    import hashlib
+    conn.sendall(json.dumps({"step": 4, "size": 1000}).encode() + b"\\n" + whole
+                 + json.dumps({"sha256": hashlib.sha256(whole).hexdigest()}).encode() + b"\\n"
+                 + json.dumps({"step": 5, "size": 1000}).encode() + b"\\n" + b"t" * 400)
+    conn.close()
+""")
+
+
+def test_a_holder_that_dies_mid_reply_leaves_only_whole_copies(tmp_path: Path) -> None:
+    """The holder's process ends after one whole copy and part of the next: the whole one is
+    kept, the torn one never gets its final name, and the fetch says it failed."""
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_HALF], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    port = int(proc.stdout.readline())
+    into = tmp_path / "into"
+    with pytest.raises(ReplicaError, match="600 of 1000 bytes"):
+        fetch(("127.0.0.1", port), JOB, 0, into)
+    proc.wait(timeout=10)
+    assert sorted(os.listdir(into)) == ["step_4.pt"]
+
+
+def test_the_replicator_pushes_each_rank_s_newest_whole_snapshot_to_the_node_above(
+        tmp_path: Path, holder: ReplicaServer) -> None:
+    """Node 0 of 2 (two ranks a node): its ranks' newest snapshots go to node 1's holder,
+    resolved from the restart record (a promoted spare's host) or the worker's name."""
+    root = tmp_path / "node0"
+    asked = []
+
+    def address(host: str) -> tuple[str, int]:
+        asked.append(host)
+        return _address(holder)
+
+    pusher = Replicator(root, JOB, nnodes=2, nproc=2, address=address)
+    assert pusher.round() == 0  # no attempt followed yet
+    pusher.follow(attempt=0, node_rank=0)
+    _snapshot(root, 0, 1)
+    _snapshot(root, 0, 2)
+    _snapshot(root, 1, 2)
+    (own_dir(root, JOB, 1) / "step_3.tmp").write_bytes(b"torn")  # being written: not pushed
+    assert pusher.round() == 2 and pusher.round() == 0  # nothing new the second time
+    assert os.listdir(replica_dir(holder.root, JOB, 0)) == ["step_2.pt"]
+    assert os.listdir(replica_dir(holder.root, JOB, 1)) == ["step_2.pt"]
+    assert asked[-1] == "llm-1.llm", asked
+    pusher.seen(GangRecord(attempt=1, ranks={"llm-s0": 1}))
+    assert pusher.round() == 2  # a spare holds node rank 1 now: pushed to it again
+    assert asked[-1] == "llm-s0.llm", asked
+
+
+def test_restore_fetches_only_for_ranks_without_snapshots_of_their_own(
+        tmp_path: Path, holder: ReplicaServer) -> None:
+    for rank in (2, 3):
+        push(_address(holder), JOB, rank, 5, 0, _snapshot(tmp_path / "lost", rank, 5))
+    spare = tmp_path / "spare"
+    _snapshot(spare, 3, 6)  # rank 3 holds one of its own: left alone
+    said: list[str] = []
+    got = restore(spare, JOB, [2, 3], "holder", address=lambda _: _address(holder),
+                  say=said.append)
+    assert got == {2: [5]}
+    assert sorted(os.listdir(own_dir(spare, JOB, 2))) == ["step_5.pt"]
+    assert sorted(os.listdir(own_dir(spare, JOB, 3))) == ["step_6.pt"]
+    assert "fetched rank 2 step 5" in said[-1], said
+    # a holder that cannot be reached: said, and nothing fetched (the durable checkpoint then)
+    holder.stop()
+    said.clear()
+    assert restore(tmp_path / "other", JOB, [2], "holder",
+                   address=lambda _: _address(holder), say=said.append) == {}
+    assert "failed" in said[-1], said
+
+
+def test_the_successor_holds_a_node_s_copies_in_a_ring() -> None:
+    assert [replica.successor(r, 3) for r in range(3)] == [1, 2, 0]

@@ -1,0 +1,422 @@
+"""Snapshot replicas: every node's in-memory snapshots copied into its ring successor's memory,
+so that a node that is lost (its rank taken by a promoted spare, or by a pod made again) resumes
+from a peer's memory instead of the durable checkpoint.
+
+The launcher (hlat-launch, in-place restarts with checkpoint.memoryReplicas) runs both sides,
+off the training loop: its trainers write their snapshots (`hlat_trainer.snapshot`) and go on.
+
+- `Replicator`: every `SCAN_SECONDS` it looks for the newest whole snapshot file of each of its
+  node's ranks and, when it is new, pushes it to the node one rank above (in a ring). It pushes
+  the newest only: a push slower than a step skips the steps in between.
+- `ReplicaServer` on `REPLICA_PORT`: it takes pushes into `<snapshot dir>/<job>/replica/
+  rank_<r>/step_<N>.pt` (the newest `SNAPSHOTS_KEPT` of each rank) and serves them back.
+- `restore`: a launcher whose ranks hold no snapshot (it has just taken them) fetches every
+  replica of those ranks from the node above before its trainers start; the trainers then
+  resume as from their own memory (`Engine.resume`: the newest step every rank holds, of this
+  run's layout, not older than the durable checkpoint), with no byte read from the volume.
+
+Integrity: a copy is written under a temporary name and takes its final name only once its
+length and SHA-256 (sent after the bytes) match; a connection cut mid-copy (the sender or the
+holder killed) leaves the holder's previous copies whole, and a torn file is never used. The
+snapshot's own step and layout are checked again when it is read (`Snapshots.read`).
+
+Fencing: a holder refuses the pushes of an attempt older than the newest it has seen (its own
+node's, or a pusher's): the launcher of an ended attempt cannot overwrite what the next one
+restores from.
+
+Protocol: one request per TCP connection, a JSON line and then bytes.
+`{"op": "put", "job", "rank", "step", "attempt", "size"}`, `size` bytes, `{"sha256"}` ->
+`{"ok": true}` or `{"ok": false, "error"}`. `{"op": "get", "job", "rank"}` -> for each copy
+held, oldest first, `{"step", "size", "sha256"}` and `size` bytes; then `{"end": true}`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from io import BufferedIOBase
+from pathlib import Path
+from typing import Any
+
+from hlat_api.gang import GangRecord
+from hlat_api.heartbeat import REPLICA_PORT
+from hlat_api.spec import SNAPSHOTS_KEPT
+from hlat_trainer.peers import peer_host
+
+log = logging.getLogger(__name__)
+
+SCAN_SECONDS = 0.2
+"""How often a launcher looks for a new snapshot to push."""
+IO_TIMEOUT_SECONDS = 10.0
+"""Longest silence on a replica connection (connect, or any read or write) before it is given
+up: a peer that stops answering mid-copy leaves no waiter behind."""
+CHUNK = 1 << 20
+_NAME = re.compile(r"step_(\d+)\.pt")
+_HEADER_LIMIT = 1 << 16
+
+
+class ReplicaError(Exception):
+    """A copy that did not complete (refused, cut, or not matching its checksum)."""
+
+
+def successor(rank: int, nnodes: int) -> int:
+    """The node rank that holds node `rank`'s replicas."""
+    return (rank + 1) % nnodes
+
+
+def _steps(directory: Path) -> list[int]:
+    """The steps of the whole snapshot files in `directory`, newest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted((int(m.group(1)) for n in names if (m := _NAME.fullmatch(n))), reverse=True)
+
+
+def own_dir(root: Path, job: str, rank: int) -> Path:
+    """Rank `rank`'s own snapshots (`snapshot.Snapshots`' directory)."""
+    return root / job / f"rank_{rank:05d}"
+
+
+def replica_dir(root: Path, job: str, rank: int) -> Path:
+    """The copies of rank `rank`'s snapshots a holder keeps."""
+    return root / job / "replica" / f"rank_{rank:05d}"
+
+
+def _send(stream: BufferedIOBase, obj: dict[str, Any]) -> None:
+    stream.write(json.dumps(obj).encode() + b"\n")
+
+
+def _receive(stream: BufferedIOBase) -> dict[str, Any]:
+    line = stream.readline(_HEADER_LIMIT)
+    if not line.endswith(b"\n"):
+        raise ReplicaError("connection closed mid-message")
+    obj = json.loads(line)
+    if not isinstance(obj, dict):
+        raise ReplicaError(f"not a message: {line[:80]!r}")
+    return obj
+
+
+def _copy_in(stream: BufferedIOBase, size: int, path: Path) -> str:
+    """`size` bytes from `stream` into `path` (a temporary name); their SHA-256."""
+    digest = hashlib.sha256()
+    left = size
+    with open(path, "wb") as out:
+        while left:
+            chunk = stream.read(min(CHUNK, left))
+            if not chunk:
+                raise ReplicaError(f"connection closed with {left} of {size} bytes to come")
+            digest.update(chunk)
+            out.write(chunk)
+            left -= len(chunk)
+    return digest.hexdigest()
+
+
+def _copy_out(path: Path, stream: BufferedIOBase) -> tuple[int, str]:
+    """Send the open file's bytes; (bytes sent, their SHA-256)."""
+    digest = hashlib.sha256()
+    sent = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+            stream.write(chunk)
+            sent += len(chunk)
+    return sent, digest.hexdigest()
+
+
+def _land(partial: Path, final: Path, keep: int) -> None:
+    """Give a verified copy its final name and drop the oldest beyond `keep`."""
+    os.replace(partial, final)
+    for old in _steps(final.parent)[keep:]:
+        (final.parent / f"step_{old}.pt").unlink(missing_ok=True)
+
+
+class ReplicaServer:
+    """The holder's side: takes its predecessor's pushes and serves them back."""
+
+    def __init__(self, root: Path, port: int = REPLICA_PORT, keep: int = SNAPSHOTS_KEPT
+                 ) -> None:
+        self.root, self.port, self.keep = root, port, keep
+        self._lock = threading.Lock()
+        self._newest: dict[str, int] = {}  # job -> newest attempt seen
+        self._server: socket.socket | None = None
+        self._stop = threading.Event()
+
+    def follow(self, job: str, attempt: int) -> None:
+        """This node runs `attempt` of `job` now: older attempts' pushes are refused."""
+        self._admit(job, attempt)
+
+    def _admit(self, job: str, attempt: int) -> bool:
+        with self._lock:
+            newest = self._newest.get(job, attempt)
+            if attempt < newest:
+                return False
+            self._newest[job] = attempt
+            return True
+
+    def start(self) -> ReplicaServer:
+        try:
+            self._server = socket.create_server(("", self.port), backlog=64)
+            self.port = self._server.getsockname()[1]  # port 0: the one the kernel gave
+        except OSError as err:  # this node's predecessor will find no holder: its rank
+            # resumes from the durable checkpoint if its node is lost
+            log.warning("snapshot replicas: cannot listen on port %d (%s): this node holds "
+                        "no copy of its peer's snapshots", self.port, err)
+            return self
+        threading.Thread(target=self._serve, name="hlat-replica-listen", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._server is not None:
+            with contextlib.suppress(OSError):  # wakes the accept (close alone may not)
+                self._server.shutdown(socket.SHUT_RDWR)
+            self._server.close()
+
+    def _serve(self) -> None:
+        assert self._server is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return  # closed by stop()
+            threading.Thread(target=self._handle, args=(conn,), name="hlat-replica-conn",
+                             daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        conn.settimeout(IO_TIMEOUT_SECONDS)
+        with conn, conn.makefile("rwb") as stream:
+            try:
+                request = _receive(stream)
+                if request.get("op") == "put":
+                    self._put(request, stream)
+                elif request.get("op") == "get":
+                    self._get(request, stream)
+                else:
+                    _send(stream, {"ok": False, "error": f"unknown op {request.get('op')!r}"})
+                stream.flush()
+            except (OSError, ValueError, ReplicaError) as err:
+                log.warning("snapshot replicas: a request failed (%s)", err)
+
+    def _put(self, request: dict[str, Any], stream: BufferedIOBase) -> None:
+        job, rank, step = str(request["job"]), int(request["rank"]), int(request["step"])
+        attempt, size = int(request["attempt"]), int(request["size"])
+        directory = replica_dir(self.root, job, rank)
+        directory.mkdir(parents=True, exist_ok=True)
+        partial = directory / f"step_{step}.{threading.get_ident()}.tmp"
+        try:
+            got = _copy_in(stream, size, partial)
+            said = str(_receive(stream).get("sha256"))
+            if got != said:
+                raise ReplicaError(f"rank {rank} step {step}: SHA-256 {got[:12]}... does not "
+                                   f"match the sender's {said[:12]}...")
+            if not self._admit(job, attempt):
+                _send(stream, {"ok": False, "error": f"attempt {attempt} of {job} is over"})
+                return
+            _land(partial, directory / f"step_{step}.pt", self.keep)
+        finally:
+            partial.unlink(missing_ok=True)
+        _send(stream, {"ok": True})
+
+    def _get(self, request: dict[str, Any], stream: BufferedIOBase) -> None:
+        directory = replica_dir(self.root, str(request["job"]), int(request["rank"]))
+        for step in reversed(_steps(directory)):
+            path = directory / f"step_{step}.pt"
+            try:
+                size = path.stat().st_size
+                _send(stream, {"step": step, "size": size})
+                sent, digest = _copy_out(path, stream)
+            except FileNotFoundError:  # dropped meanwhile by a newer copy: the rest are newer
+                continue
+            if sent != size:  # cannot happen: copies are renamed into place whole
+                raise ReplicaError(f"{path} changed while sent")
+            _send(stream, {"sha256": digest})
+        _send(stream, {"end": True})
+
+
+def _connect(address: tuple[str, int]) -> socket.socket:
+    try:
+        conn = socket.create_connection(address, timeout=IO_TIMEOUT_SECONDS)
+    except OSError as err:
+        raise ReplicaError(f"cannot reach {address[0]}:{address[1]} ({err})") from err
+    conn.settimeout(IO_TIMEOUT_SECONDS)
+    return conn
+
+
+def push(address: tuple[str, int], job: str, rank: int, step: int, attempt: int,
+         path: Path) -> int:
+    """Copy one snapshot file to the holder at `address`; the bytes sent. Raises ReplicaError
+    unless the holder has it whole under its final name."""
+    try:
+        with _connect(address) as conn, conn.makefile("rwb") as stream, open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            _send(stream, {"op": "put", "job": job, "rank": rank, "step": step,
+                           "attempt": attempt, "size": size})
+            digest = hashlib.sha256()
+            while chunk := f.read(CHUNK):
+                digest.update(chunk)
+                stream.write(chunk)
+            _send(stream, {"sha256": digest.hexdigest()})
+            stream.flush()
+            answer = _receive(stream)
+    except (OSError, ValueError) as err:
+        raise ReplicaError(f"rank {rank} step {step}: {err}") from err
+    if not answer.get("ok"):
+        raise ReplicaError(f"rank {rank} step {step}: refused ({answer.get('error')})")
+    return size
+
+
+def fetch(address: tuple[str, int], job: str, rank: int, into: Path) -> list[int]:
+    """Every copy of rank `rank`'s snapshots the holder at `address` has, written whole into
+    `into` (the rank's own snapshot directory); the steps fetched, newest first. A copy cut
+    short or not matching its checksum is not written; those before it are kept."""
+    into.mkdir(parents=True, exist_ok=True)
+    got: list[int] = []
+    try:
+        with _connect(address) as conn, conn.makefile("rwb") as stream:
+            _send(stream, {"op": "get", "job": job, "rank": rank})
+            stream.flush()
+            while "end" not in (header := _receive(stream)):
+                step, size = int(header["step"]), int(header["size"])
+                partial = into / f"step_{step}.fetch.tmp"
+                try:
+                    digest = _copy_in(stream, size, partial)
+                    said = str(_receive(stream).get("sha256"))
+                    if digest != said:
+                        raise ReplicaError(f"step {step}: SHA-256 does not match the holder's")
+                    _land(partial, into / f"step_{step}.pt", SNAPSHOTS_KEPT)
+                finally:
+                    partial.unlink(missing_ok=True)
+                got.append(step)
+    except (OSError, ValueError) as err:
+        raise ReplicaError(f"rank {rank}: {err}") from err
+    return sorted(got, reverse=True)
+
+
+def resolve(host: str, port: int = REPLICA_PORT) -> tuple[str, int] | None:
+    try:
+        sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4]
+    except OSError:
+        return None
+    return str(sockaddr[0]), int(sockaddr[1])
+
+
+class Replicator:
+    """The pusher's side: this node's newest snapshots to the node above, in a thread."""
+
+    def __init__(self, root: Path, job: str, nnodes: int, nproc: int,
+                 address: Callable[[str], tuple[str, int] | None] = resolve,
+                 period: float = SCAN_SECONDS) -> None:
+        self.root, self.job, self.nnodes, self.nproc = root, job, nnodes, nproc
+        self.address, self.period = address, period
+        self._lock = threading.Lock()
+        self._target: tuple[int, int] | None = None  # (attempt, node rank)
+        self._record: GangRecord | None = None
+        self._pushed: dict[int, int] = {}  # global rank -> step its holder has
+        self._pushing: tuple[int, int] | None = None
+        self._failing: str | None = None
+        self._stop = threading.Event()
+        self.pushes = 0
+
+    def follow(self, attempt: int, node_rank: int) -> None:
+        with self._lock:
+            if self._target != (attempt, node_rank):  # a new holder, maybe: push again
+                self._pushed = {}
+            self._target = (attempt, node_rank)
+
+    def seen(self, record: GangRecord) -> None:
+        with self._lock:
+            if self._record is None or record.ranks != self._record.ranks:
+                self._pushed = {}  # a spare took a rank: the holder may be another pod
+            self._record = record
+
+    def start(self) -> Replicator:
+        threading.Thread(target=self._run, name="hlat-replica-push", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.round()
+            except Exception as err:  # never stop replicating for one bad round
+                log.warning("snapshot replicas: %s", err)
+
+    def ranks(self, node_rank: int) -> range:
+        return range(node_rank * self.nproc, (node_rank + 1) * self.nproc)
+
+    def round(self) -> int:
+        """Push each of this node's ranks' newest snapshot its holder lacks; how many."""
+        with self._lock:
+            target, record = self._target, self._record
+        if target is None or self.nnodes < 2:
+            return 0
+        attempt, node_rank = target
+        host = peer_host(self.job, record, successor(node_rank, self.nnodes))
+        done = 0
+        for rank in self.ranks(node_rank):
+            steps = _steps(own_dir(self.root, self.job, rank))
+            if not steps or self._pushed.get(rank) == steps[0]:
+                continue
+            address = self.address(host)
+            if address is None:
+                return done  # not resolvable now: next round
+            try:
+                push(address, self.job, rank, steps[0], attempt,
+                     own_dir(self.root, self.job, rank) / f"step_{steps[0]}.pt")
+            except FileNotFoundError:
+                continue  # dropped by a newer snapshot meanwhile: next round pushes that
+            except ReplicaError as err:
+                if str(err) != self._failing:  # once per kind of failure, not every round
+                    log.warning("snapshot replicas: push to %s failed (%s)", host, err)
+                    self._failing = str(err)
+                return done
+            with self._lock:
+                if self._target == target:
+                    self._pushed[rank] = steps[0]
+            self._failing = None
+            self.pushes += 1
+            done += 1
+        return done
+
+
+def restore(root: Path, job: str, ranks: Iterable[int], holder: str,
+            address: Callable[[str], tuple[str, int] | None] = resolve,
+            say: Callable[[str], None] = log.info) -> dict[int, list[int]]:
+    """For each of `ranks` that holds no snapshot of its own, fetch its replicas from the node
+    at `holder`; the steps fetched by rank. Any failure is said and left: the trainers then
+    resume from the durable checkpoint."""
+    missing = [r for r in ranks if not _steps(own_dir(root, job, r))]
+    if not missing:
+        return {}
+    where = address(holder)
+    if where is None:
+        say(f"snapshot replicas: {holder} does not resolve: no replica fetched")
+        return {}
+    out: dict[int, list[int]] = {}
+    began = time.monotonic()
+    for rank in missing:
+        with contextlib.suppress(FileNotFoundError):
+            for stale in own_dir(root, job, rank).glob("*.tmp"):
+                stale.unlink()
+        try:
+            out[rank] = fetch(where, job, rank, own_dir(root, job, rank))
+        except ReplicaError as err:
+            say(f"snapshot replicas: fetching rank {rank}'s from {holder} failed ({err})")
+    fetched = {r: s for r, s in out.items() if s}
+    if fetched:
+        size = sum(f.stat().st_size for r in fetched
+                   for f in own_dir(root, job, r).glob("step_*.pt"))
+        say(f"snapshot replicas: fetched {', '.join(f'rank {r} step {s[0]}' for r, s in fetched.items())} "
+            f"from {holder} ({size / 2**20:.1f} MiB in {time.monotonic() - began:.2f}s)")
+    return out

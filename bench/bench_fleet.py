@@ -6,7 +6,7 @@ not a prediction); the uptime without recovery then follows from the assumed hum
 is the figure to compare. Also shown: the same job at Llama 3's fault rate, the restart time by
 hand that Table 1 implies, and the checkpoint interval that maximises goodput (sweep vs
 Young/Daly). Writes the goodput-vs-interval plot to docs/images/fleet-goodput.png. Issue 34:
-recovery from in-memory snapshots (and, as the design target, peer replicas and 5 s lost-node
+recovery from in-memory snapshots (and with peer replicas and lost-node detection by peers, 5 s
 detection) vs durable checkpoints only, on 64 and 1,024 nodes at RSC's failure rates, with its
 goals; and the validation against Llama 3's 54 days, over the restart times and checkpoint
 intervals it did not publish.
@@ -154,8 +154,8 @@ def _path_row(scenario: fs.Scenario, path: fs.RecoveryPath, ckpt: fs.Checkpointi
 def snapshot_paths(runs: int, seed: int) -> tuple[list[list[str]], list[list[str]], list[str],
                                                    list[report.Goal]]:
     """Goodput over 28 days at RSC's failure rates, today's recovery (durable checkpoints
-    only) vs in-memory snapshots (built) vs the design target (+ peer replicas and 5 s
-    lost-node detection), on the same faults; a sensitivity table of the design target to the
+    only) vs in-memory snapshots vs + peer replicas and 5 s lost-node detection (all built),
+    on the same faults; a sensitivity table of the last to the
     two costs that dominate; the issue's goals."""
     step, days = fs.HLAT_STEP_S, 28
     durable = fs.async_saves(fs.NXD_CHECKPOINT_STEPS * step)
@@ -179,11 +179,11 @@ def snapshot_paths(runs: int, seed: int) -> tuple[list[list[str]], list[list[str
              durable, "-"),
             (f"today: durable only, at Daly's interval ({daly.interval_s / step:.0f} steps)",
              fs.RecoveryPath("today"), daly, "-"),
-            ("snapshots (built): crash and hang resume from memory",
+            ("snapshots: crash and hang resume from memory",
              fs.RecoveryPath("snapshots", built), durable, built),
-            ("design target: + peer replicas, lost node found in 5 s",
+            ("+ peer replicas, lost node found in 5 s",
              fs.RecoveryPath("target", target, 5.0), durable, target),
-            ("design target, memoryInterval 1 (at most one step lost)",
+            ("+ peer replicas, memoryInterval 1 (at most one step lost)",
              fs.RecoveryPath("target", replace(target, interval_s=step), 5.0), durable,
              replace(target, interval_s=step)),
         ]
@@ -199,12 +199,12 @@ def snapshot_paths(runs: int, seed: int) -> tuple[list[list[str]], list[list[str
                     "durable-save blocking": fig.blocking_s - fig.snapshot_blocking_s}
         shares = sorted(((float(v.mean()) / (days * fs.DAY), k) for k, v in parts.items()),
                         reverse=True)
-        dominant.append(f"{label}, design target: {report.pct(1 - best, 2)} lost: " + ", ".join(
+        dominant.append(f"{label}, with peer replicas: {report.pct(1 - best, 2)} lost: " + ", ".join(
             f"{k} {report.pct(v, 2)}" for v, k in shares))
         goals.append(report.verdict(
             f"fleet simulator: goodput >= {GOALS_34[nodes]:.0%} over 28 days on {nodes:,} "
-            f"trn1.32xlarge at RSC's rate (job MTTF {mtbf / fs.HOUR:.1f} h), design target "
-            f"(issue 34)", {"mean": best}, lambda v, g=GOALS_34[nodes]: v >= g,
+            f"trn1.32xlarge at RSC's rate (job MTTF {mtbf / fs.HOUR:.1f} h), with peer "
+            f"replicas (issue 34)", {"mean": best}, lambda v, g=GOALS_34[nodes]: v >= g,
             fmt="{:.2%}"))
         for block in (fs.ASYNC_SAVE_7B_S, 1.0, 0.1):
             cells = [label if block == fs.ASYNC_SAVE_7B_S else "", f"{block:g} s"]
@@ -235,12 +235,12 @@ def snapshot_paths(runs: int, seed: int) -> tuple[list[list[str]], list[list[str
         f"compiled graphs' load ({t.compile_cache_load_s:g} s, assumed) and the state's load: "
         f"a durable checkpoint's read ({t.checkpoint_load_s:g} s, assumed), a snapshot's from "
         f"/dev/shm ({snap.load_s:g} s, assumed) or a peer's replica ({snap.peer_load_s:g} s, "
-        "assumed, design target)",
+        "assumed)",
         f"per fault, detection + recovery: today crash {sum(vars(base['crash']).values()):.0f} "
         f"s, hang {sum(vars(base['hang']).values()):.0f} s, node lost "
         f"{sum(vars(base['node_lost']).values()):.0f} s; snapshots crash "
         f"{sum(vars(mem['crash']).values()):.0f} s, hang "
-        f"{sum(vars(mem['hang']).values()):.0f} s; design target node lost "
+        f"{sum(vars(mem['hang']).values()):.0f} s; with peer replicas node lost "
         f"{sum(vars(target_costs['node_lost']).values()):.0f} s (the cold-start costs of "
         "the table above give 376-451 s)",
         f"a snapshot blocks training {fs.ASYNC_SAVE_7B_S:g} s (assumed: the copy to host "
@@ -396,7 +396,7 @@ Recovery from in-memory snapshots (issue 34; `fleetsim.RecoveryPath`, `evaluate_
 days at RSC's failure rates, 7B steps of {fs.HLAT_STEP_S:.2f} s, each path on the same faults
 (same seed, arrivals in the gang's running clock). A restart resumes from its node's snapshot
 after a crash or a hang (built: `checkpoint.memoryInterval`, in-place restarts), from a peer's
-replica after a node loss (design target, not built: with lost-node detection in 5 s), from
+replica after a node loss (`checkpoint.memoryReplicas`, with lost-node detection in 5 s), from
 the durable checkpoint otherwise, and loses the training since that state; the durable
 checkpoint is followed across restarts, so a node loss after a restore from memory goes back
 past it. Hours are means per run of 672: recomputed training, snapshot blocking, durable-save
@@ -408,7 +408,7 @@ blocking, down (detection + restart); restores: per run, from memory / a peer / 
 
 {chr(10).join(f"- {n}" for n in paths[2])}
 
-What dominates what is left: the design target's goodput as the snapshot's cost and the
+What dominates what is left: the goodput with peer replicas as the snapshot's cost and the
 compiled graphs' load (the largest part of every restart) vary; memoryInterval re-chosen for
 each cost (in brackets):
 

@@ -172,11 +172,11 @@ def measure(cluster: Cluster, kind: str, strategy: str) -> dict[str, Any]:
     # and its pods' heartbeats go silent together)
     extra = {"timeoutSeconds": HANG_TIMEOUT if kind == "hang" else 60}
     in_place = strategy.startswith("InPlace")
-    spares = strategy.endswith("+spare")
+    spares = "+spare" in strategy
     body = spec(400, "InPlace" if in_place else strategy, **extra)
     if spares:
         body["faultTolerance"]["spareNodes"] = 1
-    if strategy.endswith("+memory"):
+    if "+memory" in strategy:
         body["checkpoint"]["memoryInterval"] = 1
     run = Run(cluster, f"rec-{kind}-{strategy.lower().replace('+', '-')}", body)
     node = ""
@@ -204,14 +204,16 @@ def measure(cluster: Cluster, kind: str, strategy: str) -> dict[str, Any]:
         after = api_requests(cluster)
         ckpt = (run.status().get("latestCheckpoint") or {}).get("step", 0)
         took = resumed - fault_at
-        lost = lost_in_place(run) if in_place and kind != "node-down" else max(
+        memory = "+memory" in strategy
+        lost = lost_in_place(run) if in_place and (kind != "node-down" or memory) else max(
             step_before - ckpt, 0)
         # every client's requests from the fault to the next step (the steady training's
         # heartbeats, node Leases and status refreshes included: its write rate is shown)
         return {"detect": detected - fault_at, "recover": took, "lost": lost,
                 "reason": run.status().get("lastFailure", {}).get("reason", "?"),
                 "writes": requests_between(before, after, MUTATING),
-                "reads": requests_between(before, after, READS), "steady": rate}
+                "reads": requests_between(before, after, READS), "steady": rate,
+                "source": resumed_from(run) if in_place else "checkpoint"}
     finally:
         if kind == "node-down" and node:
             faults.node_up(cluster.config, node)
@@ -230,6 +232,14 @@ def lost_in_place(run: Run) -> int:
     return max(0, max(before) - int(resumed.group(1)))
 
 
+def resumed_from(run: Run) -> str:
+    """What attempt 1 loaded, from the kept rank-0 pod's log: `memory` (an in-memory snapshot:
+    no byte of the checkpoint volume read) or `checkpoint`."""
+    log = run._log(f"{run.name}-a0-0")
+    later = log[log.find("hlat-launch: attempt 1: started"):]
+    return "memory" if "resumed from in-memory snapshot" in later else "checkpoint"
+
+
 def cold_start(cluster: Cluster) -> float:
     run = Run(cluster, "rec-cold", spec(4))
     try:
@@ -240,7 +250,8 @@ def cold_start(cluster: Cluster) -> float:
 
 CASES = [(kind, strategy) for kind in ("kill", "hang", "node-down")
          for strategy in ("RecreateGang", "InPlace")] + [("node-down", "InPlace+spare"),
-                                                         ("kill", "InPlace+memory")]
+                                                         ("kill", "InPlace+memory"),
+                                                         ("node-down", "InPlace+spare+memory")]
 
 
 FAULTS = {
@@ -252,8 +263,13 @@ FAULTS = {
     ("node-down", "InPlace"): "node down",
     ("node-down", "InPlace+spare"): "node down, a warm spare",
     ("kill", "InPlace+memory"): "trainer SIGKILLed, snapshots in memory every step",
+    ("node-down", "InPlace+spare+memory"): "node down, a warm spare, snapshots and their "
+                                           "copies in memory every step",
 }
 KILL_GOAL, HANG_GOAL, SPARE_GOAL, MEMORY_GOAL = 0.35, 0.35, 0.5, 0.15
+PEER_GOAL_SECONDS, PEER_GOAL = 5.0, 0.25
+"""Issue 34's for a lost node with a spare and snapshot copies: fault -> next step <= 5 s +
+0.25x cold start."""
 """Issue 15's goals, in cold starts: SIGKILL (InPlace) -> next step; hang (InPlace) -> next
 step beyond the hang timeout; a lost node with a spare -> next step beyond its detection."""
 
@@ -274,6 +290,7 @@ def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
         "writes": statistics.median(r["writes"] for r in results),
         "reads": statistics.median(r["reads"] for r in results),
         "steady": statistics.median(r.get("steady", math.nan) for r in results),
+        "from_memory": sum(r.get("source") == "memory" for r in results),
     }
 
 
@@ -322,6 +339,23 @@ def section(baselines: list[float], rows: dict[tuple[str, str], list[dict[str, A
              f"next step <= {MEMORY_GOAL}x cold start",
              lambda r: {"median": r["recover"] / cold, "fastest": r["recover_min"] / cold_min},
              lambda v: v <= MEMORY_GOAL, "{:.2f}x"),
+        goal(("node-down", "InPlace+spare+memory"), "node lost with a spare and snapshot copies "
+             "(issue 34): detected within 5 s", lambda r: {"median": r["detect"]},
+             lambda v: v <= 5.0, "{:.1f} s"),
+        goal(("node-down", "InPlace+spare+memory"), "node lost with a spare and snapshot copies "
+             "(issue 34): resumed from memory, nothing read from the checkpoint volume, in "
+             "every round", lambda r: {"rounds not from memory": r["n"] - r["from_memory"]},
+             lambda v: v == 0, "{:.0f}"),
+        goal(("node-down", "InPlace+spare+memory"), "node lost with a spare and snapshot copies "
+             "(issue 34): at most one step lost",
+             lambda r: {"median": r["lost"], "most": r["lost_max"]}, lambda v: v <= 1,
+             "{:.0f} step(s)"),
+        goal(("node-down", "InPlace+spare+memory"), "node lost with a spare and snapshot copies "
+             f"(issue 34): fault -> next step <= {PEER_GOAL_SECONDS:.0f} s + {PEER_GOAL}x cold "
+             "start (shown: the recovery less that limit)",
+             lambda r: {"median": r["recover"] - PEER_GOAL_SECONDS - PEER_GOAL * cold,
+                        "fastest": r["recover_min"] - PEER_GOAL_SECONDS - PEER_GOAL * cold_min},
+             lambda v: v <= 0, "{:+.2f} s"),
         goal(("node-down", "InPlace+spare"), "node lost with a spare (InPlace+spare): fault -> "
              f"next step <= detection + {SPARE_GOAL}x cold start",
              lambda r: {"median": r["beyond"] / cold, "fastest": r["beyond_min"] / cold_min},
@@ -341,7 +375,8 @@ SIGKILLs the trainer process (the launcher survives) and "hang" SIGSTOPs the tra
 stuck collective); under RecreateGang they hit the container's main process. InPlace+spare:
 `spareNodes: 1` on the rig's third node. InPlace+memory: `checkpoint.memoryInterval: 1` (each
 rank's state in its pod's memory every step; durable checkpoints every 4 steps, as the
-others). Steps lost under InPlace: the last step attempt 0's rank 0 logged less the step
+others); InPlace+spare+memory also keeps each node's copies in the other node's memory
+(checkpoint.memoryReplicas 1, the default), from where the spare fetches the lost rank's. Steps lost under InPlace: the last step attempt 0's rank 0 logged less the step
 attempt 1 resumed from (its log); otherwise the step the status showed at the fault less
 the latest checkpoint. Node-down jobs use a 60 s hang timeout so the node
 is found lost first. API requests: the API server's own count (`apiserver_request_total`,

@@ -1,9 +1,12 @@
 """In-memory snapshots end to end (checkpoint.memoryInterval, restarts in place): the launchers
-keep each pod's snapshots in its /dev/shm across trainer crashes. A trainer SIGKILLed between
-durable checkpoints resumes from memory, losing at most one step; a pod deleted takes its
-memory with it, and every rank resumes from the durable checkpoint. Either way the steps
-trained again repeat the first attempt's losses bit for bit, and status counts what was lost
-and where the restart's load came from (goodput's memoryRestore vs restore)."""
+keep each pod's snapshots in its /dev/shm across trainer crashes, and a copy of them in the next
+node's (checkpoint.memoryReplicas). A trainer SIGKILLed between durable checkpoints resumes from
+memory, losing at most one step; a pod deleted takes its memory with it, and its new pod fetches
+its rank's snapshots back from its peer's copy, so every rank resumes from memory again with no
+checkpoint read; without copies (memoryReplicas 0) every rank resumes from the durable
+checkpoint. Either way the steps trained again repeat the first attempt's losses bit for bit,
+and status counts what was lost and where the restart's load came from (goodput's memoryRestore
+vs restore)."""
 
 from __future__ import annotations
 
@@ -21,14 +24,16 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 DURABLE_EVERY = 25
 
 
-def _run(job_env: Env, fault: str, steps: int = 60) -> tuple[dict[str, Any], int, str]:
+def _run(job_env: Env, fault: str, steps: int = 60, replicas: int = 1
+         ) -> tuple[dict[str, Any], int, str]:
     """Train 60 steps, snapshots every step, durable every 25; `fault` (kill: rank 1's
     trainer; delete: rank 1's trainer frozen, then its pod deleted) once the status shows a
     step at least 8 past step_25. Returns
     the final status, the durable checkpoint the fault came after, and rank 0's log (both
     attempts: its pod is kept)."""
     spec = tiny_spec(steps=steps, restartStrategy="InPlace")
-    spec["checkpoint"].update({"interval": DURABLE_EVERY, "memoryInterval": 1})
+    spec["checkpoint"].update({"interval": DURABLE_EVERY, "memoryInterval": 1,
+                               "memoryReplicas": replicas})
     job_env.create(spec)
     pod0, pod1 = f"{JOB}-a0-0", f"{JOB}-a0-1"
     with TrainerCensus(job_env) as census:
@@ -63,16 +68,37 @@ def test_a_killed_trainer_resumes_from_its_pod_s_memory_losing_at_most_one_step(
     assert done["lostSteps"] <= trained - step, done["lostSteps"]
     badput = done["goodput"]["badputSeconds"]  # the restart loaded memory, not storage
     assert badput["memoryRestore"] > 0 and badput["snapshot"] > 0, badput
+    assert badput["restore"] == 0, badput  # a fresh start looked for none: startup
 
 
-def test_a_deleted_pod_takes_its_memory_and_every_rank_resumes_from_the_durable_checkpoint(
+def test_a_deleted_pod_s_rank_fetches_its_snapshots_back_from_its_peer_s_copy(
         job_env: Env) -> None:
-    """The new pod holds no snapshot, so every rank resumes from a durable checkpoint (which
-    one depends on how far the gang trained before the status showed step 33 and the freeze
-    landed: 160 steps leave room for it to land mid-run); lostSteps, counted from the
-    snapshot at the restart, is corrected to no more than the steps since that checkpoint
-    (the correction itself: test_reconcile_snapshots)."""
+    """The new pod's launcher fetches rank 1's snapshots from node 0's copy before its trainer
+    starts; both ranks then resume from the newest step they both hold (the copy may be one
+    snapshot behind): from memory, nothing read from the checkpoint volume."""
     done, durable, log = _run(job_env, "delete", steps=160)
+    later = attempt_log(log, 1)
+    resumed = re.search(r"resumed from in-memory snapshot step_(\d+)", later)
+    assert resumed, later[-3000:]
+    step, trained = int(resumed.group(1)), max(losses(log[:log.index(later)]))
+    assert step > durable and trained - step <= 2, (step, trained)
+    new_pod = next(p for p in job_env.core.list_namespaced_pod(job_env.ns).items
+                   if p.metadata.labels.get("hlat.dev/node-rank") == "1"
+                   and p.metadata.name != f"{JOB}-a0-1")
+    fetched = job_env.cluster.pod_log(job_env.ns, new_pod.metadata.name)
+    assert re.search(r"snapshot replicas: fetched rank 1 step \d+ from", fetched), fetched[-3000:]
+    badput = done["goodput"]["badputSeconds"]
+    assert badput["memoryRestore"] > 0 and badput["restore"] == 0, badput
+
+
+def test_without_copies_a_deleted_pod_takes_its_memory_and_every_rank_resumes_from_the_durable_checkpoint(
+        job_env: Env) -> None:
+    """memoryReplicas 0: the new pod holds no snapshot, so every rank resumes from a durable
+    checkpoint (which one depends on how far the gang trained before the status showed step 33
+    and the freeze landed: 160 steps leave room for it to land mid-run); lostSteps, counted
+    from the snapshot at the restart, is corrected to no more than the steps since that
+    checkpoint (the correction itself: test_reconcile_snapshots)."""
+    done, durable, log = _run(job_env, "delete", steps=160, replicas=0)
     later = attempt_log(log, 1)
     resumed = re.search(r"resumed from checkpoint step_(\d+)", later)
     assert resumed and "in-memory snapshot" not in later, later[-3000:]

@@ -53,8 +53,9 @@ from hlat_trainer.peers import peer_host
 
 log = logging.getLogger(__name__)
 
-SCAN_SECONDS = 0.2
-"""How often a launcher looks for a new snapshot to push."""
+SCAN_SECONDS = 0.02
+"""How often a launcher looks for a new snapshot to push (a directory listing per local rank:
+a copy that starts a step late may miss the step every other rank still holds)."""
 IO_TIMEOUT_SECONDS = 10.0
 """Longest silence on a replica connection (connect, or any read or write) before it is given
 up: a peer that stops answering mid-copy leaves no waiter behind."""
@@ -387,7 +388,24 @@ class Replicator:
             self._failing = None
             self.pushes += 1
             done += 1
+            self._check_lag(rank, steps[0])
         return done
+
+    def _check_lag(self, rank: int, pushed: int) -> None:
+        """Say once when a copy lands after the rank's next snapshot but one was written: the
+        copies then lag more than the one snapshot the ranks can agree across, and a lost
+        node's ranks would resume from the durable checkpoint."""
+        newer = [s for s in _steps(own_dir(self.root, self.job, rank)) if s > pushed]
+        if len(newer) >= 2 and not self.lagging:
+            self.lagging = True
+            log.warning("snapshot replicas: rank %d's copy of step %d landed after its "
+                        "snapshots of steps %s: copies lag more than one snapshot, and a lost "
+                        "node would resume from the durable checkpoint; raise "
+                        "checkpoint.memoryInterval so that a snapshot's copy (its size over "
+                        "the network's rate) takes less than the steps between two", rank,
+                        pushed, ", ".join(map(str, sorted(newer))))
+
+    lagging = False
 
 
 def restore(root: Path, job: str, ranks: Iterable[int], holder: str,

@@ -512,7 +512,9 @@ class Trainer:
             self.spec.data.seq_len, self.spec.micro_batches(self.world.dp_rank),
             self.spec.precision, first,
         )
-        self.ledger.charge("memory_restore" if self.resumed_from == "snapshot" else "restore")
+        # a fresh start found nothing to load: looking was part of starting, not a restore
+        self.ledger.charge("startup" if first == 1 else "memory_restore"
+                           if self.resumed_from == "snapshot" else "restore")
         stats: dict[str, Any] = {"step": first - 1}
         self._window = (time.perf_counter(), first - 1, 0.0)  # since, at step, saves blocked
         # on a compiling backend (XLA) the first step of every attempt compiles its graphs

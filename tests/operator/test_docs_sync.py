@@ -101,9 +101,12 @@ _BENCH_CASES = {
     "trainer SIGKILLed, `restartStrategy: InPlace`": ("trainer SIGKILLed", "InPlace"),
     "trainer frozen": ("trainer hung, timeout 8 s", "InPlace"),
     "node lost, InPlace (only": ("node down", "InPlace"),
-    "node lost, InPlace with a warm spare": ("node down, a warm spare", "InPlace+spare"),
+    "node lost, InPlace with a warm spare (": ("node down, a warm spare", "InPlace+spare"),
     "trainer SIGKILLed, InPlace with in-memory snapshots": (
         "trainer SIGKILLed, snapshots in memory every step", "InPlace+memory"),
+    "node lost, InPlace with a warm spare and snapshots": (
+        "node down, a warm spare, snapshots and their copies in memory every step",
+        "InPlace+spare+memory"),
 }
 
 

@@ -108,3 +108,46 @@ def test_without_copies_a_deleted_pod_takes_its_memory_and_every_rank_resumes_fr
     assert 0 <= done["lostSteps"] <= trained - step, (done["lostSteps"], trained, step)
     badput = done["goodput"]["badputSeconds"]
     assert badput["memoryRestore"] == 0 and badput["restore"] > 0, badput
+
+
+def test_a_lost_node_s_spare_fetches_its_rank_s_snapshots_from_the_peer_s_copy(
+        job_env: Env) -> None:
+    """spareNodes 1, snapshots and their copies every step: rank 1's node goes down (kubelet
+    and processes stopped), its peer reports it, the warm spare takes rank 1 and its launcher
+    fetches rank 1's snapshots from node 0's copy before its trainer starts. Both ranks resume
+    from memory, at most one step before the last step trained: no checkpoint is loaded from
+    the volume (the engine lists it for its newest step, and reads nothing of it)."""
+    spec = tiny_spec(steps=160, restartStrategy="InPlace", spareNodes=1, heartbeat={
+        "startupTimeoutSeconds": 120, "timeoutSeconds": 60})  # the node is found lost first
+    spec["checkpoint"].update({"interval": DURABLE_EVERY, "memoryInterval": 1})
+    job_env.create(spec)
+    node = ""
+    try:
+        with TrainerCensus(job_env) as census:
+            job_env.wait("a step past the durable checkpoint, and a ready spare", lambda s: (
+                (s.get("latestCheckpoint") or {}).get("step", 0) >= DURABLE_EVERY
+                and (s.get("progress") or {}).get("step", 0) >= DURABLE_EVERY + 8
+                and (s.get("spares") or {}).get("ready") == 1), 240)
+            node = job_env.core.read_namespaced_pod(f"{JOB}-a0-1", job_env.ns).spec.node_name
+            faults.node_down(job_env.cluster.config, node)
+            done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 240)
+    finally:
+        if node:
+            faults.node_up(job_env.cluster.config, node)
+    assert census.most == 1, census.worst
+    assert done["spares"]["promoted"] == 1 and done["lastFailure"]["reason"] == "NodeLost", done
+    log, spare = (job_env.cluster.pod_log(job_env.ns, f"{JOB}-{p}") for p in ("a0-0", "s0"))
+    assert re.search(r"snapshot replicas: fetched rank 1 step \d+ from", spare), spare[-3000:]
+    later = attempt_log(log, 1)
+    resumed = re.search(r"resumed from in-memory snapshot step_(\d+)", later)
+    assert resumed, later[-3000:]
+    step, trained = int(resumed.group(1)), max(losses(log[:log.index(later)]))
+    assert step > DURABLE_EVERY and trained - step <= 1, (step, trained)
+    assert f"resumed from in-memory snapshot step_{step}" in spare, spare[-3000:]
+    assert "resumed from checkpoint" not in later + spare
+    seen = losses(log)
+    assert max(seen) == 160
+    for at, values in seen.items():  # trained again: the same numbers
+        assert all(v == values[0] for v in values), (at, values)
+    badput = done["goodput"]["badputSeconds"]
+    assert badput["memoryRestore"] > 0 and badput["restore"] == 0, badput

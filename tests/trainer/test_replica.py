@@ -212,3 +212,29 @@ def test_restore_fetches_only_for_ranks_without_snapshots_of_their_own(
 
 def test_the_successor_holds_a_node_s_copies_in_a_ring() -> None:
     assert [replica.successor(r, 3) for r in range(3)] == [1, 2, 0]
+
+
+def test_copies_that_lag_more_than_one_snapshot_are_said_once(
+        tmp_path: Path, holder: ReplicaServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A copy that lands after two newer snapshots were written: the ranks could not agree
+    across it, and the warning says what to raise."""
+    root = tmp_path / "node0"
+    pusher = Replicator(root, JOB, nnodes=2, nproc=1, address=lambda _: _address(holder))
+    pusher.follow(attempt=0, node_rank=0)
+    _snapshot(root, 0, 1)
+    assert pusher.round() == 1 and not caplog.records
+    slow = replica.push
+
+    def push_then_two_more(*args: object) -> int:
+        sent = slow(*args)  # type: ignore[arg-type]
+        _snapshot(root, 0, 3)  # the trainer went on while the copy was sent
+        _snapshot(root, 0, 4)
+        return sent
+
+    _snapshot(root, 0, 2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(replica, "push", push_then_two_more)
+        assert pusher.round() == 1
+        assert pusher.round() == 1
+    said = [r.getMessage() for r in caplog.records if "lag more than one" in r.getMessage()]
+    assert len(said) == 1 and "checkpoint.memoryInterval" in said[0], said

@@ -1,0 +1,49 @@
+"""Goodput as a new user checks it (issue 34): the tiny example as shipped (the product's
+default InPlace restarts, the operator's default intervals), 200 steps with asynchronous saves,
+one worker's container SIGKILLed as soon as the status shows the checkpoint of step 20, at no
+chosen moment of the training loop (test_e2e_goodput times its kills after a fresh heartbeat;
+this one may land with a step in flight, mid-save, or between a step and its report). The
+productive time in status is the rank-0 log's steps counted once each (stepSeconds less data
+wait, the first attempt's line for a step both attempts logged)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from e2e_env import JOB, Env, attempt_log
+from test_e2e_goodput import records
+
+from hlat_testbed import faults
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pretrainjob-tiny.yaml"
+
+
+def test_productive_time_is_the_logged_steps_counted_once(job_env: Env) -> None:
+    spec = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    spec["train"]["steps"] = 200
+    spec["checkpoint"]["async"] = True
+    job_env.create(spec)
+    job_env.wait("the checkpoint of step 20",
+                 lambda s: (s.get("latestCheckpoint") or {}).get("step", 0) >= 20, 240)
+    faults.kill(job_env.cluster.config, job_env.ns, f"{JOB}-a0-1")
+    done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 400)
+    assert done["restarts"]["inPlace"] == 1, done["restarts"]
+    g, b = done["goodput"], done["goodput"]["badputSeconds"]
+    log = job_env.pod_log(0, 0)
+    later = attempt_log(log, 1)
+    first, second = records(log[:log.index(later)]), records(later)
+    once: dict[int, float] = {}
+    for r in first + second:
+        once.setdefault(r["step"], r["stepSeconds"] - r["dataWaitSeconds"])
+    assert sorted(once) == list(range(1, 201))
+    logs = sum(once.values())
+    print(json.dumps({"productive": g["productiveSeconds"], "logs": logs, "wall":
+                      g["wallSeconds"], "badput": b}))
+    assert g["productiveSeconds"] == pytest.approx(logs, abs=0.5), (g, logs)
+    assert b["recompute"] > 0 and b["unreported"] == 0, b
+    assert g["productiveSeconds"] + sum(b.values()) == pytest.approx(g["wallSeconds"], abs=0.05)

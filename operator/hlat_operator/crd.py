@@ -59,16 +59,19 @@ def _resolve(node: Schema, defs: dict[str, Schema]) -> Schema:
 
 
 def _int_or_auto(node: Schema, defs: dict[str, Schema], with_defaults: bool) -> Schema | None:
-    """`number > 0 | "auto"`: the only union of the spec that is not `X | None`."""
-    options = node["anyOf"]
+    """`number > 0 | "auto"` (or `| None`, nullable): the only unions of the spec that are not
+    `X | None`."""
+    options = [o for o in node["anyOf"] if o.get("type") != "null"]
     consts = [o.get("const") for o in options if "const" in o]
     if not consts or len(options) != 2:
         return None
     out: Schema = {"x-kubernetes-int-or-string": True}
+    if len(options) != len(node["anyOf"]):
+        out["nullable"] = True
     out["x-kubernetes-validations"] = [
         {
             "rule": f"type(self) == string ? self == '{consts[0]}' : self > 0",
-            "message": f"must be a positive whole number of seconds or '{consts[0]}'",
+            "message": f"must be a positive whole number or '{consts[0]}'",
         }
     ]
     _copy_doc(node, out, with_defaults)

@@ -107,6 +107,7 @@ INVALID = [
     ({"instance_type": "cpu"}, "spec.instance_type", "unknown field"),
     # in-memory snapshots: restarts in place, the torch-native stack, room in the node's memory
     ({"checkpoint": {"memoryInterval": 0}}, "spec.checkpoint.memoryInterval", "greater than or equal to 1"),
+    ({"checkpoint": {"memoryInterval": "often"}}, "spec.checkpoint.memoryInterval", "'auto'"),
     ({"checkpoint": {"memoryInterval": 1}, "faultTolerance": {"restartStrategy": "RecreateGang"}}, "spec.checkpoint.memoryInterval", "restartStrategy: InPlace"),
     ({"checkpoint": {"memoryInterval": 1}}, "spec.checkpoint.memoryInterval", "backend: neuron-native"),
     ({"checkpoint": {"memoryInterval": 1}, "backend": "neuron-native", "model": {"preset": "70b"}, "parallelism": {"tensor": 32}, "precision": "bf16-sr"}, "spec.checkpoint.memoryInterval", "GiB per node"),

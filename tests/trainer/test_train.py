@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import shutil
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -357,3 +358,37 @@ def test_snapshots_and_a_restore_from_memory_are_charged_as_their_own_causes(
     spent = again.ledger.snapshot()
     assert again.resumed_from == "snapshot" and seen[0]["step"] == 5
     assert spent.memory_restore > 0 and spent.restore == 0, spent
+
+
+@pytest.mark.parametrize("share, every_step", [(0.01, False), (100.0, True)])
+def test_memory_interval_auto_keeps_snapshots_under_their_share_of_the_training_time(
+    make_job: Callable[..., Job], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    share: float, every_step: bool,
+) -> None:
+    """checkpoint.memoryInterval auto: a probe snapshot after the attempt's third step, then
+    the smallest interval whose snapshots hold the loop under the share (1%) of the training
+    time. Snapshots slowed to 50 ms each against a tiny model's steps: one every few hundred
+    steps (only the probe in 12); allowed 100x the training time: every step."""
+    from hlat_api import Env
+    from hlat_trainer import snapshot, train
+
+    monkeypatch.setenv(Env.SNAPSHOT_DIR, str(tmp_path / "shm"))
+    monkeypatch.setattr(train, "SNAPSHOT_AUTO_SHARE", share)
+    taken: list[int] = []
+    save = snapshot.Snapshots.save
+
+    def slow(self: snapshot.Snapshots, step: int, state: dict[str, Any]) -> float:
+        time.sleep(0.05)
+        taken.append(step)
+        return save(self, step, state)
+
+    monkeypatch.setattr(snapshot.Snapshots, "save", slow)
+    trainer, _ = collect(make_job(train__steps=12, checkpoint__interval=100,
+                                  checkpoint__memoryInterval="auto"))
+    assert trainer.snapshot_every is not None
+    if every_step:
+        assert trainer.snapshot_every == 1 and taken == list(range(3, 13)), taken
+    else:
+        assert trainer.snapshot_every > 12 and taken == [3], (trainer.snapshot_every, taken)
+    spent = trainer.ledger.snapshot()
+    assert spent.snapshot >= 0.05 * len(taken)

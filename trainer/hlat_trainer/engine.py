@@ -176,6 +176,13 @@ class Engine(ABC):
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._host_group)
         return bool(flag.item())
 
+    def max_over_ranks(self, values: list[float]) -> list[float]:
+        """Each of `values`, the largest any rank has (a collective on the host: every rank
+        calls it)."""
+        out = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self._host_group)
+        return [float(v) for v in out.tolist()]
+
     def sum_over_ranks(self, value: int) -> int:
         """`value` summed over every rank, modulo 2^64 (a collective on the host: every rank
         calls it; a rank whose part must not count passes 0)."""

@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from hlat_api import INSTANCE_TYPES, Env, Job, PretrainJobSpec
+from hlat_api.spec import SNAPSHOT_AUTO_PROBE_STEPS, SNAPSHOT_AUTO_SHARE
 from hlat_trainer.backends import Backend, select_backend
 from hlat_trainer.data import PackedLoader, Tokenizer, load_tokenizer
 from hlat_trainer.data.digest import MASK, batch_digest, digest_text
@@ -283,6 +284,10 @@ class Trainer:
         self._window = (time.perf_counter(), 0, 0.0)  # last report: when, at which step, saves
         self.peak_flops = self._peak_flops()
         self.steps_done = steps_done(os.environ)
+        self.first_step = 1
+        """This attempt's first step (after its resume)."""
+        self.snapshot_every: int | None = None
+        """memoryInterval auto: the interval chosen in this attempt (None: not yet)."""
         self.resumed_from = "checkpoint"
         """What the attempt resumed from (`maybe_resume`): a durable `checkpoint` or a `snapshot`."""
         self.heartbeat = LeaseHeartbeat.from_environment(self.world.local_rank)
@@ -455,9 +460,27 @@ class Trainer:
         return blocked
 
     def snapshots_due(self, step: int) -> bool:
-        """Whether this rank snapshots its state into memory after `step`."""
+        """Whether this rank snapshots its state into memory after `step` (the same answer on
+        every rank: memoryInterval auto is decided by a collective, `_choose_interval`)."""
         every = self.spec.checkpoint.memory_interval
-        return every is not None and step % every == 0 and not self.extracting_graphs
+        if every is None or self.extracting_graphs:
+            return False
+        if every == "auto":
+            if self.snapshot_every is None:  # the probe: every rank at the same step
+                return step - self.first_step + 1 == SNAPSHOT_AUTO_PROBE_STEPS
+            every = self.snapshot_every
+        return step % every == 0
+
+    def _choose_interval(self, held: float, step: int) -> None:
+        """memoryInterval auto, after the probe snapshot that held the loop `held` seconds:
+        the smallest interval whose snapshots hold it under SNAPSHOT_AUTO_SHARE of the
+        training time, from the slowest rank's snapshot and mean step so far."""
+        steps = step - self.first_step + 1
+        trained = self.ledger.seconds["productive"] + self.ledger.seconds["recompute"]
+        held, per_step = self.engine.max_over_ranks([held, trained / steps])
+        self.snapshot_every = max(1, math.ceil(held / (SNAPSHOT_AUTO_SHARE * per_step)))
+        log.info("in-memory snapshots (memoryInterval auto): every %d step(s): one holds the "
+                 "loop %.3fs, a step takes %.3fs", self.snapshot_every, held, per_step)
 
     def snapshot(self, step: int) -> float:
         """Step `step`'s state into this pod's memory (checkpoint.memoryInterval)."""
@@ -503,7 +526,7 @@ class Trainer:
         """Train to the spec's step count; returns the last step's stats."""
         total = self.spec.total_steps
         self.ledger.charge("startup")  # the caller's set-up since __init__ (e.g. sinks)
-        first = self.maybe_resume() + 1
+        first = self.first_step = self.maybe_resume() + 1
         log.info(
             "job %s: %s parameters, %d steps of %d tokens (%d micro-batches of %dx%d, %d on "
             "this rank), precision %s, starting at step %d",
@@ -559,6 +582,8 @@ class Trainer:
                     held = self.ledger.charge("snapshot")
                     self._off_step_time(held)
                     blocked = (blocked or 0.0) + held
+                    if self.snapshot_every is None and self.spec.checkpoint.memory_interval == "auto":
+                        self._choose_interval(held, step)
                 validation = None
                 if self.evaluates(step, total) and not self.extracting_graphs:
                     self.observe_norms()  # waits for the step: its time is the step's

@@ -53,7 +53,7 @@ def _snapshot(root: Path, rank: int, step: int, fill: float = 0.0) -> Path:
 
 @pytest.fixture
 def holder(tmp_path: Path) -> Iterator[ReplicaServer]:
-    server = ReplicaServer(tmp_path / "holder", port=0).start()
+    server = ReplicaServer(tmp_path / "holder", JOB, port=0).start()
     yield server
     server.stop()
 
@@ -208,6 +208,18 @@ def test_restore_fetches_only_for_ranks_without_snapshots_of_their_own(
     assert restore(tmp_path / "other", JOB, [2], "holder",
                    address=lambda _: _address(holder), say=said.append) == {}
     assert "failed" in said[-1], said
+
+
+def test_a_holder_serves_and_takes_its_own_job_s_copies_only(tmp_path: Path,
+                                                            holder: ReplicaServer) -> None:
+    """The job's name becomes a path on the holder: another name (or `..`) is refused."""
+    path = _snapshot(tmp_path / "n0", 0, 1)
+    for job in ("other", "../../escape"):
+        with pytest.raises(ReplicaError, match="copies of job 'llm' only"):
+            push(_address(holder), job, 0, 1, 0, path)
+        with pytest.raises(ReplicaError, match="rank 0"):
+            fetch(_address(holder), job, 0, tmp_path / "into")
+    assert sorted(p.name for p in holder.root.rglob("*")) == [] or not holder.root.exists()
 
 
 def test_the_successor_holds_a_node_s_copies_in_a_ring() -> None:

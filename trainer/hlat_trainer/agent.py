@@ -525,7 +525,7 @@ class Agent:
                                    self.control.report_unreachable).start()
         if self.replicate and self.layout.nnodes > 1 and self.env.get(Env.SNAPSHOT_DIR):
             root = Path(self.env[Env.SNAPSHOT_DIR])
-            self.replicas = (ReplicaServer(root).start(),
+            self.replicas = (ReplicaServer(root, self.env.get(Env.JOB_NAME, "")).start(),
                              Replicator(root, self.env.get(Env.JOB_NAME, ""),
                                         self.layout.nnodes, self.layout.nproc).start())
         if self.warm:

@@ -121,6 +121,12 @@ def _copy_in(stream: BufferedIOBase, size: int, path: Path) -> str:
     return digest.hexdigest()
 
 
+def _skip(stream: BufferedIOBase, size: int) -> None:
+    """Read and drop `size` bytes, less at the stream's end."""
+    while size > 0 and (chunk := stream.read(min(CHUNK, size))):
+        size -= len(chunk)
+
+
 def _copy_out(path: Path, stream: BufferedIOBase) -> tuple[int, str]:
     """Send the open file's bytes; (bytes sent, their SHA-256)."""
     digest = hashlib.sha256()
@@ -143,9 +149,9 @@ def _land(partial: Path, final: Path, keep: int) -> None:
 class ReplicaServer:
     """The holder's side: takes its predecessor's pushes and serves them back."""
 
-    def __init__(self, root: Path, port: int = REPLICA_PORT, keep: int = SNAPSHOTS_KEPT
-                 ) -> None:
-        self.root, self.port, self.keep = root, port, keep
+    def __init__(self, root: Path, job: str, port: int = REPLICA_PORT,
+                 keep: int = SNAPSHOTS_KEPT) -> None:
+        self.root, self.job, self.port, self.keep = root, job, port, keep
         self._lock = threading.Lock()
         self._newest: dict[str, int] = {}  # job -> newest attempt seen
         self._server: socket.socket | None = None
@@ -197,7 +203,13 @@ class ReplicaServer:
         with conn, conn.makefile("rwb") as stream:
             try:
                 request = _receive(stream)
-                if request.get("op") == "put":
+                if request.get("job") != self.job:  # the name becomes a path: this job's only
+                    if request.get("op") == "put":  # read to its end: a reply, not a reset
+                        _skip(stream, int(request.get("size", 0)))
+                        stream.readline(_HEADER_LIMIT)
+                    _send(stream, {"ok": False, "error": f"this node holds copies of job "
+                                                        f"{self.job!r} only"})
+                elif request.get("op") == "put":
                     self._put(request, stream)
                 elif request.get("op") == "get":
                     self._get(request, stream)
@@ -257,17 +269,22 @@ def push(address: tuple[str, int], job: str, rank: int, step: int, attempt: int,
     """Copy one snapshot file to the holder at `address`; the bytes sent. Raises ReplicaError
     unless the holder has it whole under its final name."""
     try:
-        with _connect(address) as conn, conn.makefile("rwb") as stream, open(path, "rb") as f:
+        with _connect(address) as conn, conn.makefile("rb") as replies, open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            _send(stream, {"op": "put", "job": job, "rank": rank, "step": step,
-                           "attempt": attempt, "size": size})
+            head = {"op": "put", "job": job, "rank": rank, "step": step, "attempt": attempt,
+                    "size": size}
             digest = hashlib.sha256()
-            while chunk := f.read(CHUNK):
-                digest.update(chunk)
-                stream.write(chunk)
-            _send(stream, {"sha256": digest.hexdigest()})
-            stream.flush()
-            answer = _receive(stream)
+            try:  # unbuffered sends: a refusal's reply stays readable after a broken pipe
+                conn.sendall(json.dumps(head).encode() + b"\n")
+                while chunk := f.read(CHUNK):
+                    digest.update(chunk)
+                    conn.sendall(chunk)
+                conn.sendall(json.dumps({"sha256": digest.hexdigest()}).encode() + b"\n")
+            except OSError:  # a holder that refused at once closed its end: its reason
+                answer = _receive(replies)
+                raise ReplicaError(f"rank {rank} step {step}: refused ({answer.get('error')})"
+                                   ) from None
+            answer = _receive(replies)
     except (OSError, ValueError) as err:
         raise ReplicaError(f"rank {rank} step {step}: {err}") from err
     if not answer.get("ok"):
@@ -286,6 +303,8 @@ def fetch(address: tuple[str, int], job: str, rank: int, into: Path) -> list[int
             _send(stream, {"op": "get", "job": job, "rank": rank})
             stream.flush()
             while "end" not in (header := _receive(stream)):
+                if header.get("ok") is False:
+                    raise ReplicaError(f"rank {rank}: refused ({header.get('error')})")
                 step, size = int(header["step"]), int(header["size"])
                 partial = into / f"step_{step}.fetch.tmp"
                 try:

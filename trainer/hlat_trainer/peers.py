@@ -20,6 +20,7 @@ own timeout.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import socket
@@ -59,6 +60,44 @@ def peer_host(job: str, record: GangRecord | None, rank: int) -> str:
     return f"{host}.{labels.service_name(job)}"
 
 
+class Listener:
+    """A TCP listener on every address of the pod, each connection handed to `handle` in the
+    listener's thread."""
+
+    def __init__(self, port: int, handle: Callable[[socket.socket], None], name: str,
+                 backlog: int = 64) -> None:
+        self.port, self.handle, self.name, self.backlog = port, handle, name, backlog
+        self._server: socket.socket | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> OSError | None:
+        """Listen, and accept in a thread; the error when the port cannot be had."""
+        try:
+            self._server = socket.create_server(("", self.port), backlog=self.backlog)
+        except OSError as err:
+            return err
+        self.port = self._server.getsockname()[1]  # port 0: the one the kernel gave
+        threading.Thread(target=self._serve, args=(self._server,), name=self.name,
+                         daemon=True).start()
+        return None
+
+    def stop(self) -> None:
+        """Close, waking the thread blocked in its accept (close alone may not)."""
+        self._stop.set()
+        if self._server is not None:
+            with contextlib.suppress(OSError):
+                self._server.shutdown(socket.SHUT_RDWR)
+            self._server.close()
+
+    def _serve(self, server: socket.socket) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return  # closed by stop()
+            self.handle(conn)
+
+
 def reachable(address: tuple[str, int], timeout: float) -> bool:
     """Whether a TCP connection to `address` is answered (accepted or refused) in `timeout`."""
     try:
@@ -88,7 +127,7 @@ class PeerWatch:
         self._addresses: dict[str, tuple[str, int]] = {}  # host -> its address this attempt
         self._watching: tuple[int, int] | None = None
         self._stop = threading.Event()
-        self._server: socket.socket | None = None
+        self._listener = Listener(port, lambda conn: conn.close(), "hlat-peer-listen", BACKLOG)
 
     # --- what the agent tells it --------------------------------------------------------------
 
@@ -105,30 +144,16 @@ class PeerWatch:
     # --- threads ------------------------------------------------------------------------------
 
     def start(self) -> PeerWatch:
-        try:
-            self._server = socket.create_server(("", self.port), backlog=BACKLOG,
-                                                reuse_port=False)
-        except OSError as err:  # peers will never reach this node, so never report it
+        err = self._listener.start()
+        if err is not None:  # peers will never reach this node, so never report it
             log.warning("peer watch: cannot listen on port %d (%s): this node's neighbours "
                         "cannot vouch for it", self.port, err)
-        else:
-            threading.Thread(target=self._serve, name="hlat-peer-listen", daemon=True).start()
         threading.Thread(target=self._run, name="hlat-peer-watch", daemon=True).start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        if self._server is not None:
-            self._server.close()
-
-    def _serve(self) -> None:
-        assert self._server is not None
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return  # closed by stop()
-            conn.close()
+        self._listener.stop()
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):

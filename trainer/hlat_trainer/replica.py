@@ -49,7 +49,7 @@ from typing import Any
 from hlat_api.gang import GangRecord
 from hlat_api.heartbeat import REPLICA_PORT
 from hlat_api.spec import SNAPSHOTS_KEPT
-from hlat_trainer.peers import peer_host
+from hlat_trainer.peers import Listener, peer_host
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +154,9 @@ class ReplicaServer:
         self.root, self.job, self.port, self.keep = root, job, port, keep
         self._lock = threading.Lock()
         self._newest: dict[str, int] = {}  # job -> newest attempt seen
-        self._server: socket.socket | None = None
-        self._stop = threading.Event()
+        self._listener = Listener(port, lambda conn: threading.Thread(
+            target=self._handle, args=(conn,), name="hlat-replica-conn", daemon=True).start(),
+            "hlat-replica-listen")
 
     def follow(self, job: str, attempt: int) -> None:
         """This node runs `attempt` of `job` now: older attempts' pushes are refused."""
@@ -170,33 +171,16 @@ class ReplicaServer:
             return True
 
     def start(self) -> ReplicaServer:
-        try:
-            self._server = socket.create_server(("", self.port), backlog=64)
-            self.port = self._server.getsockname()[1]  # port 0: the one the kernel gave
-        except OSError as err:  # this node's predecessor will find no holder: its rank
-            # resumes from the durable checkpoint if its node is lost
+        err = self._listener.start()
+        if err is not None:  # this node's predecessor will find no holder: its rank resumes
+            # from the durable checkpoint if its node is lost
             log.warning("snapshot replicas: cannot listen on port %d (%s): this node holds "
                         "no copy of its peer's snapshots", self.port, err)
-            return self
-        threading.Thread(target=self._serve, name="hlat-replica-listen", daemon=True).start()
+        self.port = self._listener.port
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._server is not None:
-            with contextlib.suppress(OSError):  # wakes the accept (close alone may not)
-                self._server.shutdown(socket.SHUT_RDWR)
-            self._server.close()
-
-    def _serve(self) -> None:
-        assert self._server is not None
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return  # closed by stop()
-            threading.Thread(target=self._handle, args=(conn,), name="hlat-replica-conn",
-                             daemon=True).start()
+        self._listener.stop()
 
     def _handle(self, conn: socket.socket) -> None:
         conn.settimeout(IO_TIMEOUT_SECONDS)

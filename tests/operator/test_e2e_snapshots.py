@@ -22,9 +22,16 @@ from hlat_testbed import faults
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 DURABLE_EVERY = 25
+COPY_EVERY = 4
+"""memoryInterval of the tests that restore from a peer's copy. A copy is pushed after its
+snapshot is written, so it must land within a snapshot interval for the ranks to meet at a
+step (the documented rule: memoryInterval x the step time above a copy's time). The rig's
+steps take 0.09 s and a copy 0.03 s when idle; with two clusters on two cores a copy took
+longer than a step (a run of the spare test every step resumed from storage). Every 4 steps
+keeps to the rule under that load."""
 
 
-def _run(job_env: Env, fault: str, steps: int = 60, replicas: int = 1
+def _run(job_env: Env, fault: str, steps: int = 60, replicas: int = 1, every: int = 1
          ) -> tuple[dict[str, Any], int, str]:
     """Train 60 steps, snapshots every step, durable every 25; `fault` (kill: rank 1's
     trainer; delete: rank 1's trainer frozen, then its pod deleted) once the status shows a
@@ -32,7 +39,7 @@ def _run(job_env: Env, fault: str, steps: int = 60, replicas: int = 1
     the final status, the durable checkpoint the fault came after, and rank 0's log (both
     attempts: its pod is kept)."""
     spec = tiny_spec(steps=steps, restartStrategy="InPlace")
-    spec["checkpoint"].update({"interval": DURABLE_EVERY, "memoryInterval": 1,
+    spec["checkpoint"].update({"interval": DURABLE_EVERY, "memoryInterval": every,
                                "memoryReplicas": replicas})
     job_env.create(spec)
     pod0, pod1 = f"{JOB}-a0-0", f"{JOB}-a0-1"
@@ -76,12 +83,12 @@ def test_a_deleted_pod_s_rank_fetches_its_snapshots_back_from_its_peer_s_copy(
     """The new pod's launcher fetches rank 1's snapshots from node 0's copy before its trainer
     starts; both ranks then resume from the newest step they both hold (the copy may be one
     snapshot behind): from memory, nothing read from the checkpoint volume."""
-    done, durable, log = _run(job_env, "delete", steps=160)
+    done, durable, log = _run(job_env, "delete", steps=160, every=COPY_EVERY)
     later = attempt_log(log, 1)
     resumed = re.search(r"resumed from in-memory snapshot step_(\d+)", later)
     assert resumed, later[-3000:]
     step, trained = int(resumed.group(1)), max(losses(log[:log.index(later)]))
-    assert step > durable and trained - step <= 2, (step, trained)
+    assert step > durable and trained - step < 2 * COPY_EVERY, (step, trained)
     new_pod = next(p for p in job_env.core.list_namespaced_pod(job_env.ns).items
                    if p.metadata.labels.get("hlat.dev/node-rank") == "1"
                    and p.metadata.name != f"{JOB}-a0-1")
@@ -112,14 +119,16 @@ def test_without_copies_a_deleted_pod_takes_its_memory_and_every_rank_resumes_fr
 
 def test_a_lost_node_s_spare_fetches_its_rank_s_snapshots_from_the_peer_s_copy(
         job_env: Env) -> None:
-    """spareNodes 1, snapshots and their copies every step: rank 1's node goes down (kubelet
-    and processes stopped), its peer reports it, the warm spare takes rank 1 and its launcher
-    fetches rank 1's snapshots from node 0's copy before its trainer starts. Both ranks resume
-    from memory, at most one step before the last step trained: no checkpoint is loaded from
-    the volume (the engine lists it for its newest step, and reads nothing of it)."""
+    """spareNodes 1, snapshots and their copies every COPY_EVERY steps: rank 1's node goes down
+    (kubelet and processes stopped), its peer reports it, the warm spare takes rank 1 and its
+    launcher fetches rank 1's snapshots from node 0's copy before its trainer starts. Both ranks
+    resume from memory, from the newest snapshot or the one before (the copy may lag one): no
+    checkpoint is loaded from the volume (the engine lists it for its newest step, and reads
+    nothing of it). One step lost with snapshots every step: bench_recovery's
+    node-down:InPlace+spare+memory."""
     spec = tiny_spec(steps=160, restartStrategy="InPlace", spareNodes=1, heartbeat={
         "startupTimeoutSeconds": 120, "timeoutSeconds": 60})  # the node is found lost first
-    spec["checkpoint"].update({"interval": DURABLE_EVERY, "memoryInterval": 1})
+    spec["checkpoint"].update({"interval": DURABLE_EVERY, "memoryInterval": COPY_EVERY})
     job_env.create(spec)
     node = ""
     try:
@@ -142,7 +151,7 @@ def test_a_lost_node_s_spare_fetches_its_rank_s_snapshots_from_the_peer_s_copy(
     resumed = re.search(r"resumed from in-memory snapshot step_(\d+)", later)
     assert resumed, later[-3000:]
     step, trained = int(resumed.group(1)), max(losses(log[:log.index(later)]))
-    assert step > DURABLE_EVERY and trained - step <= 1, (step, trained)
+    assert step > DURABLE_EVERY and trained - step < 2 * COPY_EVERY, (step, trained)
     assert f"resumed from in-memory snapshot step_{step}" in spare, spare[-3000:]
     assert "resumed from checkpoint" not in later + spare
     seen = losses(log)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import shlex
 import shutil
@@ -224,6 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         return ExitCode.OK
     in_place = bool(env.get(Env.GANG_LEASE)) and not compile_command_prefix(spec)
+    # the launcher's own modules' warnings (peers, snapshot copies, the record's reads) timed
+    # as its `hlat-launch:` lines; the trainers it starts configure their own logging
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s hlat-launch: %(message)s")
     cache = (CacheSync(spec.neuron.cache_dir, shared, pull=in_place and env.get(Env.SPARE) == "1",
                        say=lambda line: print(f"hlat-launch: {line}", file=sys.stderr, flush=True))
              if shared else None)

@@ -251,29 +251,34 @@ def _connect(address: tuple[str, int]) -> socket.socket:
 def push(address: tuple[str, int], job: str, rank: int, step: int, attempt: int,
          path: Path) -> int:
     """Copy one snapshot file to the holder at `address`; the bytes sent. Raises ReplicaError
-    unless the holder has it whole under its final name."""
-    try:
-        with _connect(address) as conn, conn.makefile("rb") as replies, open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = {"op": "put", "job": job, "rank": rank, "step": step, "attempt": attempt,
-                    "size": size}
-            digest = hashlib.sha256()
-            try:  # unbuffered sends: a refusal's reply stays readable after a broken pipe
-                conn.sendall(json.dumps(head).encode() + b"\n")
-                while chunk := f.read(CHUNK):
-                    digest.update(chunk)
-                    conn.sendall(chunk)
-                conn.sendall(json.dumps({"sha256": digest.hexdigest()}).encode() + b"\n")
-            except OSError:  # a holder that refused at once closed its end: its reason
-                answer = _receive(replies)
-                raise ReplicaError(f"rank {rank} step {step}: refused ({answer.get('error')})"
-                                   ) from None
-            answer = _receive(replies)
-    except (OSError, ValueError) as err:
-        raise ReplicaError(f"rank {rank} step {step}: {err}") from err
+    unless the holder has it whole under its final name, FileNotFoundError when the file is
+    gone (the trainer dropped it for newer ones: the pusher takes the newest again)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        try:
+            answer = _put(address, f, {"op": "put", "job": job, "rank": rank, "step": step,
+                                       "attempt": attempt, "size": size})
+        except (OSError, ValueError) as err:
+            raise ReplicaError(f"rank {rank} step {step}: {err}") from err
     if not answer.get("ok"):
         raise ReplicaError(f"rank {rank} step {step}: refused ({answer.get('error')})")
     return size
+
+
+def _put(address: tuple[str, int], f: BufferedIOBase, head: dict[str, Any]
+         ) -> dict[str, Any]:
+    """Send `head`, the file's bytes and their SHA-256; the holder's answer."""
+    with _connect(address) as conn, conn.makefile("rb") as replies:
+        digest = hashlib.sha256()
+        try:  # unbuffered sends: a refusal's reply stays readable after a broken pipe
+            conn.sendall(json.dumps(head).encode() + b"\n")
+            while chunk := f.read(CHUNK):
+                digest.update(chunk)
+                conn.sendall(chunk)
+            conn.sendall(json.dumps({"sha256": digest.hexdigest()}).encode() + b"\n")
+        except OSError:  # a holder that refused at once closed its end: its reason
+            return _receive(replies)
+        return _receive(replies)
 
 
 def fetch(address: tuple[str, int], job: str, rank: int, into: Path) -> list[int]:

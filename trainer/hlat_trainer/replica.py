@@ -127,15 +127,14 @@ def _skip(stream: BufferedIOBase, size: int) -> None:
         size -= len(chunk)
 
 
-def _copy_out(path: Path, stream: BufferedIOBase) -> tuple[int, str]:
+def _copy_out(f: BufferedIOBase, stream: BufferedIOBase) -> tuple[int, str]:
     """Send the open file's bytes; (bytes sent, their SHA-256)."""
     digest = hashlib.sha256()
     sent = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-            stream.write(chunk)
-            sent += len(chunk)
+    while chunk := f.read(CHUNK):
+        digest.update(chunk)
+        stream.write(chunk)
+        sent += len(chunk)
     return sent, digest.hexdigest()
 
 
@@ -227,15 +226,15 @@ class ReplicaServer:
         directory = replica_dir(self.root, str(request["job"]), int(request["rank"]))
         for step in reversed(_steps(directory)):
             path = directory / f"step_{step}.pt"
-            try:
-                size = path.stat().st_size
+            # opened before its header is sent: a copy dropped meanwhile by a newer one is
+            # skipped (the rest are newer), and one open stays readable to its end
+            with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
                 _send(stream, {"step": step, "size": size})
-                sent, digest = _copy_out(path, stream)
-            except FileNotFoundError:  # dropped meanwhile by a newer copy: the rest are newer
-                continue
-            if sent != size:  # cannot happen: copies are renamed into place whole
-                raise ReplicaError(f"{path} changed while sent")
-            _send(stream, {"sha256": digest})
+                sent, digest = _copy_out(f, stream)
+                if sent != size:  # cannot happen: copies are renamed into place whole
+                    raise ReplicaError(f"{path} changed while sent")
+                _send(stream, {"sha256": digest})
         _send(stream, {"end": True})
 
 

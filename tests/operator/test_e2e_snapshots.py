@@ -128,14 +128,16 @@ def test_a_lost_node_s_spare_fetches_its_rank_s_snapshots_from_the_peer_s_copy(
     node-down:InPlace+spare+memory."""
     spec = tiny_spec(steps=160, restartStrategy="InPlace", spareNodes=1, heartbeat={
         "startupTimeoutSeconds": 120, "timeoutSeconds": 60})  # the node is found lost first
-    spec["checkpoint"].update({"interval": DURABLE_EVERY, "memoryInterval": COPY_EVERY})
+    # no durable checkpoint before the end: one newer than the fault's snapshot would rightly
+    # be chosen over it (a CI run: the fault landed at step 50-52, between step_50's save and
+    # the copy of step 52)
+    spec["checkpoint"].update({"interval": 1000, "memoryInterval": COPY_EVERY})
     job_env.create(spec)
     node = ""
     try:
         with TrainerCensus(job_env) as census:
-            job_env.wait("a step past the durable checkpoint, and a ready spare", lambda s: (
-                (s.get("latestCheckpoint") or {}).get("step", 0) >= DURABLE_EVERY
-                and (s.get("progress") or {}).get("step", 0) >= DURABLE_EVERY + 8
+            job_env.wait("a few snapshots, and a ready spare", lambda s: (
+                (s.get("progress") or {}).get("step", 0) >= 5 * COPY_EVERY
                 and (s.get("spares") or {}).get("ready") == 1), 240)
             node = job_env.core.read_namespaced_pod(f"{JOB}-a0-1", job_env.ns).spec.node_name
             faults.node_down(job_env.cluster.config, node)
@@ -151,7 +153,7 @@ def test_a_lost_node_s_spare_fetches_its_rank_s_snapshots_from_the_peer_s_copy(
     resumed = re.search(r"resumed from in-memory snapshot step_(\d+)", later)
     assert resumed, later[-3000:]
     step, trained = int(resumed.group(1)), max(losses(log[:log.index(later)]))
-    assert step > DURABLE_EVERY and trained - step < 2 * COPY_EVERY, (step, trained)
+    assert step >= COPY_EVERY and trained - step < 2 * COPY_EVERY, (step, trained)
     assert f"resumed from in-memory snapshot step_{step}" in spare, spare[-3000:]
     assert "resumed from checkpoint" not in later + spare
     seen = losses(log)

@@ -98,6 +98,33 @@ class Cluster:
             time.sleep(0.3)
         raise controlplane.StartupError("namespace default never got its service account")
 
+    def wait_controllers_serve_new_namespaces(self, timeout: float = 180) -> float:
+        """Create a throwaway namespace and wait until the controller manager has given it its
+        default service account and root CA; return the seconds that took. After the API
+        server has been away, the controllers' informers come back only on client-go's
+        reflector back-off (0.8 s doubling to 30 s, each with up to as much jitter again:
+        client-go tools/cache/reflector.go, NewExponentialBackoffManager), so measured here
+        a new namespace waited up to 79 s for its service account: a test that restarts the
+        API server hands the cluster back only once this passes."""
+        core = client.CoreV1Api(self.admin_api())
+        name = f"hlat-probe-{os.urandom(3).hex()}"
+        core.create_namespace({"metadata": {"name": name}})  # type: ignore[arg-type]
+        began = time.monotonic()
+        try:
+            while not (core.list_namespaced_service_account(
+                    name, field_selector="metadata.name=default").items
+                    and core.list_namespaced_config_map(
+                        name, field_selector="metadata.name=kube-root-ca.crt").items):
+                if time.monotonic() - began > timeout:
+                    raise controlplane.StartupError(
+                        f"the controller manager gave namespace {name} no default service "
+                        f"account and root CA in {timeout:.0f}s; see its log "
+                        f"{self.config.logs_dir / 'kube-controller-manager.log'}")
+                time.sleep(0.3)
+            return time.monotonic() - began
+        finally:
+            core.delete_namespace(name)
+
     def _start_control_plane(self, progress: Progress) -> None:
         cfg = self.config
         if not any(self.processes.pid(c) for c in controlplane.COMPONENTS):

@@ -4,7 +4,7 @@ For each fault (a worker SIGKILLed, a worker hung with SIGSTOP, a node taken dow
 2-node PretrainJob runs until it has a complete checkpoint; the fault is injected and the clock
 runs until the new gang's rank 0 logs its first training step. The baseline, measured in the
 same run, is a cold start: apply -> first training step of a fresh job. Recovery cannot beat
-it (the new gang starts the same way, plus detection, teardown, backoff and checkpoint load),
+it (the new gang starts the same way, plus detection, teardown and checkpoint load),
 so the ratio says what fault handling adds. Also shown: detection (fault -> the operator
 records the failure) and the training steps lost.
 
@@ -363,7 +363,8 @@ def section(baselines: list[float], rows: dict[tuple[str, str], list[dict[str, A
     ]
     rounds = max((r["n"] for r in cases.values()), default=0)
     body = f"""Run {when} on the local cluster (`hlat-cluster`, 3 nodes), the operator as a
-subprocess with the rig's short intervals (resync 2 s, backoff 1 s). {rounds} round(s): each
+subprocess with the rig's short intervals (resync 2 s; backoff 1 s, which a fault after
+progress does not wait: each fault here follows a checkpoint). {rounds} round(s): each
 round a cold start, then every case, the cases' order rotated from round to round. Each fault
 hits a fresh tiny 2-node CPU job {STEADY_SECONDS} s after its first complete checkpoint
 (steady training); "fault -> next step" runs until the attempt's rank 0 logs its first
@@ -391,7 +392,7 @@ Leases, status refreshes), which runs on during a recovery as long as the pods d
                "steps lost", "API requests, fault -> next step, writes / reads",
                "steady writes/s before the fault"], table)}
 
-What an in-place restart does after detection: the spec's backoff, then rendezvous, the
+What an in-place restart does after detection: rendezvous (no backoff: the attempt made progress), the
 engine, the checkpoint load and the first step, in a trainer a warm standby prepared ahead
 (torch imported, DCP and the tokenizer loaded), with no pod created, scheduled or deleted.
 Without a spare a lost node's new pod waits for the dead one to be force-deleted, whichever
@@ -448,7 +449,7 @@ def main() -> None:
               f"{r['recover']:>16.1f}{r['recover'] / cold:>14.2f}{r['beyond'] / cold:>23.2f}"
               f"{r['lost']:>12.0f}{r['writes']:>6.0f}/{r['reads']:<5.0f}")
     print(f"(medians over {a.rounds} round(s); hang timeout {HANG_TIMEOUT} s; operator resync "
-          "2 s; backoff 1 s)")
+          "2 s; backoff 1 s, none after progress)")
     sec = section(baselines, rows, when, report.command())
     for g in sec.goals:
         print(f"goal {g.line().replace('**', '')}")

@@ -270,12 +270,24 @@ class StorageSpec(_Model):
 
 
 class BackoffSpec(_Model):
-    """Exponential backoff between gang restarts."""
+    """Exponential backoff between restarts that make no progress. An attempt that made
+    progress (a durable checkpoint or a snapshot every worker holds, newer than where it
+    started) restarts at once, as the kubelet restarts a container the first time."""
 
     initial_seconds: Annotated[float, Field(ge=0)] = 30
-    """Delay before the first restart; doubles per consecutive restart."""
+    """Delay before a restart after an attempt that made no progress; doubles for each such
+    attempt in a row."""
     max_seconds: Annotated[float, Field(ge=0)] = 600
     """Upper bound of the delay."""
+
+    def delay_seconds(self, streak: int) -> float:
+        """The wait before the next attempt after `streak` attempts in a row that made no
+        progress: none after one that did (a fault in steady training is not a crash loop,
+        which is what a backoff guards against), else `initialSeconds` doubling per attempt,
+        capped at `maxSeconds`."""
+        if streak <= 0:
+            return 0.0
+        return min(self.max_seconds, self.initial_seconds * 2 ** (streak - 1))
 
 
 class HeartbeatSpec(_Model):

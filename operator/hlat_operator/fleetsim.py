@@ -154,8 +154,9 @@ class ClusterTimes:
     """Lease renewal period, added to every heartbeat timeout (OperatorSettings)."""
     safety_factor: float = _FT.heartbeat.safety_factor
     """Learned timeout = step time x this (the spec's default)."""
-    backoff_s: float = _FT.backoff.initial_seconds
-    """First restart's backoff, counted from the detection (reconcile); it hides a short teardown."""
+    backoff_s: float = _FT.backoff.delay_seconds(0)
+    """The restart's backoff, counted from the detection (reconcile): none, since a fault in
+    steady training follows progress (BackoffSpec.delay_seconds)."""
     termination_grace_s: float = _OPERATOR.termination_grace_seconds
     """Assumption: a hung worker does not exit on SIGTERM, so its pod ends at the grace period."""
     force_delete_s: float = _OPERATOR.force_delete_after_seconds

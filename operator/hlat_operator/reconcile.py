@@ -774,9 +774,7 @@ def _restarting(p: _Pass, spec: PretrainJobSpec) -> None:
     if not _teardown(p, gone) and not (in_place and _spares_cover(p, spec, gone)):
         p.after(p.settings.fast_requeue_seconds)
         return
-    ft = spec.fault_tolerance
-    streak = max(1, p.state.no_progress_streak)
-    delay = min(ft.backoff.max_seconds, ft.backoff.initial_seconds * 2 ** (streak - 1))
+    delay = spec.fault_tolerance.backoff.delay_seconds(p.state.no_progress_streak)
     if _resizing(p.status):
         delay = 0.0  # a planned resize: nothing failed
     failure = p.status.last_failure
@@ -794,20 +792,18 @@ def _restarting(p: _Pass, spec: PretrainJobSpec) -> None:
             )
         p.after(left)
         return
+    waited = f"after {delay:g}s backoff" if delay else "at once (the last attempt made progress)"
     if in_place:
         kept, created = _in_place_attempt(p, spec, p.status.attempt + 1)
         p.phase("Pending", Reason.CREATED,
-                f"attempt {p.status.attempt} restarted in place after {delay:g}s backoff: "
+                f"attempt {p.status.attempt} restarted in place {waited}: "
                 f"{kept} pods kept, {created} created; resuming from the latest complete "
                 "checkpoint")
         return
     _new_attempt(p, spec, p.status.attempt + 1)
-    p.phase(
-        "Pending",
-        Reason.CREATED,
-        f"attempt {p.status.attempt} created after {delay:g}s "
-        "backoff, resuming from the latest complete checkpoint",
-    )
+    p.phase("Pending", Reason.CREATED,
+            f"attempt {p.status.attempt} created {waited}, resuming from the latest complete "
+            "checkpoint")
 
 
 # --- creating a gang -------------------------------------------------------------------------
@@ -1292,12 +1288,11 @@ def _move_off_straggler(p: _Pass, spec: PretrainJobSpec, slow: stragglers.Slow,
 
 def _restart_cost(p: _Pass, spec: PretrainJobSpec) -> float:
     """What a restart costs this job, as measured so far: the mean of its attempts' starts
-    (pending, startup, compilation and restore from storage or memory, from goodput) plus the
-    restart's backoff."""
+    (pending, startup, compilation and restore from storage or memory, from goodput). No
+    backoff: a straggler is still training, so its attempt made progress."""
     b = p.old.goodput.badput_seconds
-    starts = (b.pending + b.startup + b.compile + b.restore + b.memory_restore) / (
+    return (b.pending + b.startup + b.compile + b.restore + b.memory_restore) / (
         p.status.restarts.total + 1)
-    return starts + spec.fault_tolerance.backoff.initial_seconds
 
 
 def _beat_of(p: _Pass, pod: ObservedPod) -> Heartbeat | None:

@@ -50,8 +50,11 @@ def test_restart_deletes_every_pod_then_creates_the_next_attempt_after_backoff()
     assert {c.type: c.status for c in w.status.conditions}["Restarting"] == "False"
 
 
-def test_backoff_doubles_while_no_checkpoint_is_made_and_resets_after_one() -> None:
-    w = World(raw_spec(**{"faultTolerance.noProgressRestarts": 10}))
+def test_backoff_doubles_while_no_checkpoint_is_made_and_a_fault_after_one_restarts_at_once(
+) -> None:
+    """A crash loop waits longer each time; a fault after progress is not a loop."""
+    w = World(raw_spec(**{"faultTolerance.noProgressRestarts": 10,
+                          "faultTolerance.maxRestarts": 10}))
     delays = []
     for _ in range(4):
         w.until("Running")
@@ -63,6 +66,10 @@ def test_backoff_doubles_while_no_checkpoint_is_made_and_resets_after_one() -> N
     w.beat(40, checkpoint_step=40)
     w.step()
     w.fail(0)
+    w.step()
+    assert w.until("Pending") - 1 == 0
+    w.until("Running")
+    w.fail(0)  # no checkpoint since: the backoff starts again, at its initial value
     w.step()
     assert w.until("Pending") - 1 == 4
 

@@ -21,6 +21,9 @@
   sends is lost, nothing reaches it, no FIN or RST) while its node, kubelet, processes and
   files stay: a trainer that can reach neither the API server nor its peers but still writes
   to the shared checkpoint volume (a filesystem mount here).
+- ``slow_port`` / ``unslow``: what one pod sends to one destination port limited to a rate
+  (a kernel HTB shaper in the pod's network namespace): a slow link for one kind of traffic
+  (e.g. snapshot copies), the rest of the pod's traffic untouched;
 - ``Slowdown``: a fail-slow node: a pod's trainer processes paused for a fraction of every 20 ms
   (a SIGSTOP/SIGCONT duty cycle), computing slower without failing anything, on a CPU of
   their own (the gang's other trainers kept off it, as on separate machines).
@@ -326,6 +329,19 @@ def partition(config: ClusterConfig, namespace: str, pod: str) -> str:
     uid = _pod_uid(config, namespace, pod)
     netns.set_pod_link(config.bridge, uid, up=False)
     return uid
+
+
+def slow_port(config: ClusterConfig, namespace: str, pod: str, port: int,
+              bytes_per_second: int) -> str:
+    """What the pod sends to destination `port` goes at `bytes_per_second` at most; its uid."""
+    uid = _pod_uid(config, namespace, pod)
+    netns.limit_port_rate(config.bridge, uid, port, bytes_per_second)
+    return uid
+
+
+def unslow(config: ClusterConfig, namespace: str, pod: str) -> None:
+    """Undo `slow_port`."""
+    netns.clear_port_rates(config.bridge, _pod_uid(config, namespace, pod))
 
 
 def heal(config: ClusterConfig, namespace: str, pod: str) -> None:

@@ -113,6 +113,28 @@ def set_pod_link(bridge: str, pod_uid: str, up: bool) -> None:
         ip("link", "set", host_end, "up" if up else "down", check=False)
 
 
+def limit_port_rate(bridge: str, pod_uid: str, port: int, bytes_per_second: int) -> None:
+    """What the pod sends to TCP/UDP destination `port` leaves its eth0 at `bytes_per_second`
+    at most (an HTB class with a u32 filter on the destination port; other traffic is not
+    classified and goes at full speed); replaces an earlier limit."""
+    ns, dev = pod_netns_name(bridge, pod_uid), "eth0"
+    clear_port_rates(bridge, pod_uid)
+    rate = f"{bytes_per_second * 8}bit"
+    ip_ns = ["ip", "netns", "exec", ns, "tc"]
+    for args in (["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb"],
+                 ["class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb",
+                  "rate", rate, "ceil", rate],
+                 ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                  "u32", "match", "ip", "dport", str(port), "0xffff", "flowid", "1:20"]):
+        subprocess.run([*ip_ns, *args], check=True, capture_output=True, text=True)
+
+
+def clear_port_rates(bridge: str, pod_uid: str) -> None:
+    """Remove `limit_port_rate`'s limit (none, or the pod gone, is fine)."""
+    subprocess.run(["ip", "netns", "exec", pod_netns_name(bridge, pod_uid), "tc", "qdisc",
+                    "del", "dev", "eth0", "root"], check=False, capture_output=True)
+
+
 def _delete_netns(ns: str) -> None:
     if (NETNS_RUN / ns).exists():
         ip("netns", "del", ns, check=False)

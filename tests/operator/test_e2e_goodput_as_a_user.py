@@ -42,8 +42,14 @@ def test_productive_time_is_the_logged_steps_counted_once(job_env: Env) -> None:
         once.setdefault(r["step"], r["stepSeconds"] - r["dataWaitSeconds"])
     assert sorted(once) == list(range(1, 201))
     logs = sum(once.values())
-    print(json.dumps({"productive": g["productiveSeconds"], "logs": logs, "wall":
-                      g["wallSeconds"], "badput": b}))
+    # the trainers' own split: attempt 1 recomputes up to the last step the operator saw
+    # attempt 0 report (steps_done), and counts the rest productive
+    seen = min((r["step"] for r in second if not r["recomputed"]), default=201) - 1
+    own = (sum(r["stepSeconds"] - r["dataWaitSeconds"] for r in first if r["step"] <= seen)
+           + sum(r["stepSeconds"] - r["dataWaitSeconds"] for r in second if not r["recomputed"]))
+    print(json.dumps({"productive": g["productiveSeconds"], "logs": logs, "own": own,
+                      "lastLogged": max(r["step"] for r in first), "stepsDone": seen,
+                      "wall": g["wallSeconds"], "badput": b}))
     assert g["productiveSeconds"] == pytest.approx(logs, abs=0.5), (g, logs)
     assert b["recompute"] > 0 and b["unreported"] == 0, b
     assert g["productiveSeconds"] + sum(b.values()) == pytest.approx(g["wallSeconds"], abs=0.05)

@@ -10,14 +10,20 @@ vs restore)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 from e2e_env import JOB, Env, TrainerCensus, attempt_log, losses
 from e2e_spec import tiny_spec
 
+from hlat_api.heartbeat import REPLICA_PORT
 from hlat_testbed import faults
+from hlat_testbed.podfiles import container_pid
+from hlat_testbed.testing import wait_for
+from hlat_trainer import replica
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -160,6 +166,97 @@ def test_a_lost_node_s_spare_fetches_its_rank_s_snapshots_from_the_peer_s_copy(
     assert "resumed from checkpoint" not in later + spare
     seen = losses(log)
     assert max(seen) == 160
+    for at, values in seen.items():  # trained again: the same numbers
+        assert all(v == values[0] for v in values), (at, values)
+    badput = done["goodput"]["badputSeconds"]
+    assert badput["memoryRestore"] > 0 and badput["restore"] == 0, badput
+
+
+TORN_COPY_EVERY = 40
+"""memoryInterval of the torn-copy test: 40 steps take 3.6 s or more on the rig, longer than
+the 2 s a copy is slowed to, so each copy lands before the next snapshot is written."""
+
+
+def _snapshot_root(env: Env, pod: str) -> Path:
+    """The pod's snapshot directory (HLAT_SNAPSHOT_DIR, from its trainer's environment), as
+    seen from here: through its launcher's root (/dev/shm is the pod's own, in the container's
+    mount namespace)."""
+    def root() -> str | None:
+        for pid in faults.trainer_pids(env.cluster.config, env.ns, pod):
+            with contextlib.suppress(OSError):
+                for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    if item.startswith(b"HLAT_SNAPSHOT_DIR="):
+                        return item.split(b"=", 1)[1].decode()
+        return None
+    inside = wait_for(root, 60, f"{pod}'s trainer and its snapshot directory")
+    launcher = container_pid(env.cluster.config, env.ns, pod)
+    return Path(f"/proc/{launcher}/root") / inside.lstrip("/")
+
+
+def test_a_node_lost_mid_copy_leaves_its_peer_whole_copies_only_and_the_spare_resumes_from_the_last(
+        job_env: Env) -> None:
+    """Rank 1's copies to node 0 slowed to 2 s each (a kernel shaper on its pod's traffic to
+    the replica port); its node goes down while node 0 is partway through the copy of step M.
+    Node 0 then holds a torn copy of M (a temporary file) and whole ones of M - 40 and before;
+    the spare fetches only the whole ones, and both ranks resume from M - 40, the newest step
+    each holds whole (rank 0 its own M - 40, rank 1 the copy), never from the torn M; the steps
+    trained again repeat the first attempt's losses."""
+    steps = 6 * TORN_COPY_EVERY
+    spec = tiny_spec(steps=steps, restartStrategy="InPlace", spareNodes=1, heartbeat={
+        "startupTimeoutSeconds": 120, "timeoutSeconds": 60})  # the node is found lost first
+    spec["checkpoint"].update({"interval": 1000, "memoryInterval": TORN_COPY_EVERY})
+    job_env.create(spec)
+    pod0, pod1 = f"{JOB}-a0-0", f"{JOB}-a0-1"
+    config = job_env.cluster.config
+    node, torn = "", -1
+    try:
+        with TrainerCensus(job_env) as census:
+            job_env.wait("a ready spare", lambda s: (s.get("spares") or {}).get("ready") == 1
+                         and s.get("phase") == "Running", 240)
+            own = replica.own_dir(_snapshot_root(job_env, pod1), JOB, 1)
+            held = replica.replica_dir(_snapshot_root(job_env, pod0), JOB, 1)
+            first = wait_for(lambda: sorted(own.glob("step_*.pt")), 120,
+                             f"rank 1's first snapshot in {own}")
+            size = first[0].stat().st_size
+            faults.slow_port(config, job_env.ns, pod1, REPLICA_PORT, max(size // 2, 1))
+
+            def mid_copy() -> int | None:
+                """Step M while node 0 has part of M's copy and all of M - 40's."""
+                for partial in held.glob("step_*.tmp"):
+                    step = int(partial.name.split(".")[0].removeprefix("step_"))
+                    with contextlib.suppress(FileNotFoundError):
+                        if (partial.stat().st_size > 0 and step > TORN_COPY_EVERY and
+                                (held / f"step_{step - TORN_COPY_EVERY}.pt").exists()):
+                            return step
+                return None
+            torn = wait_for(mid_copy, 180, f"a copy of rank 1 in progress in {held}",
+                            interval=0.02)
+            node = job_env.core.read_namespaced_pod(pod1, job_env.ns).spec.node_name
+            faults.node_down(config, node)
+            with contextlib.suppress(FileNotFoundError):  # a whole copy is as big as the file
+                landed = (held / f"step_{torn}.pt").stat().st_size
+                assert landed != size, "the copy completed before the fault"
+            done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 240)
+    finally:
+        if node:
+            faults.node_up(config, node)
+        with contextlib.suppress(Exception):
+            faults.unslow(config, job_env.ns, pod1)
+    assert census.most == 1, census.worst
+    assert done["spares"]["promoted"] == 1 and done["lastFailure"]["reason"] == "NodeLost", done
+    log, spare = (job_env.cluster.pod_log(job_env.ns, f"{JOB}-{p}") for p in ("a0-0", "s0"))
+    whole = torn - TORN_COPY_EVERY
+    print(f"node 1 lost mid-copy of rank 1 step {torn} ({size} bytes a copy, slowed to 2 s)")
+    # the holder gave the cut copy up (its connection fell silent) and kept the whole ones
+    wait_for(lambda: "snapshot replicas: a request failed" in job_env.cluster.pod_log(
+        job_env.ns, pod0), 30, "node 0's launcher to give the cut copy up")
+    fetched = re.search(r"snapshot replicas: fetched rank 1 step (\d+) from", spare)
+    assert fetched and int(fetched.group(1)) == whole, (torn, spare[-3000:])
+    later = attempt_log(log, 1)
+    assert f"resumed from in-memory snapshot step_{whole}" in later, (torn, later[-3000:])
+    assert f"resumed from in-memory snapshot step_{whole}" in spare, (torn, spare[-3000:])
+    seen = losses(log)
+    assert max(seen) == steps and len(seen[torn]) == 2, (torn, sorted(seen)[-3:])
     for at, values in seen.items():  # trained again: the same numbers
         assert all(v == values[0] for v in values), (at, values)
     badput = done["goodput"]["badputSeconds"]

@@ -4,7 +4,10 @@ one worker's container SIGKILLed as soon as the status shows the checkpoint of s
 chosen moment of the training loop (test_e2e_goodput times its kills after a fresh heartbeat;
 this one may land with a step in flight, mid-save, or between a step and its report). The
 productive time in status is the rank-0 log's steps counted once each (stepSeconds less data
-wait, the first attempt's line for a step both attempts logged)."""
+wait), a step both attempts logged at the time of the attempt whose report first covered it:
+the first attempt's up to the last step the operator saw it report (the next attempt's
+steps_done, marked `recomputed` in its lines), the second's after that (the first attempt's
+later lines were lost with it: nobody saw them)."""
 
 from __future__ import annotations
 
@@ -50,6 +53,11 @@ def test_productive_time_is_the_logged_steps_counted_once(job_env: Env) -> None:
     print(json.dumps({"productive": g["productiveSeconds"], "logs": logs, "own": own,
                       "lastLogged": max(r["step"] for r in first), "stepsDone": seen,
                       "wall": g["wallSeconds"], "badput": b}))
-    assert g["productiveSeconds"] == pytest.approx(logs, abs=0.5), (g, logs)
+    # each step once, the first time a report covered it: steps attempt 0 finished after its
+    # last report (lost with it) count at attempt 1's time. A CI run under load found status
+    # 0.63 s below the first attempt's line for every step (`logs`): those steps' times in the
+    # two attempts differ by a difference of that sign when attempt 0 ran them slower
+    assert max(r["step"] for r in first) >= seen
+    assert g["productiveSeconds"] == pytest.approx(own, abs=0.5), (g, own, logs)
     assert b["recompute"] > 0 and b["unreported"] == 0, b
     assert g["productiveSeconds"] + sum(b.values()) == pytest.approx(g["wallSeconds"], abs=0.05)

@@ -229,8 +229,10 @@ def snapshot_paths(runs: int, seed: int) -> tuple[list[list[str]], list[list[str
         f"the 1,024-GPU figure, {fs.rsc_node_mtbf_s(16384) / fs.HOUR:,.0f} h from the "
         "16,384-GPU projection, each used at its own size (RSC's fit grows slower than "
         "linearly with the job)",
-        "every path restarts in place (snapshots need restartStrategy InPlace): detection, the "
-        f"spec's {t.backoff_s:g} s backoff, the restart measured on the local cluster "
+        "every path restarts in place (snapshots need restartStrategy InPlace): detection, "
+        + (f"the spec's {t.backoff_s:g} s backoff" if t.backoff_s else
+           "no backoff (a fault in steady training follows progress)")
+        + ", the restart measured on the local cluster "
         f"({t.in_place_restart_s:g} s in place, {t.spare_start_s:g} s on a warm spare), the "
         f"compiled graphs' load ({t.compile_cache_load_s:g} s, assumed) and the state's load: "
         f"a durable checkpoint's read ({t.checkpoint_load_s:g} s, assumed), a snapshot's from "

@@ -287,7 +287,7 @@ class BackoffSpec(_Model):
         capped at `maxSeconds`."""
         if streak <= 0:
             return 0.0
-        return min(self.max_seconds, self.initial_seconds * 2 ** (streak - 1))
+        return min(self.max_seconds, self.initial_seconds * 2.0 ** (streak - 1))
 
 
 class HeartbeatSpec(_Model):

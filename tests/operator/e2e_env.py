@@ -135,6 +135,12 @@ class Env:
                              f"{self.name}; status: {json.dumps(self.status())[:1500]}")
 
     def wait_phase(self, phase: str, timeout: float) -> dict[str, Any]:
+        """Until the status shows `phase`. "Restarting" is a restart under way: the phase, or
+        the next attempt Pending while the Restarting condition is still True (a restart after
+        progress has no backoff, and its Restarting phase can pass between two polls)."""
+        if phase == "Restarting":
+            return self.wait("a restart (phase Restarting, or the next attempt Pending)",
+                             restart_under_way, timeout)
         return self.wait(f"phase {phase}", lambda s: s.get("phase") == phase, timeout)
 
     def phases(self) -> list[str]:
@@ -232,6 +238,14 @@ def steps_logged(log: str) -> list[int]:
 def resumed_from(log: str) -> int | None:
     m = re.search(r"resumed from checkpoint step_(\d+)", log)
     return int(m.group(1)) if m else None
+
+
+def restart_under_way(status: dict[str, Any]) -> bool:
+    """Phase Restarting, or Pending with the Restarting condition True (until Running)."""
+    restarting = any(c.get("type") == "Restarting" and c.get("status") == "True"
+                     for c in status.get("conditions") or [])
+    return status.get("phase") == "Restarting" or (
+        status.get("phase") == "Pending" and restarting)
 
 
 def first_step_time(log: str) -> float | None:

@@ -67,7 +67,7 @@ def test_a_standby_operator_takes_over_mid_restart(
         assert "standby until it holds the Lease" in standby.log_path.read_text()
         faults.kill(cluster.config, namespace, "tiny-a0-0")
         job.wait_phase("Restarting", 30)
-        leader.kill()  # mid-recovery: the old gang going away, the backoff running
+        leader.kill()  # mid-recovery: the old gang going away
         killed = time.monotonic()
         second = wait_for(lambda: (h := _holder(api, lease)) != first and h, 30, "a new leader")
         assert _pid_of(second) == standby.pid

@@ -66,7 +66,7 @@ def test_a_sigkilled_worker_restarts_the_gang_from_the_last_checkpoint(job_env: 
     recovered = time.monotonic() - fault_at
     assert done["progress"]["step"] == 40
     assert done["restarts"] == {"total": 1, "counted": 1}
-    assert job_env.phases().count("Restarting") == 1
+    assert job_env.phases().count("Restarting") <= 1  # polled: a short one can pass unseen
     # step continuity: the resumed trainer starts right after a complete checkpoint, one
     # that existed when the worker was killed or later (never before the first one seen)
     log = job_env.pod_log(1, 0)
@@ -195,7 +195,7 @@ def test_an_operator_killed_mid_restart_resumes_with_one_gang(job_env: Env,
     faults.kill(cluster.config, job_env.ns, f"{JOB}-a0-0")
     job_env.wait_phase("Restarting", 30)
     old = job_env.operator["op"]
-    old.kill()  # mid-recovery: old gang going away, backoff running
+    old.kill()  # mid-recovery: the old gang going away
     job_env.operator["op"] = OperatorProcess(cluster, old.log_path, old.namespaces,
                                              old.extra_env, old.kubeconfig).start()
     done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 300)

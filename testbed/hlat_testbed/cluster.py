@@ -90,10 +90,7 @@ class Cluster:
         core = client.CoreV1Api(self.admin_api())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            sas: Obj = core.list_namespaced_service_account("default")
-            cms: Obj = core.list_namespaced_config_map("default")
-            if {"default"} <= {s.metadata.name for s in sas.items} and \
-                    "kube-root-ca.crt" in {c.metadata.name for c in cms.items}:
+            if namespace_usable(core, "default"):
                 return
             time.sleep(0.3)
         raise controlplane.StartupError("namespace default never got its service account")
@@ -111,10 +108,7 @@ class Cluster:
         core.create_namespace({"metadata": {"name": name}})  # type: ignore[arg-type]
         began = time.monotonic()
         try:
-            while not (core.list_namespaced_service_account(
-                    name, field_selector="metadata.name=default").items
-                    and core.list_namespaced_config_map(
-                        name, field_selector="metadata.name=kube-root-ca.crt").items):
+            while not namespace_usable(core, name):
                 if time.monotonic() - began > timeout:
                     raise controlplane.StartupError(
                         f"the controller manager gave namespace {name} no default service "
@@ -326,6 +320,15 @@ class Cluster:
         raise controlplane.StartupError(
             f"PersistentVolumeClaim {namespace}/{claim} is {phase}, not Bound, after {timeout}s; "
             f"see {self.config.logs_dir}/kube-controller-manager.log")
+
+
+def namespace_usable(core: client.CoreV1Api, name: str) -> bool:
+    """Whether the controllers have given namespace `name` what its pods need to be admitted:
+    the default service account and the root CA ConfigMap."""
+    sas: Obj = core.list_namespaced_service_account(name, field_selector="metadata.name=default")
+    cms: Obj = core.list_namespaced_config_map(name,
+                                               field_selector="metadata.name=kube-root-ca.crt")
+    return bool(sas.items and cms.items)
 
 
 def kubectl_binary() -> Path:

@@ -120,19 +120,18 @@ def limit_port_rate(bridge: str, pod_uid: str, port: int, bytes_per_second: int)
     ns, dev = pod_netns_name(bridge, pod_uid), "eth0"
     clear_port_rates(bridge, pod_uid)
     rate = f"{bytes_per_second * 8}bit"
-    ip_ns = ["ip", "netns", "exec", ns, "tc"]
     for args in (["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb"],
                  ["class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb",
                   "rate", rate, "ceil", rate],
                  ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
                   "u32", "match", "ip", "dport", str(port), "0xffff", "flowid", "1:20"]):
-        subprocess.run([*ip_ns, *args], check=True, capture_output=True, text=True)
+        ip("netns", "exec", ns, "tc", *args)
 
 
 def clear_port_rates(bridge: str, pod_uid: str) -> None:
     """Remove `limit_port_rate`'s limit (none, or the pod gone, is fine)."""
-    subprocess.run(["ip", "netns", "exec", pod_netns_name(bridge, pod_uid), "tc", "qdisc",
-                    "del", "dev", "eth0", "root"], check=False, capture_output=True)
+    ip("netns", "exec", pod_netns_name(bridge, pod_uid), "tc", "qdisc", "del", "dev", "eth0",
+       "root", check=False)
 
 
 def _delete_netns(ns: str) -> None:

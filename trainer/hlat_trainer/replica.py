@@ -127,13 +127,13 @@ def _skip(stream: BufferedIOBase, size: int) -> None:
         size -= len(chunk)
 
 
-def _copy_out(f: BufferedIOBase, stream: BufferedIOBase) -> tuple[int, str]:
-    """Send the open file's bytes; (bytes sent, their SHA-256)."""
+def _copy_out(f: BufferedIOBase, write: Callable[[bytes], object]) -> tuple[int, str]:
+    """Send the open file's bytes with `write`; (bytes sent, their SHA-256)."""
     digest = hashlib.sha256()
     sent = 0
     while chunk := f.read(CHUNK):
         digest.update(chunk)
-        stream.write(chunk)
+        write(chunk)
         sent += len(chunk)
     return sent, digest.hexdigest()
 
@@ -231,7 +231,7 @@ class ReplicaServer:
             with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 _send(stream, {"step": step, "size": size})
-                sent, digest = _copy_out(f, stream)
+                sent, digest = _copy_out(f, stream.write)
                 if sent != size:  # cannot happen: copies are renamed into place whole
                     raise ReplicaError(f"{path} changed while sent")
                 _send(stream, {"sha256": digest})
@@ -268,13 +268,10 @@ def _put(address: tuple[str, int], f: BufferedIOBase, head: dict[str, Any]
          ) -> dict[str, Any]:
     """Send `head`, the file's bytes and their SHA-256; the holder's answer."""
     with _connect(address) as conn, conn.makefile("rb") as replies:
-        digest = hashlib.sha256()
         try:  # unbuffered sends: a refusal's reply stays readable after a broken pipe
             conn.sendall(json.dumps(head).encode() + b"\n")
-            while chunk := f.read(CHUNK):
-                digest.update(chunk)
-                conn.sendall(chunk)
-            conn.sendall(json.dumps({"sha256": digest.hexdigest()}).encode() + b"\n")
+            _, digest = _copy_out(f, conn.sendall)
+            conn.sendall(json.dumps({"sha256": digest}).encode() + b"\n")
         except OSError:  # a holder that refused at once closed its end: its reason
             return _receive(replies)
         return _receive(replies)

@@ -111,9 +111,16 @@ def test_a_pusher_killed_mid_copy_leaves_the_holder_s_previous_copy_whole(
     proc = subprocess.Popen([sys.executable, "-c", _PUSH_HALF, "127.0.0.1", str(holder.port),
                              str(1 << 22)], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "half"
+    directory = replica_dir(holder.root, JOB, 0)
+    # the holder is mid-copy (its temporary file) before the kill: the pusher's bytes may
+    # still sit in the socket's buffers when it says "half", and a check for no temporary
+    # file made before the holder opened one passed too early (1 run in 6 here)
+    deadline = time.monotonic() + 5
+    while not any(n.endswith(".tmp") for n in os.listdir(directory)):
+        assert time.monotonic() < deadline, os.listdir(directory)
+        time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    directory = replica_dir(holder.root, JOB, 0)
     deadline = time.monotonic() + 5
     while any(n.endswith(".tmp") for n in os.listdir(directory)):  # the holder cleans up
         assert time.monotonic() < deadline, os.listdir(directory)

@@ -77,8 +77,11 @@ def test_a_killed_trainer_resumes_from_its_pod_s_memory_losing_at_most_one_step(
     later = attempt_log(log, 1)
     resumed = re.search(r"resumed from in-memory snapshot step_(\d+)", later)
     assert resumed, later[-3000:]
-    step, trained = int(resumed.group(1)), max(losses(log[:log.index(later)]))
-    assert step > durable and trained - step <= 1, (step, trained)
+    step, logged = int(resumed.group(1)), max(losses(log[:log.index(later)]))
+    # a step's snapshot is written before its line: a kill between the two (the line's
+    # all-reduce fails) leaves a snapshot of a step the log never showed (a CI run: 54 vs 53)
+    trained = max(logged, step)
+    assert step > durable and trained - step <= 1, (step, logged)
     assert done["lostSteps"] <= trained - step, done["lostSteps"]
     badput = done["goodput"]["badputSeconds"]  # the restart loaded memory, not storage
     assert badput["memoryRestore"] > 0 and badput["snapshot"] > 0, badput

@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if settings.leader_election:
         lead(settings, liveness)
     insights = late_apis.insights()  # kopf's record of what it watches, read by late_apis
-    handlers.configure(settings, args.metrics_port, insights)
+    handlers.configure(settings, args.metrics_port, insights, namespaces)
     kopf.run(
         insights=insights,
         standalone=True,

@@ -80,25 +80,29 @@ class Runtime:
     api_back_at: datetime | None = None
     """Since when the operator sees: its start, or a pass reaching the API server again after
     it was lost (Observed.seeing_since)."""
-    following: asyncio.Task[None] | None = None
-    """late_apis.follow: the watches of APIs served after the start (Kueue's Workloads)."""
+    following: list[asyncio.Task[None]] = field(default_factory=list)
+    """late_apis: the watches kopf misses after the start (APIs served later: Kueue's
+    Workloads; namespaces created in a gap of its namespace watch)."""
 
 
 _runtime: Runtime | None = None
 _settings: OperatorSettings | None = None
 _metrics_port: int | None = None
 _insights: Any = None
+_namespaces: list[str] = []
 
 FOLLOWED = ((API_GROUP, PLURAL), (queueing.GROUP, "workloads"))
 """The custom resources the handlers watch, which may be installed after the operator."""
 
 
 def configure(settings: OperatorSettings, metrics_port: int | None = None,
-              insights: Any = None) -> None:
-    """Called by the CLI before kopf starts: the settings, the metrics port (0: none) and the
-    kopf Insights it passes to kopf.run (late_apis reads which resources kopf watches)."""
-    global _settings, _metrics_port, _insights
+              insights: Any = None, namespaces: list[str] | None = None) -> None:
+    """Called by the CLI before kopf starts: the settings, the metrics port (0: none), the
+    kopf Insights it passes to kopf.run (late_apis reads which resources and namespaces kopf
+    watches) and the namespaces it watches (globs allowed; none: the whole cluster)."""
+    global _settings, _metrics_port, _insights, _namespaces
     _settings, _metrics_port, _insights = settings, metrics_port, insights
+    _namespaces = list(namespaces or [])
 
 
 def runtime() -> Runtime:
@@ -315,8 +319,11 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         rt.metrics.serve(port)
         log.info("metrics on :%d/metrics", port)
     if _insights is not None:
-        rt.following = asyncio.create_task(late_apis.follow(
-            _insights, settings, kopf.get_default_registry(), FOLLOWED))
+        rt.following.append(asyncio.create_task(late_apis.follow(
+            _insights, settings, kopf.get_default_registry(), FOLLOWED)))
+        if _namespaces:
+            rt.following.append(asyncio.create_task(late_apis.follow_namespaces(
+                _insights, settings, _namespaces)))
     _runtime = rt
     log.info("hlat-operator started; trainer command %s", " ".join(ours.trainer_command))
 
@@ -327,9 +334,7 @@ async def cleanup(**_: Any) -> None:
         return
     if _runtime.kube.node_watch is not None:
         _runtime.kube.node_watch.stop()
-    tasks = list(_runtime.tasks.values())
-    if _runtime.following is not None:
-        tasks.append(_runtime.following)
+    tasks = list(_runtime.tasks.values()) + _runtime.following
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,5 +1,6 @@
-"""Start the watch of an API that the API server began to serve after the operator started
-(Kueue installed after the operator, as HyperPod's task-governance add-on may be).
+"""Start the watches kopf misses after the operator started: of an API the API server began to
+serve later (Kueue installed after the operator, as HyperPod's task-governance add-on may be), and
+of a namespace matching `--namespace` created in a gap of kopf's namespace watch.
 
 kopf (1.45.2) starts such a watch only when an event of a CRD in the API's group reaches it
 after the API server's discovery lists the resource: `kopf/_core/reactor/observation.py`,
@@ -13,8 +14,18 @@ again. Either way, a job heard of Kueue's writes only at its next resync (`MAX_I
 
 So, while a resource the handlers name is not watched, `follow` reads the group's discovery every
 `PERIOD` seconds and, once the API server lists the resource, has kopf rescan the group: the
-call a CRD event makes. Private kopf API, pinned by uv.lock; if it moved, `follow` says so once
-and stops, and the resync still serves the jobs.
+call a CRD event makes.
+
+Namespaces: kopf (1.45.2, `observation.namespace_observer`) lists the namespaces once, then starts
+its watcher, which lists them again and watches from that second list's resource version; but
+`process_discovered_namespace_event` drops the second list's items (type None). So a namespace
+created between the two lists, or while a watch was re-listing after it expired (410 Gone), is
+never served: its jobs get no status at all (a CI run: a test's namespace created as the operator
+started, `status: {}` for 120 s). `follow_namespaces` lists them every `PERIOD` seconds and
+revises kopf's record as its own events would.
+
+Private kopf API, pinned by uv.lock; if it moved, `follow` and `follow_namespaces` say so once
+and stop: the resync still serves the jobs of the APIs, and the namespaces kopf saw are served.
 """
 
 from __future__ import annotations
@@ -30,6 +41,8 @@ PERIOD = 10.0
 """Seconds between two reads of discovery while a resource is not watched."""
 KOPF_MOVED = ("cannot follow APIs served after start (%s): a resource installed later is heard "
               "of at each job's resync until the operator restarts")
+KOPF_MOVED_NS = ("cannot follow namespaces created after start (%s): one kopf's watch missed is "
+                 "served only after the operator restarts")
 
 
 def insights() -> Any:
@@ -83,3 +96,43 @@ async def follow(insights: Any, settings: Any, registry: Any,
             if watched(insights, group, plural):
                 log.info("%s.%s is served now: watching it", plural, group)
                 pending.discard((group, plural))
+
+
+async def follow_namespaces(insights: Any, settings: Any, patterns: Collection[str],
+                            period: float = PERIOD) -> None:
+    """Every `period` seconds, list the namespaces and have kopf serve those matching
+    `patterns` it does not, as its namespace events would; for an operator watching the
+    namespaces `patterns` (globs allowed), not the whole cluster."""
+    import aiohttp
+    try:
+        from kopf._cogs.clients import errors, fetching
+        from kopf._cogs.structs import references
+        from kopf._core.reactor import observation
+    except ImportError as err:
+        log.warning(KOPF_MOVED_NS, err)
+        return
+    await insights.ready_namespaces.wait()  # kopf's own listing at start goes first
+    resource = await insights.backbone.wait_for(references.NAMESPACES)
+    while True:
+        await asyncio.sleep(period)
+        try:
+            listed = [obj async for chunk, _ in fetching.fetch_objs(
+                settings=settings, resource=resource, namespace=None, logger=log)
+                for obj in chunk]
+        except errors.APIForbiddenError as err:  # kopf then serves the names as given
+            log.warning(KOPF_MOVED_NS, f"not allowed to list namespaces: {err}")
+            return
+        except (errors.APIError, aiohttp.ClientError, TimeoutError) as err:  # next period
+            log.warning("listing the namespaces: %s", err)
+            continue
+        async with insights.revised:
+            before = set(insights.namespaces)
+            # adds only (and drops the terminating, as kopf does): a namespace kopf's watch
+            # added after this listing must not be taken away by it
+            observation.revise_namespaces(raw_bodies=listed, insights=insights,
+                                          namespaces=list(patterns))
+            if insights.namespaces != before:
+                log.info("namespaces kopf's watch missed, now %s: %s",
+                         "served" if insights.namespaces > before else "revised",
+                         ", ".join(sorted(insights.namespaces ^ before)))
+                insights.revised.notify_all()

@@ -344,3 +344,19 @@ def losses(log: str) -> dict[int, list[float]]:
             row = json.loads(line)
             out.setdefault(int(row["step"]), []).append(float(row["loss"]))
     return out
+
+
+async def kopf_logged_in() -> Any:
+    """kopf's settings, with its client logged in from $KUBECONFIG (as kopf.run does): for
+    tests that drive kopf's observers against the local cluster without a whole operator."""
+    import kopf
+    from kopf._cogs.clients import auth
+    from kopf._cogs.structs import credentials
+
+    settings = kopf.OperatorSettings()
+    vault = credentials.Vault()
+    info = kopf.login_with_kubeconfig(settings=settings)
+    assert info is not None
+    await vault.populate({"kubeconfig": info})
+    auth.vault_var.set(vault)
+    return settings

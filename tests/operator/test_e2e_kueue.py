@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from e2e_env import Env, losses
+from e2e_env import Env, kopf_logged_in, losses
 from e2e_network import L3
 from e2e_spec import tiny_spec
 from kubernetes import client
@@ -356,20 +356,13 @@ def test_kopf_rescans_a_group_whose_resource_is_served_after_the_start(
     import asyncio
 
     import kopf
-    from kopf._cogs.clients import auth
-    from kopf._cogs.structs import credentials
 
     from hlat_operator import handlers, late_apis
 
     monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
 
     async def follow() -> Any:
-        settings = kopf.OperatorSettings()
-        vault = credentials.Vault()
-        info = kopf.login_with_kubeconfig(settings=settings)
-        assert info is not None
-        await vault.populate({"kubeconfig": info})
-        auth.vault_var.set(vault)
+        settings = await kopf_logged_in()
         insights = late_apis.insights()
         insights.ready_resources.set()  # as after kopf's scan at its start, which missed them
         assert not late_apis.watched(insights, kueue.GROUP, "workloads")

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import shutil
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -14,8 +15,11 @@ from typing import Any
 
 import pytest
 import torch
+from kubernetes.client.exceptions import ApiException
 
-from hlat_api import Job, step_dir
+from hlat_api import ExitCode, Job, step_dir
+from hlat_trainer import heartbeat, train
+from hlat_trainer.heartbeat import LeaseHeartbeat
 from hlat_trainer.metrics import TrainMetrics
 from hlat_trainer.train import Trainer
 
@@ -278,6 +282,80 @@ def test_a_fenced_trainer_marks_no_checkpoint_complete(make_job: Callable[..., J
         assert not (step_dir(root, "job", 4) / "done").exists(), async_
         assert trainer.engine.committed == 2
         shutil.rmtree(root)
+
+
+class _LeaseAPI:
+    """The trainer's Lease writes, answered as `answer` says: "away" (connection reset: an
+    API server out of reach), "refuse" (403: the attempt is over) or "accept"."""
+
+    def __init__(self) -> None:
+        self.answer = "away"
+
+    def patch_namespaced_lease(self, *args: Any, **kwargs: Any) -> None:
+        if self.answer == "away":
+            raise ConnectionResetError()
+        if self.answer == "refuse":
+            raise ApiException(status=403, reason="Forbidden")
+
+
+def _cut_off_trainer(job: Job) -> tuple[Trainer, _LeaseAPI]:
+    """A trainer whose Lease renewals have not been accepted for longer than its duration."""
+    api = _LeaseAPI()
+    trainer = Trainer(job)
+    trainer.heartbeat = LeaseHeartbeat(api, "ns", "job-0", "job-0", period=0.1, attempt=0)
+    trainer.engine.fence(trainer.heartbeat.fenced_now, trainer.heartbeat.fenced_lately)
+    trainer.heartbeat._accepted_at -= 10
+    trainer.heartbeat.start()
+    return trainer, api
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_a_run_ending_while_the_api_server_is_away_commits_its_last_checkpoint_once_back(
+        make_job: Callable[..., Job], async_: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """No renewal accepted for longer than the Lease's duration as the run ends: its last
+    checkpoint is written but held back (another attempt may hold the rank); it has no later
+    one to commit instead, so the trainer waits for the API server and commits it once a
+    renewal is accepted, before it exits."""
+    job = make_job(train__steps=4, checkpoint__interval=100, checkpoint__async=async_)
+    trainer, api = _cut_off_trainer(job)
+    root = Path(job.spec.checkpoint.dir)
+
+    def back_once_held() -> None:
+        deadline = time.monotonic() + 120
+        while trainer.engine.withheld_checkpoint() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # away a while longer: the trainer waits meanwhile
+        api.answer = "accept"
+
+    helper = threading.Thread(target=back_once_held, daemon=True)
+    helper.start()
+    with caplog.at_level(logging.INFO):
+        trainer.run()
+    helper.join()
+    assert "the run's last, is written but not committed" in caplog.text
+    assert (step_dir(root, "job", 4) / "done").exists()
+    assert trainer.engine.committed == 4 and trainer.engine.withheld_checkpoint() is None
+
+
+def test_a_run_ending_cut_off_gives_up_in_its_bound_or_stops_when_refused(
+        make_job: Callable[..., Job], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never back within `FINAL_COMMIT_WAIT_SECONDS`: a failure (the operator restarts from the
+    newest complete checkpoint); refused for good: stopped as fenced. Neither commits."""
+    monkeypatch.setattr(train, "FINAL_COMMIT_WAIT_SECONDS", 1)
+    monkeypatch.setattr(heartbeat, "REFUSAL_CONFIRM_SECONDS", 0.3)
+    for answer in ("away", "refuse"):
+        job = make_job(name=f"job-{answer}", train__steps=4, checkpoint__interval=100)
+        trainer, api = _cut_off_trainer(job)
+        api.answer = answer
+        expected = RuntimeError if answer == "away" else SystemExit
+        with pytest.raises(expected) as stopped:
+            trainer.run()
+        if answer == "refuse":
+            assert stopped.value.code == ExitCode.FENCED  # type: ignore[union-attr]
+        else:
+            assert "no Lease renewal accepted in 1s" in str(stopped.value)
+        done = step_dir(Path(job.spec.checkpoint.dir), f"job-{answer}", 4) / "done"
+        assert not done.exists()
 
 
 def test_the_cpu_peak_flops_are_measured_once_per_pod_and_device_type(tmp_path: Path) -> None:

@@ -187,6 +187,10 @@ class Checkpointer:
         self.fenced: Callable[[], bool] | None = None
         """Asked before marking a checkpoint complete: True when this trainer's attempt is over
         (the heartbeat's `fenced_now`); a fenced trainer's checkpoints never get `done`."""
+        self.withheld: int | None = None
+        """The newest checkpoint written whole whose `done` `fenced` held back (rank 0), until
+        a later one commits or `commit_withheld` does: the last one of a run must not be lost
+        to an API server that was away as it ended."""
         # background saves talk over their own group, apart from training's collectives
         self.group: dist.ProcessGroup | None = None
         self.stager: DefaultStager | None = None
@@ -262,10 +266,12 @@ class Checkpointer:
         """Every rank's shards are durable: rank 0 marks the checkpoint complete and purges."""
         with self._lock:
             if self.is_coordinator and self.fenced is not None and self.fenced():
-                log.warning("checkpoint step_%d left incomplete: this trainer's attempt is "
-                            "over (its Lease writes are refused)", step)
+                log.warning("checkpoint step_%d left incomplete: this trainer cannot show that "
+                            "its attempt is still the live one (its Lease renewals are refused, "
+                            "or none was accepted for longer than the Lease's duration)", step)
+                self.withheld = step
                 return
-            self.committed = step
+            self.committed, self.withheld = step, None
             if not self.is_coordinator:
                 return
             target = step_dir(self.root, self.job, step)
@@ -275,6 +281,13 @@ class Checkpointer:
             write_durably(target / DONE, b"")
             self.purge()
             log.info("checkpoint step_%d complete", step)
+
+    def commit_withheld(self) -> bool:
+        """Ask `fenced` again and, if it allows now, commit the withheld checkpoint; whether
+        none is withheld any more."""
+        if self.withheld is not None:
+            self._commit(self.withheld)
+        return self.withheld is None
 
     def wait_staged(self) -> float:
         """Block until the in-flight asynchronous save has its copy of the state, so that the

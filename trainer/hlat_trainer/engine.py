@@ -200,6 +200,16 @@ class Engine(ABC):
         which has no such hook: there the trainer only stops itself at its next report."""
         return None
 
+    def withheld_checkpoint(self) -> int | None:
+        """The step of a checkpoint written whole whose commit the fence held back (`fence`),
+        or None. The managed engine's backend commits in its own save: None."""
+        return None
+
+    def commit_withheld(self) -> bool:
+        """Ask the fence again and commit the withheld checkpoint if it allows now; whether
+        none is withheld any more."""
+        return True
+
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -403,6 +413,12 @@ class TorchEngine(Engine):
 
     def wait(self) -> None:
         self.checkpointer.wait()
+
+    def withheld_checkpoint(self) -> int | None:
+        return self.checkpointer.withheld
+
+    def commit_withheld(self) -> bool:
+        return self.checkpointer.commit_withheld()
 
     def _wait_staged(self) -> float:
         return self.checkpointer.wait_staged()

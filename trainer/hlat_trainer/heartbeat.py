@@ -22,7 +22,9 @@ it to detect hangs (a stale `renewTime`) and to report progress. Design choices:
   (`fenced_now` asks again, and waits out a refusal, before each commit) and the next step's
   report stops the trainer (`ExitCode.FENCED`). A trainer whose renewals have not been
   accepted for longer than the Lease's duration (cut off from the API server) commits no
-  checkpoint either until one is accepted again, but trains on: it may be the live one.
+  checkpoint either until one is accepted again, but trains on: it may be the live one. The
+  run's last checkpoint has no later one to commit instead: rank 0 waits, bounded, for a
+  renewal to be accepted and commits it then (train.py, `_commit_withheld`).
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hlat_api import INSTANCE_TYPES, Env, Job, PretrainJobSpec
+from hlat_api import INSTANCE_TYPES, Env, ExitCode, Job, PretrainJobSpec
 from hlat_api.spec import SNAPSHOT_AUTO_PROBE_STEPS, SNAPSHOT_AUTO_SHARE
 from hlat_trainer.backends import Backend, select_backend
 from hlat_trainer.data import PackedLoader, Tokenizer, load_tokenizer
@@ -72,6 +72,9 @@ COMPUTE_WINDOW_STEPS = 20
 `sync_seconds`) is the median of: one slow step (a garbage collection, a save's copy) moves no
 median."""
 
+FINAL_COMMIT_WAIT_SECONDS = 900
+"""How long rank 0 waits, after the run's last step, for the API server to accept a Lease
+renewal so that it may commit the last checkpoint (`_commit_withheld`)."""
 LINGER_ENV = "HLAT_FAULT_LINGER_WHILE_EXISTS"
 """Fault injection for tests and drills: after finishing, do not exit while this path exists
 (at most an hour), as a process stuck in its teardown (a collective's destructor) would."""
@@ -426,6 +429,41 @@ class Trainer:
                            checkpoint=staged)
         return compiled
 
+    def _commit_withheld(self) -> None:
+        """The run's last checkpoint, written whole but held back by the fence (no Lease
+        renewal accepted for longer than its duration: the API server away as the run ended):
+        wait for a renewal to be accepted, then commit it, so that the job ends with its last
+        state complete (an earlier one held back is superseded by the next; the last has no
+        next). Bounded by `FINAL_COMMIT_WAIT_SECONDS`, then a failure: the operator restarts
+        from the newest complete checkpoint. Refused for good (another attempt holds this
+        rank): stops as a fenced trainer does, committing nothing."""
+        step = self.engine.withheld_checkpoint()
+        if step is None or self.heartbeat is None:
+            return
+        heartbeat, began = self.heartbeat, time.monotonic()
+        log.warning("checkpoint step_%d, the run's last, is written but not committed: waiting "
+                    "up to %ds for the API server to accept a Lease renewal", step,
+                    FINAL_COMMIT_WAIT_SECONDS)
+        noted = began
+        while not self.engine.commit_withheld():
+            now = time.monotonic()
+            if heartbeat.fenced:
+                log.error("checkpoint step_%d not committed: this attempt is over (its Lease "
+                          "refuses renewals); stopping", step)
+                raise SystemExit(ExitCode.FENCED)
+            if now - began >= FINAL_COMMIT_WAIT_SECONDS:
+                raise RuntimeError(
+                    f"checkpoint step_{step}, the run's last, is written but not committed: no "
+                    f"Lease renewal accepted in {FINAL_COMMIT_WAIT_SECONDS}s; a restart resumes "
+                    "from the newest complete checkpoint")
+            if now - noted >= 60:
+                log.warning("checkpoint step_%d: still waiting for the API server (%.0fs of "
+                            "%ds)", step, now - began, FINAL_COMMIT_WAIT_SECONDS)
+                noted = now
+            time.sleep(heartbeat.period)
+        log.info("checkpoint step_%d committed %.1fs after the run ended, once a Lease renewal "
+                 "was accepted", step, time.monotonic() - began)
+
     def save_bound(self) -> float | None:
         """How long a save may hold the loop, for the operator's `checkpointing` timeout: the
         longest whole write so far (asynchronous: start to commit, since a save waits for the
@@ -615,6 +653,7 @@ class Trainer:
             # factor (none seen yet: its startup bound)
             self._beat(phase="checkpointing", checkpoint_seconds=self.save_bound())
             self.engine.wait()
+            self._commit_withheld()
             self.ledger.charge("final_checkpoint")
             finished = True
         finally:

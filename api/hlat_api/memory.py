@@ -156,11 +156,12 @@ def state_bytes_per_rank(dims: ModelDims, *, tp: int, dp: int, precision: str, m
 
 def snapshot_bytes_per_rank(dims: ModelDims, *, tp: int, dp: int, precision: str,
                             zero1: bool) -> float:
-    """One in-memory snapshot of a rank (checkpoint.memoryInterval): its weights and its part
-    of the optimizer state, not its gradients (the torch-native stack: NxD takes none)."""
+    """One in-memory snapshot of a rank (checkpoint.memoryInterval): its 1/dp of the weights
+    and of the optimizer state (what the dp replicas hold alike is kept once per dp group, and
+    ZeRO-1 splits the optimizer state the same way), not its gradients (the torch-native
+    stack: NxD takes none)."""
     b = bytes_per_param(precision, False, zero1)
-    shards = dp if zero1 else 1
-    return params_per_rank(dims, tp) * (b.weight + b.optimizer / shards)
+    return params_per_rank(dims, tp) * (b.weight + b.optimizer) / dp
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from hlat_api.spec import FaultToleranceSpec
+from hlat_api.memory import bytes_per_param, params_per_rank, snapshot_bytes_per_rank
+from hlat_api.spec import FaultToleranceSpec, ModelSpec
 from hlat_operator.config import OperatorSettings
 
 FaultKind = Literal["crash", "hang", "node_lost"]
@@ -530,10 +531,45 @@ Source = Literal["memory", "peer", "durable"]
 SOURCES: tuple[Source, ...] = ("memory", "peer", "durable")
 _EPS = 1e-9
 
-PEER_LOAD_S = 20.0
-"""Assumption: a lost node's replacement pulls its ranks' snapshot from its peer (the paper's
-7B: 51 GiB a node, a quarter of `hlat_api.spec.snapshot_gib_per_node`, which counts two of them
-and as many copies of the peer's) over EFA at an effective 2.5 GiB/s and loads it, 20 s. The
+PAPER_TP, PAPER_DP, PAPER_RANKS_PER_NODE = 8, 256, 32
+"""The paper's 7B layout on 64 trn1.32xlarge (examples/pretrainjob-7b-trn1.yaml): tensor 8,
+32 ranks a node, so 256 data-parallel ranks; ZeRO-1, bf16 with stochastic rounding."""
+
+
+def paper_7b_rank_bytes() -> tuple[float, float, float]:
+    """Per rank at the paper's 7B layout (`hlat_api.memory`): the state an asynchronous save
+    copies to host memory (the weights and the rank's ZeRO-1 optimizer shard), an in-memory
+    snapshot's (its 1/dp of both: the weights are kept once per dp group), and the weights a
+    restore from snapshots gathers back over the dp group."""
+    dims = ModelSpec(preset="7b").dims()
+    b = bytes_per_param("bf16-sr", False, True)
+    params = params_per_rank(dims, PAPER_TP)
+    staged = params * (b.weight + b.optimizer / PAPER_DP)
+    snapshot = snapshot_bytes_per_rank(dims, tp=PAPER_TP, dp=PAPER_DP, precision="bf16-sr",
+                                       zero1=True)
+    return staged, snapshot, params * b.weight
+
+
+EFA_NODE_BYTES_S = 800e9 / 8 * 0.5
+"""A trn1.32xlarge's EFA, 800 Gb/s a node (Neuron's Trn1 architecture page), at half its line
+rate for a collective: the efficiency is an assumption."""
+_STAGED, _SNAPSHOT, _WEIGHTS = paper_7b_rank_bytes()
+
+SNAPSHOT_7B_S = ASYNC_SAVE_7B_S * _SNAPSHOT / _STAGED
+"""Seconds a snapshot blocks training at the paper's 7B: what an asynchronous save blocks for
+its copy to host memory (6.3 s), scaled by the bytes a snapshot copies instead (each rank's 1/dp
+of the weights and its optimizer shard: 1/52 of the staged state): 0.12 s. Derived; nothing
+measured it on trn1 (the local cluster's job is tiny)."""
+
+SNAPSHOT_LOAD_7B_S = (SNAPSHOT_7B_S + PAPER_RANKS_PER_NODE * _WEIGHTS * (PAPER_DP - 1) / PAPER_DP
+                      / EFA_NODE_BYTES_S)
+"""Seconds an in-place restart takes to load the snapshot: its copy from /dev/shm (as long as
+the copy out) and the all-gather that makes each rank's weights whole again, a node receiving
+its 32 ranks' weights but their own slices over EFA (`EFA_NODE_BYTES_S`): 1.1 s. Derived."""
+
+PEER_LOAD_S = (PAPER_RANKS_PER_NODE * _SNAPSHOT / (2.5 * 2**30) + SNAPSHOT_LOAD_7B_S)
+"""Seconds a lost node's replacement takes to pull its ranks' snapshots from its peer (1 GiB a
+node at the paper's 7B) at an effective 2.5 GiB/s (assumed) and load them as above: 1.5 s. The
 pull is built (hlat_trainer.replica: one TCP stream per rank, SHA-256 checked); its rate at this
 size is not measured (the rig's tiny job: 9.2 MiB in 0.04 s over loopback veths)."""
 
@@ -545,17 +581,15 @@ class Snapshots:
 
     interval_s: float
     """Training seconds between two snapshots (memoryInterval x the step time)."""
-    block_s: float = ASYNC_SAVE_7B_S
-    """Seconds a snapshot blocks training. Assumption: copying the state to host memory costs
-    what an asynchronous DCP save blocks for it (the copy to host memory, 6.3 s for a 7B);
-    nothing measured it for a 7B on trn1 (the local cluster's job is tiny)."""
-    load_s: float = ASYNC_SAVE_7B_S
-    """Seconds an in-place restart takes to load the snapshot from /dev/shm onto the devices.
-    Assumption: as long as the copy out."""
+    block_s: float = SNAPSHOT_7B_S
+    """Seconds a snapshot blocks training (`SNAPSHOT_7B_S`)."""
+    load_s: float = SNAPSHOT_LOAD_7B_S
+    """Seconds an in-place restart takes to load the snapshot onto the devices
+    (`SNAPSHOT_LOAD_7B_S`)."""
     peer: bool = False
-    """Design target, not built: each snapshot is also on a peer node when it stops blocking
-    (the copy runs in the background; its cost to the steps is not modelled), so a lost node's
-    replacement resumes from it."""
+    """Each snapshot is also on a peer node when it stops blocking (checkpoint.memoryReplicas:
+    the launcher copies it in the background; its cost to the steps is not modelled), so a
+    lost node's replacement resumes from it."""
     peer_load_s: float = PEER_LOAD_S
     """Seconds a lost node's replacement takes to fetch and load its peer's replica."""
 

@@ -17,8 +17,10 @@ from e2e_spec import tiny_spec
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from hlat_api import step_dir
 from hlat_testbed import controlplane, faults
 from hlat_testbed.demo import GROUP, PLURAL, VERSION
+from hlat_testbed.testing import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -88,6 +90,42 @@ def test_the_api_server_and_etcd_restarted_mid_job_cause_no_restart(job_env: Env
     assert any(began < t < ended for t in times) and max(times) > ended + 5, (began, ended)
     names = {p.metadata.name for p in job_env.pods()}
     assert names == {f"{JOB}-a0-0", f"{JOB}-a0-1"}, names
+
+
+@pytest.mark.usefixtures("hands_back_a_working_control_plane")
+def test_a_job_that_ends_while_the_api_server_is_away_commits_its_last_checkpoint_once_back(
+        job_env: Env) -> None:
+    """The run's last checkpoint is written while the API server (and etcd) are away for
+    longer than the Lease's duration: rank 0 cannot show that its attempt is still the live one,
+    so it holds back `done` (as for any checkpoint then) and, this one having no later one to
+    commit instead, waits for a renewal before it exits. Once the API server is back the job
+    ends Succeeded with its last checkpoint complete and the last step in its status, no
+    restart. (Before, the trainer exited at once: Succeeded, its last checkpoint incomplete.)"""
+    steps, delay = 40, 25
+    spec = tiny_spec(steps=steps)
+    spec["checkpoint"].update({"interval": 1000, "async": True})  # the last one only
+    spec["template"] = {"spec": {"containers": [{"name": "trainer", "env": [
+        {"name": "HLAT_FAULT_CHECKPOINT_WRITE_DELAY_SECONDS", "value": str(delay)}]}]}}
+    job_env.create(spec)
+    job_env.wait("the last step reported, its checkpoint being written",
+                 lambda s: (s.get("progress") or {}).get("step", 0) == steps, 180)
+    config = job_env.cluster.config
+    table = controlplane.processes(config)
+    table.stop("kube-apiserver", timeout=15)
+    table.stop("etcd", timeout=15)
+    try:  # the write ends in the outage (its Lease silent for 20 s, 6 s its duration)
+        wait_for(lambda: any(line in job_env.pod_log(0, 0) for line in (
+            "the run's last, is written but not committed", f"finished at step {steps}")),
+            delay + 60, "rank 0 through its last write")
+    finally:
+        controlplane.start_etcd(config)
+        controlplane.start_apiserver(config)
+    done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 180)
+    assert done["restarts"]["total"] == 0, done.get("lastFailure")
+    assert done["latestCheckpoint"]["step"] == steps, done.get("latestCheckpoint")
+    assert done["progress"]["step"] == steps
+    assert (step_dir(job_env.fsx / "checkpoints", JOB, steps) / "done").exists()
+    assert "committed" in job_env.pod_log(0, 0).split("not committed")[-1]
 
 
 def _conflict_burst(env: Env, stop: threading.Event, counter: list[int]) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from test_distributed import ENV, kill_node, layout, run, run_until_step, torchrun
 
 from hlat_api.layout import latest_complete
@@ -30,9 +31,18 @@ def resumed_from(stderr: str) -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
+def model_elements(snapshot: Path) -> int:
+    payload = torch.load(snapshot, weights_only=True)
+    return sum(t.numel() for t in payload["state"]["model"].values())
+
+
+@pytest.mark.parametrize("zero1", [True, False], ids=["zero1", "replicated-optimizer"])
 def test_a_crashed_trainer_resumes_from_memory_losing_at_most_one_step_and_never_from_a_torn_one(
-        write_config: Callable[..., Path]) -> None:
+        write_config: Callable[..., Path], zero1: bool) -> None:
     """Killed at least 4 steps past the durable step_8, with snapshots every step:
+    - each rank's snapshot holds half the weights (the two dp replicas hold them alike: each
+      keeps its half, and a restore gathers them back), with the optimizer state split by
+      ZeRO-1 or, without it, halved the same way;
     - the restart resumes from the newest snapshot both ranks hold, no older than one step
       before the last step logged, not from step_8;
     - with a copy of the same state whose rank-1 snapshots are truncated (a write cut off), no
@@ -41,7 +51,7 @@ def test_a_crashed_trainer_resumes_from_memory_losing_at_most_one_step_and_never
       rounding generator, data position and RNG all restored (the durable path's exactness
       against an uninterrupted run is test_distributed's)."""
     config = write_config(train__steps=24, checkpoint__interval=8, checkpoint__memoryInterval=1,
-                          precision="bf16-sr")
+                          precision="bf16-sr", parallelism__zero1=zero1)
     base = config.parent
     env = {**ENV, "HLAT_SNAPSHOT_DIR": str(base / "shm")}
     proc, lines = run_until_step(torchrun(config, 2, *layout(2, 1), f"checkpoint.dir={base}/ck"),
@@ -59,6 +69,14 @@ def test_a_crashed_trainer_resumes_from_memory_losing_at_most_one_step_and_never
     partial.write_bytes(b"\0" * 4096)
     resumed = run(torchrun(config, 2, *layout(2, 1), f"checkpoint.dir={base}/ck"), env)
     assert not partial.exists(), "a partial snapshot's memory is freed at the restart"
+    counted = re.search(r"([\d,]+) parameters", resumed.stderr)
+    assert counted, resumed.stderr[-3000:]
+    params = int(counted.group(1).replace(",", ""))
+    for rank in (0, 1):
+        newest = max((base / "shm" / "job" / f"rank_{rank:05d}").glob("step_*.pt"),
+                     key=lambda f: int(f.stem.split("_")[1]))
+        kept = model_elements(newest)  # pieces padded: at most one element more per tensor
+        assert params / 2 <= kept <= params / 2 + 100, (rank, kept, params)
     source, step = resumed_from(resumed.stderr)
     assert source == "in-memory snapshot" and step >= last - 1, (source, step, last)
     after = by_step(resumed.stdout)

@@ -70,7 +70,7 @@ from hlat_trainer.distributed import World
 from hlat_trainer.errors import UserError, first_line
 from hlat_trainer.optim import AdamWSR
 from hlat_trainer.parallel import DataParallel, LocalParams, apply_ac, apply_tp, nxd_param_norm
-from hlat_trainer.snapshot import Snapshots, agree, copy_into, fits, snapshot_root
+from hlat_trainer.snapshot import DpSlices, Snapshots, agree, copy_into, fits, snapshot_root
 
 log = logging.getLogger(__name__)
 
@@ -378,6 +378,11 @@ class TorchEngine(Engine):
         root = snapshot_root(os.environ)
         self.snapshots = (Snapshots(root, job, world.rank, self.layout)
                           if spec.checkpoint.memory_interval and root is not None else None)
+        zero1 = self.layout.zero1
+        self.slices = DpSlices(world.dp, world.dp_rank, world.dp_group, lambda key: (
+            key == "model" or (key.startswith("optim.") and not zero1)))
+        """A snapshot keeps each rank's 1/dp of what its dp replicas hold alike: the weights,
+        and the optimizer state unless ZeRO-1 already split it."""
         if spec.checkpoint.memory_interval and root is None:
             log.warning("checkpoint.memoryInterval is set but no launcher keeps this pod's "
                         "memory across restarts (%s unset): no in-memory snapshots",
@@ -458,7 +463,7 @@ class TorchEngine(Engine):
     def snapshot(self, step: int, loop_state: bytes) -> float:
         if self.snapshots is None:
             return 0.0
-        took = self.snapshots.save(step, self._state(loop_state))
+        took = self.snapshots.save(step, self.slices.cut(self._state(loop_state)))
         self.snapshot_step = step
         return took
 
@@ -525,12 +530,12 @@ class TorchEngine(Engine):
         saved = self.snapshots.read(agreed)
         self._init_optimizer_state()
         state = self._state(b"")
-        if not self._all_ok(saved is not None and fits(state, saved)):
+        if not self._all_ok(saved is not None and fits(self.slices.cut(state), saved)):
             log.warning("in-memory snapshot step_%d is not whole on every rank: resuming from "
                         "the durable checkpoint", agreed)
             return None
         assert saved is not None
-        copy_into(state, saved)
+        copy_into(state, self.slices.join(state, saved))
         self._restore_optimizer(state, True, agreed)
         self.snapshot_step = agreed
         if durable:

@@ -8,6 +8,12 @@ directory is on a memory file system (/dev/shm) that hlat-launch creates per pod
 when it ends, so it outlives the trainer process (a crash loses nothing there) but not the pod.
 Each rank keeps its `SNAPSHOTS_KEPT` newest.
 
+What the data-parallel replicas of a rank hold alike (the weights, and without ZeRO-1 the
+optimizer state too) is kept once per dp group, not dp times: each rank's file holds its 1/dp
+of each such tensor (`DpSlices`), and a restore gathers them back over the dp group. At the
+paper's 7B layout (tp 8, dp 256, ZeRO-1) a rank's snapshot is then its optimizer shard and
+1/256 of its weights: about 1/50 of the whole state, to write, to hold and to copy to a peer.
+
 A snapshot is used only when every rank holds the same step (`agree`: a rank that died while
 writing step N still holds N - interval), with the same layout as this run, and it is not
 older than the newest durable checkpoint. With checkpoint.memoryReplicas the launcher also
@@ -23,7 +29,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +52,83 @@ def snapshot_root(env: Mapping[str, str]) -> Path | None:
     outlive the process to restore from."""
     raw = env.get(Env.SNAPSHOT_DIR)
     return Path(raw) if raw else None
+
+
+@dataclass(frozen=True)
+class DpSlices:
+    """Which of a rank's state entries its dp replicas hold alike (`replicated`, by top-level
+    key), and this rank's part of them: each such tensor flattened, cut into `dp` equal pieces
+    (the last padded with zeros), piece `dp_rank` kept. dp 1: the state as it is."""
+
+    dp: int
+    dp_rank: int
+    group: dist.ProcessGroup | None
+    """The dp group the pieces are gathered over (a collective of its ranks)."""
+    replicated: Callable[[str], bool]
+
+    def cut(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`state` with each replicated tensor (at any depth) as this rank's piece of it."""
+        if self.dp == 1:
+            return state
+        return {k: self._cut(v) if self.replicated(k) else v for k, v in state.items()}
+
+    def _cut(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: self._cut(v) for k, v in value.items()}
+        t = local(value)
+        if not isinstance(t, Tensor):
+            return value
+        flat, size = t.detach().reshape(-1), _piece(t.numel(), self.dp)
+        piece = flat[self.dp_rank * size:(self.dp_rank + 1) * size]
+        return torch.cat([piece, piece.new_zeros(size - piece.numel())])  # a copy, even whole
+
+    def join(self, state: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+        """`saved` (every dp rank's, as `cut` made them) with each replicated tensor whole
+        again, shaped as in `state`: one all-gather per dtype over the dp group (every rank of
+        the group calls it)."""
+        if self.dp == 1:
+            return saved
+        places: list[tuple[dict[str, Any], str, Tensor]] = []  # (where, key, live tensor)
+        whole: dict[str, Any] = {}
+        for key, value in state.items():
+            if self.replicated(key):
+                whole[key] = _shell(value, saved[key], key, whole, places)
+            else:
+                whole[key] = saved[key]
+        by_dtype: dict[torch.dtype, list[tuple[dict[str, Any], str, Tensor]]] = {}
+        for place in places:
+            by_dtype.setdefault(place[2].dtype, []).append(place)
+        for group in by_dtype.values():  # every rank builds the same groups, in the same order
+            sizes = [_piece(live.numel(), self.dp) for _, _, live in group]
+            mine = torch.cat([where[key].to(live.device).reshape(-1)
+                              for where, key, live in group])
+            pieces = [torch.empty_like(mine) for _ in range(self.dp)]
+            dist.all_gather(pieces, mine, group=self.group)
+            offset = 0
+            for (where, key, live), size in zip(group, sizes, strict=True):
+                flat = torch.cat([p[offset:offset + size] for p in pieces])
+                where[key] = flat[:live.numel()].view(live.shape)
+                offset += size
+        return whole
+
+
+def _piece(numel: int, dp: int) -> int:
+    return -(-numel // dp)
+
+
+def _shell(value: Any, kept: Any, key: str, parent: dict[str, Any],
+           places: list[tuple[dict[str, Any], str, Tensor]]) -> Any:
+    """`kept` (a cut entry) copied into a new dict tree, its tensors' places recorded with the
+    live tensors they stand for (`join` fills them in)."""
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out[k] = _shell(v, kept[k], k, out, places)
+        return out
+    t = local(value)
+    if isinstance(t, Tensor):
+        places.append((parent, key, t))
+    return kept
 
 
 def _locals(state: dict[str, Any]) -> dict[str, Any]:

@@ -246,7 +246,9 @@ class CheckpointSpec(_Model):
     auto: every step, or, when that would cost more, the smallest interval whose snapshots hold
     the loop under 1% of the training time (measured by every rank on a snapshot after its
     attempt's third step, the slowest rank's figures used; each attempt measures again).
-    Each rank keeps its two newest (host memory: twice its state). A replaced pod (a lost node)
+    Each rank keeps its two newest, of its 1/dp of the weights and its share of the optimizer
+    state (what its dp replicas hold alike is kept once per dp group, gathered back at a
+    restore): host memory, per rank, twice its state over the dp degree. A replaced pod (a lost node)
     resumes from a peer's replica (memoryReplicas), else from the durable checkpoint. Unset:
     off. torch-native backends (cpu, cuda, neuron-native)."""
     memory_replicas: int = Field(default=1, ge=0, le=1)

@@ -257,3 +257,32 @@ def test_copies_that_lag_more_than_one_snapshot_are_said_once(
         assert pusher.round() == 1
     said = [r.getMessage() for r in caplog.records if "lag more than one" in r.getMessage()]
     assert len(said) == 1 and "checkpoint.memoryInterval" in said[0], said
+
+
+def test_a_holder_serves_a_bounded_number_of_requests_at_once_and_refuses_more(
+        tmp_path: Path) -> None:
+    """Connections that hold a request open (here: idle ones) take the holder's slots; one
+    more is refused at once, nothing of it written; once they end, pushes land again."""
+    server = ReplicaServer(tmp_path / "holder", JOB, port=0, max_requests=2).start()
+    address = ("127.0.0.1", server.port)
+    path = _snapshot(tmp_path / "node0", 0, 5)
+    idle = [socket.create_connection(address) for _ in range(2)]
+    try:
+        time.sleep(0.3)  # both accepted and waiting for their request
+        with pytest.raises(ReplicaError, match="busy: 2 requests in progress"):
+            push(address, JOB, 0, 5, 0, path)
+        assert not replica_dir(tmp_path / "holder", JOB, 0).exists() or not list(
+            replica_dir(tmp_path / "holder", JOB, 0).glob("step_*.pt"))
+    finally:
+        for conn in idle:
+            conn.close()
+    deadline = time.monotonic() + 10
+    while True:  # the idle connections' threads see their end and free their slots
+        try:
+            push(address, JOB, 0, 5, 0, path)
+            break
+        except ReplicaError:
+            assert time.monotonic() < deadline, "the slots were never freed"
+            time.sleep(0.1)
+    assert (replica_dir(tmp_path / "holder", JOB, 0) / "step_5.pt").exists()
+    server.stop()

@@ -59,6 +59,11 @@ a copy that starts a step late may miss the step every other rank still holds)."
 IO_TIMEOUT_SECONDS = 10.0
 """Longest silence on a replica connection (connect, or any read or write) before it is given
 up: a peer that stops answering mid-copy leaves no waiter behind."""
+MAX_REQUESTS = 8
+"""Requests a holder serves at once, a thread each. Its predecessor pushes one rank at a time
+and a restoring node fetches one at a time, so a few are all there should be; beyond the bound
+a connection is refused at once (a pusher tries again at its next round), so that a flood of
+connections cannot take the launcher's threads and memory."""
 CHUNK = 1 << 20
 _NAME = re.compile(r"step_(\d+)\.pt")
 _HEADER_LIMIT = 1 << 16
@@ -149,13 +154,38 @@ class ReplicaServer:
     """The holder's side: takes its predecessor's pushes and serves them back."""
 
     def __init__(self, root: Path, job: str, port: int = REPLICA_PORT,
-                 keep: int = SNAPSHOTS_KEPT) -> None:
+                 keep: int = SNAPSHOTS_KEPT, max_requests: int = MAX_REQUESTS) -> None:
         self.root, self.job, self.port, self.keep = root, job, port, keep
+        self.max_requests = max_requests
         self._lock = threading.Lock()
         self._newest: dict[str, int] = {}  # job -> newest attempt seen
-        self._listener = Listener(port, lambda conn: threading.Thread(
-            target=self._handle, args=(conn,), name="hlat-replica-conn", daemon=True).start(),
-            "hlat-replica-listen")
+        self._slots = threading.BoundedSemaphore(max_requests)
+        self._busy_said = False
+        self._listener = Listener(port, self._accept, "hlat-replica-listen")
+
+    def _accept(self, conn: socket.socket) -> None:
+        """In the listener's thread: a thread for the request, or a refusal when
+        `max_requests` are in progress."""
+        if not self._slots.acquire(blocking=False):
+            if not self._busy_said:  # once a burst
+                self._busy_said = True
+                log.warning("snapshot replicas: %d requests in progress: refusing more",
+                            self.max_requests)
+            with conn, contextlib.suppress(OSError):
+                conn.settimeout(1.0)
+                conn.sendall(json.dumps({"ok": False, "error": f"busy: {self.max_requests} "
+                                                               "requests in progress"}
+                                        ).encode() + b"\n")
+            return
+        self._busy_said = False
+        threading.Thread(target=self._serve_one, args=(conn,), name="hlat-replica-conn",
+                         daemon=True).start()
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        try:
+            self._handle(conn)
+        finally:
+            self._slots.release()
 
     def follow(self, job: str, attempt: int) -> None:
         """This node runs `attempt` of `job` now: older attempts' pushes are refused."""

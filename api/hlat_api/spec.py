@@ -238,7 +238,7 @@ class CheckpointSpec(_Model):
         validation_alias=AliasChoices("async", "async_"),
         description="Write in the background; the step waits only for the copy to host memory.",
     )
-    memory_interval: PositiveInt | Literal["auto"] | None = None
+    memory_interval: PositiveInt | Literal["auto", "off"] | None = None
     """Also snapshot each rank's state into its pod's memory (/dev/shm, held by the launcher,
     so a trainer crash loses nothing there) every this many steps: a trainer restarted in its
     pod resumes from the newest snapshot every rank holds, when it is not older than the
@@ -249,8 +249,10 @@ class CheckpointSpec(_Model):
     Each rank keeps its two newest, of its 1/dp of the weights and its share of the optimizer
     state (what its dp replicas hold alike is kept once per dp group, gathered back at a
     restore): host memory, per rank, twice its state over the dp degree. A replaced pod (a lost node)
-    resumes from a peer's replica (memoryReplicas), else from the durable checkpoint. Unset:
-    off. torch-native backends (cpu, cuda, neuron-native)."""
+    resumes from a peer's replica (memoryReplicas), else from the durable checkpoint.
+    torch-native backends (cpu, cuda, neuron-native) with restartStrategy InPlace. Unset: auto
+    where snapshots can serve (those two, and room in the node's memory), else off (the
+    neuron-xla stack, RecreateGang). off: none."""
     memory_replicas: int = Field(default=1, ge=0, le=1)
     """With memoryInterval, and more than one node: copies of each node's snapshots kept in
     another node's memory (the next node rank's, in a ring), pushed by the launchers over TCP
@@ -558,6 +560,17 @@ class PretrainJobSpec(_Model):
         return self.nodes * self.ranks_per_node
 
     @property
+    def snapshot_interval(self) -> PositiveInt | Literal["auto"] | None:
+        """checkpoint.memoryInterval in effect: as set; unset, auto where in-memory snapshots
+        can serve (`snapshots_refused` finds nothing), else None; off: None."""
+        every = self.checkpoint.memory_interval
+        if every == "off":
+            return None
+        if every is None:
+            return "auto" if snapshots_refused(self) is None else None
+        return every
+
+    @property
     def data_parallel(self) -> int:
         return self.world_size // (self.parallelism.tensor * self.parallelism.pipeline)
 
@@ -829,33 +842,44 @@ def snapshot_gib_per_node(spec: PretrainJobSpec) -> float:
     return copies * SNAPSHOTS_KEPT * one * spec.ranks_per_node / GIB
 
 
-def _check_snapshots(spec: PretrainJobSpec) -> None:
-    """checkpoint.memoryInterval: the torch-native stack (NxD checkpoints its own state), and
-    the snapshots fit in their share of the node's memory."""
-    if spec.checkpoint.memory_interval is None:
-        return
+def snapshots_refused(spec: PretrainJobSpec) -> SpecError | None:
+    """Why in-memory snapshots cannot serve this spec, or None: they need restarts in place,
+    the torch-native stack (NxD checkpoints its own state), and room in their share of the
+    node's memory."""
     if spec.fault_tolerance.restart_strategy != "InPlace":
-        raise SpecError("checkpoint.memoryInterval",
-                        "in-memory snapshots serve restarts in place: set "
-                        "faultTolerance.restartStrategy: InPlace (a recreated gang starts on "
-                        "new pods, with none of the old pods' memory), or unset it")
+        return SpecError("checkpoint.memoryInterval",
+                         "in-memory snapshots serve restarts in place: set "
+                         "faultTolerance.restartStrategy: InPlace (a recreated gang starts on "
+                         "new pods, with none of the old pods' memory), or set it off")
     if uses_nxd(spec):
-        raise SpecError("checkpoint.memoryInterval",
-                        "in-memory snapshots are taken by the torch-native engine, not "
-                        "neuron-xla (NxD saves its own state): unset it, or set backend: "
-                        "neuron-native")
+        return SpecError("checkpoint.memoryInterval",
+                         "in-memory snapshots are taken by the torch-native engine, not "
+                         "neuron-xla (NxD saves its own state): set it off, or set backend: "
+                         "neuron-native")
     memory = INSTANCE_TYPES[spec.instance_type].memory
     if memory is None:
-        return
+        return None
     node_gib = _gib(memory)
     need = snapshot_gib_per_node(spec)
     if need > SNAPSHOT_MEMORY_SHARE * node_gib:
-        raise SpecError(
+        return SpecError(
             "checkpoint.memoryInterval",
             f"in-memory snapshots need {need:.0f} GiB per node ({SNAPSHOTS_KEPT} per rank, "
-            f"{spec.ranks_per_node} ranks, and as many of a peer's with memoryReplicas), over {SNAPSHOT_MEMORY_SHARE:.0%} of a "
-            f"{spec.instance_type}'s {node_gib:g} GiB: unset it, or shard the state more "
-            "(parallelism.zero1, a higher parallelism.tensor, more nodes)")
+            f"{spec.ranks_per_node} ranks, and as many of a peer's with memoryReplicas), over "
+            f"{SNAPSHOT_MEMORY_SHARE:.0%} of a {spec.instance_type}'s {node_gib:g} GiB: set it "
+            "off, or shard the state more (parallelism.zero1, a higher parallelism.tensor, "
+            "more nodes)")
+    return None
+
+
+def _check_snapshots(spec: PretrainJobSpec) -> None:
+    """checkpoint.memoryInterval, when set: snapshots can serve the spec (unset, they are on
+    only where they can: `PretrainJobSpec.snapshot_interval`)."""
+    if spec.checkpoint.memory_interval in (None, "off"):
+        return
+    refused = snapshots_refused(spec)
+    if refused is not None:
+        raise refused
 
 
 def _gib(quantity: str) -> float:

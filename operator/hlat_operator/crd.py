@@ -59,19 +59,21 @@ def _resolve(node: Schema, defs: dict[str, Schema]) -> Schema:
 
 
 def _int_or_auto(node: Schema, defs: dict[str, Schema], with_defaults: bool) -> Schema | None:
-    """`number > 0 | "auto"` (or `| None`, nullable): the only unions of the spec that are not
-    `X | None`."""
+    """`number > 0 | "auto"` (or `| "auto" | "off"`, and `| None`, nullable): the only unions
+    of the spec that are not `X | None`."""
     options = [o for o in node["anyOf"] if o.get("type") != "null"]
-    consts = [o.get("const") for o in options if "const" in o]
-    if not consts or len(options) != 2:
+    words = [w for o in options for w in ([o["const"]] if "const" in o else o.get("enum", []))]
+    if not words or len(options) != 2:
         return None
     out: Schema = {"x-kubernetes-int-or-string": True}
     if len(options) != len(node["anyOf"]):
         out["nullable"] = True
+    allowed = " || ".join(f"self == '{w}'" for w in words)
     out["x-kubernetes-validations"] = [
         {
-            "rule": f"type(self) == string ? self == '{consts[0]}' : self > 0",
-            "message": f"must be a positive whole number or '{consts[0]}'",
+            "rule": f"type(self) == string ? {allowed} : self > 0",
+            "message": "must be a positive whole number or " + " or ".join(
+                f"'{w}'" for w in words),
         }
     ]
     _copy_doc(node, out, with_defaults)

@@ -1399,12 +1399,12 @@ def _restart(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> None:
     latest = s.latest_checkpoint.step if s.latest_checkpoint else -1
     s.restarts.total += 1
     s.restarts.counted += int(_counts(spec, fault))
-    if spec.checkpoint.memory_interval:  # in place, most faults keep the pods' snapshots
+    if spec.snapshot_interval:  # in place, most faults keep the pods' snapshots
         latest = max(latest, p.snapshot_step)
     lost = _lost_steps(p, latest)
     s.lost_steps += lost
     step_seconds = (p.lead.step_seconds or 0.0) if p.lead is not None else 0.0
-    if spec.checkpoint.memory_interval:
+    if spec.snapshot_interval:
         # the next attempt says where it resumed (`_correct_lost_steps`), and the lost work is
         # added then: status.goodput.lostWorkSeconds only grows, as the counter that follows it
         # must; an earlier restart's, never confirmed (its attempt did not report), as counted

@@ -133,6 +133,24 @@ def test_invalid_specs_name_field_and_reason(change: dict[str, Any], field: str,
     assert reason in str(info.value)
 
 
+def test_in_memory_snapshots_are_on_by_default_only_where_they_can_serve() -> None:
+    """memoryInterval unset: auto with restarts in place on a torch-native backend and room in
+    the node's memory; off, without an error, on the neuron-xla stack (the paper's default),
+    with RecreateGang, or short of memory; `off` turns them off; a value set is kept."""
+    native = {"backend": "neuron-native", "precision": "bf16-sr"}
+    assert parse_spec(paper_7b(**native)).snapshot_interval == "auto"
+    assert parse_spec(paper_7b()).snapshot_interval is None  # neuron-xla
+    assert parse_spec(paper_7b(**native, faultTolerance={
+        "restartStrategy": "RecreateGang"})).snapshot_interval is None
+    short = parse_spec(paper_7b(**native, nodes=8, model={"preset": "70b"},
+                                parallelism={"tensor": 32}))
+    assert short.snapshot_interval is None
+    assert parse_spec(paper_7b(**native, checkpoint={"memoryInterval": "off"})
+                      ).snapshot_interval is None
+    assert parse_spec(paper_7b(**native, checkpoint={"memoryInterval": 4})
+                      ).snapshot_interval == 4
+
+
 def test_memory_estimate_shrinks_with_tp_and_zero1() -> None:
     base = parse_spec(paper_7b())
     no_zero = parse_spec(paper_7b(parallelism={"tensor": 8, "zero1": False}))

@@ -377,13 +377,13 @@ class TorchEngine(Engine):
                                          meta=self._meta())
         root = snapshot_root(os.environ)
         self.snapshots = (Snapshots(root, job, world.rank, self.layout)
-                          if spec.checkpoint.memory_interval and root is not None else None)
+                          if spec.snapshot_interval and root is not None else None)
         zero1 = self.layout.zero1
         self.slices = DpSlices(world.dp, world.dp_rank, world.dp_group, lambda key: (
             key == "model" or (key.startswith("optim.") and not zero1)))
         """A snapshot keeps each rank's 1/dp of what its dp replicas hold alike: the weights,
         and the optimizer state unless ZeRO-1 already split it."""
-        if spec.checkpoint.memory_interval and root is None:
+        if spec.checkpoint.memory_interval not in (None, "off") and root is None:
             log.warning("checkpoint.memoryInterval is set but no launcher keeps this pod's "
                         "memory across restarts (%s unset): no in-memory snapshots",
                         Env.SNAPSHOT_DIR)

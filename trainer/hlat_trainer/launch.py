@@ -290,7 +290,7 @@ def run_in_place(env: Mapping[str, str], spec: PretrainJobSpec, base: dict[str, 
                          pod=env.get(Env.POD_NAME, ""), spare=spare,
                          attempt_env=_root_comm_env if root_comm else None,
                          watch_peers=multi,
-                         replicate=(multi and spec.checkpoint.memory_interval is not None
+                         replicate=(multi and spec.snapshot_interval is not None
                                     and spec.checkpoint.memory_replicas > 0))
 
     def stop(sig: int, _frame: object) -> None:

@@ -500,7 +500,7 @@ class Trainer:
     def snapshots_due(self, step: int) -> bool:
         """Whether this rank snapshots its state into memory after `step` (the same answer on
         every rank: memoryInterval auto is decided by a collective, `_choose_interval`)."""
-        every = self.spec.checkpoint.memory_interval
+        every = self.spec.snapshot_interval
         if every is None or self.extracting_graphs:
             return False
         if every == "auto":
@@ -620,7 +620,7 @@ class Trainer:
                     held = self.ledger.charge("snapshot")
                     self._off_step_time(held)
                     blocked = (blocked or 0.0) + held
-                    if self.snapshot_every is None and self.spec.checkpoint.memory_interval == "auto":
+                    if self.snapshot_every is None and self.spec.snapshot_interval == "auto":
                         self._choose_interval(held, step)
                 validation = None
                 if self.evaluates(step, total) and not self.extracting_graphs:

@@ -330,7 +330,8 @@ def test_a_trainer_cut_off_from_the_api_server_commits_nothing_once_its_lease_ra
     spec = tiny_spec(steps=steps, restartStrategy="InPlace",
                      heartbeat={"startupTimeoutSeconds": 120, "timeoutSeconds": timeout})
     spec["nodes"] = 1
-    spec["checkpoint"]["interval"] = 10
+    # durable commits are this test's subject: no snapshots (auto by default) to resume from
+    spec["checkpoint"].update({"interval": 10, "memoryInterval": "off"})
     job_env.create(spec)
     pod, config = f"{JOB}-a0-0", job_env.cluster.config
     coordination = client.CoordinationV1Api(job_env.cluster.admin_api())

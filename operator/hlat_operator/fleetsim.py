@@ -109,6 +109,13 @@ SYNC_SAVE_7B_S, ASYNC_SAVE_7B_S = 148.8, 6.3
 checkpoint section measures the same mechanism locally; the earlier figures these defaults
 were checked against, 8.12 s vs 2.27 s for 1.5 GiB, are in docs/benchmark-history.md)."""
 
+NEAREST_PUBLISHED_GRAPH_LOAD_S = 40.0
+"""The nearest published figure for `ClusterTimes.compile_cache_load_s`: an AWS maintainer
+measured about 40 s to load Llama-2 7B on a trn1.32xlarge at tp 32 with a pre-populated
+compilation cache, weights included (github.com/aws-neuron/transformers-neuronx issue 80).
+That is inference: one forward graph, where training loads forward, backward and optimizer
+graphs. So it is a lower bound for training, not an estimate of it."""
+
 HLAT_STEP_S = 1024 * 4096 / (64 * 25_000)
 """Derived: the paper's step (1,024 sequences of 4,096 tokens) at about 25k tokens/s per
 trn1.32xlarge (Llama2-7B on NxD, performance-anchors.md) on 64 nodes: 2.62 s."""
@@ -165,8 +172,9 @@ class ClusterTimes:
     process_start_s: float = 17.6
     """A gang's cold start on the local cluster, apply to first step (benchmarks section 5)."""
     compile_cache_load_s: float = 180.0
-    """Assumption, no public figure found: loading the compiled graphs from the node's local
-    Neuron persistent cache (where the paper keeps it) onto its 32 NeuronCores."""
+    """Assumption, no public figure found for training: loading the compiled graphs from the
+    node's local Neuron persistent cache (where the paper keeps it) onto its 32 NeuronCores.
+    The nearest published figure is `NEAREST_PUBLISHED_GRAPH_LOAD_S`."""
     checkpoint_load_s: float = SYNC_SAVE_7B_S
     """Assumption: reading a 7B checkpoint takes about as long as a synchronous save of it."""
     node_replacement_s: float = 0.0

@@ -1429,7 +1429,12 @@ def _restart(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> None:
         how = "restarting the gang"
     p.phase("Restarting", fault.reason, f"{fault.message}; {how} (restart {s.restarts.total})",
             warning=True)
-    _teardown(p, _gone(p, spec) if in_place else p.observed.pods)
+    if _teardown(p, _gone(p, spec) if in_place else p.observed.pods) and in_place:
+        # every pod stays (a trainer's fault): nothing to wait for, so the next attempt starts
+        # in this pass unless a backoff is due. One status write then holds both the restart
+        # and the attempt it starts, still ahead of that attempt's objects.
+        _restarting(p, spec)
+        return
     p.after(p.settings.fast_requeue_seconds)
 
 

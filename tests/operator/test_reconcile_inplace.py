@@ -13,7 +13,7 @@ from opfakes import World, raw_spec
 from hlat_api import labels
 from hlat_api.gang import GangRecord
 from hlat_operator.observe import ObservedPod, parse_time
-from hlat_operator.reconcile import CreateObject, Decision, DeletePod, PatchPod
+from hlat_operator.reconcile import CreateObject, Decision, DeletePod, PatchPod, PatchStatus
 
 
 def in_place_world() -> World:
@@ -47,9 +47,13 @@ def lose_node_of(w: World, rank: int) -> ObservedPod:
     raise AssertionError(f"the loss of {lost.node} was never acted on")
 
 
-def restart(w: World) -> Decision:
-    """Passes until the next attempt is published; returns that pass's decision."""
-    attempt = w.status.attempt
+def restart(w: World, hit: int | None = None) -> Decision | None:
+    """Passes until the attempt after `hit` (the attempt a fault hit; default: the status's) is
+    published; returns that pass's decision, or None when the fault's own pass published it
+    (every pod kept and no backoff due: the next attempt starts in that pass)."""
+    attempt = w.status.attempt if hit is None else hit
+    if w.status.attempt > attempt:
+        return None
     for _ in range(60):
         w.schedule()
         d = w.step()
@@ -80,6 +84,29 @@ def test_a_trainer_exit_restarts_every_trainer_in_the_pods_it_has() -> None:
     w.beat(6)
     w.step()
     assert w.status.phase == "Running"
+
+
+def test_a_trainer_exit_after_progress_starts_the_next_attempt_in_the_pass_that_sees_it(
+) -> None:
+    """Every pod stays and no backoff is due (the attempt made a checkpoint): the pass that
+    sees the exit publishes the next attempt too, with no second pass in between. Its one
+    status write (the restart counted, the new attempt) comes before every object of the new
+    attempt, and the restart record last."""
+    w = in_place_world()
+    w.beat(10, checkpoint_step=10)
+    w.step()
+    w.trainer_exit(1, 137)
+    d = w.step()
+    assert w.status.attempt == 1 and w.status.phase == "Pending", w.status.conditions
+    assert w.status.restarts.total == 1 and w.status.restarts.in_place == 1
+    assert any(c.type == "Restarting" and c.status == "True" for c in w.status.conditions)
+    writes = [i for i, a in enumerate(d.actions) if isinstance(a, PatchStatus)]
+    objects = [i for i, a in enumerate(d.actions) if isinstance(a, CreateObject | PatchPod)]
+    assert len(writes) == 1 and objects and writes[0] < objects[0]
+    last = d.actions[objects[-1]]
+    assert isinstance(last, CreateObject) and last.obj["metadata"]["name"] == "tiny-gang"
+    assert record_of(w) == GangRecord(attempt=1, steps_done=10,
+                                      ranks={"tiny-a0-0": 0, "tiny-a0-1": 1})
 
 
 def test_of_two_trainer_exits_seen_together_the_signal_is_blamed() -> None:

@@ -16,16 +16,27 @@ def snapshot_world(**over: object) -> World:
     return w
 
 
+def restarting(w: World) -> bool:
+    return any(c.type == "Restarting" and c.status == "True" for c in w.status.conditions)
+
+
+def crash(w: World, rank: int) -> int:
+    """Rank `rank`'s trainer SIGKILLed, and the pass that sees it; returns the attempt hit."""
+    hit = w.status.attempt
+    w.trainer_exit(rank, 137)
+    w.step()
+    return hit
+
+
 def test_a_trainer_crash_loses_the_steps_since_the_snapshot_every_worker_holds() -> None:
     w = snapshot_world()
     w.beat(27, checkpoint_step=20, snapshot_step=26)  # a step in flight past the snapshot
     w.step()
-    w.trainer_exit(1, 137)
-    w.step()
-    assert w.status.phase == "Restarting"
+    hit = crash(w, 1)
+    assert w.status.restarts.total == 1 and restarting(w)
     assert w.status.lost_steps == 1
     assert w.status.goodput.lost_work_seconds == 0  # counted once the next attempt confirms
-    restart(w)
+    restart(w, hit)
     w.beat(26, "starting", resumed_step=26)
     w.step()
     assert w.status.lost_steps == 1  # it resumed where the restart counted from
@@ -39,9 +50,8 @@ def test_an_attempt_that_resumed_from_the_durable_checkpoint_counts_the_steps_ba
     w = snapshot_world()
     w.beat(27, checkpoint_step=20, snapshot_step=26)
     w.step()
-    w.trainer_exit(0, 137)
-    w.step()
-    restart(w)
+    hit = crash(w, 0)
+    restart(w, hit)
     w.beat(20, "starting", resumed_step=20)
     w.step()
     assert w.status.lost_steps == 7
@@ -60,10 +70,9 @@ def test_faults_between_durable_checkpoints_are_progress_when_the_snapshots_move
     for at in (5, 9, 13):
         w.beat(at, checkpoint_step=None, snapshot_step=at, resumed_step=resumed)
         w.step()
-        w.trainer_exit(1, 137)
-        w.step()
-        assert w.status.phase == "Restarting", w.status.conditions
-        restart(w)
+        hit = crash(w, 1)
+        assert restarting(w), w.status.conditions
+        restart(w, hit)
         resumed = at
     w.beat(resumed, "starting", resumed_step=resumed)
     w.step()
@@ -75,17 +84,15 @@ def test_faults_with_no_snapshot_newer_than_the_attempt_s_start_are_no_progress(
                           "faultTolerance.maxRestarts": 10})
     w.beat(5, snapshot_step=5, resumed_step=0)
     w.step()
-    w.trainer_exit(1, 137)
-    w.step()
-    restart(w)
+    hit = crash(w, 1)
+    restart(w, hit)
     for _ in range(2):  # resumed from 5, crashed before the next snapshot
         w.beat(5, snapshot_step=5, resumed_step=5)
         w.step()
-        w.trainer_exit(1, 137)
-        w.step()
+        hit = crash(w, 1)
         if w.status.phase == "Failed":
             break
-        restart(w)
+        restart(w, hit)
     assert w.status.phase == "Failed"
     assert "without a new complete checkpoint" in (w.status.conditions[-1].message or "") or any(
         "noProgressRestarts" in (c.message or "") for c in w.status.conditions)
@@ -99,11 +106,10 @@ def test_lost_work_only_grows_when_the_next_attempt_resumed_past_the_count() -> 
     w = snapshot_world()
     w.beat(27, checkpoint_step=20, snapshot_step=26)
     w.step()
-    w.trainer_exit(1, 137)
-    w.step()
+    hit = crash(w, 1)
     assert w.status.lost_steps == 1
     seen = [w.status.goodput.lost_work_seconds]
-    restart(w)
+    restart(w, hit)
     w.beat(27, "starting", resumed_step=27)
     w.step()
     seen.append(w.status.goodput.lost_work_seconds)
@@ -116,9 +122,8 @@ def test_a_restart_whose_attempt_never_reported_keeps_its_lost_work_as_counted()
     w = snapshot_world()
     w.beat(27, checkpoint_step=20, snapshot_step=26)
     w.step()
-    w.trainer_exit(1, 137)
-    w.step()
-    restart(w)
+    hit = crash(w, 1)
+    restart(w, hit)
     w.trainer_exit(1, 137)  # before any report of the new attempt
     w.step()
     assert w.status.restarts.total == 2

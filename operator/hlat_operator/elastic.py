@@ -9,7 +9,7 @@ Leases and the config the trainers read), `spec.nodes` the size it returns to.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from hlat_api.spec import PretrainJobSpec
 from hlat_operator.observe import ObservedNode
@@ -50,10 +50,19 @@ def can_host(node: ObservedNode, selector: Mapping[str, str]) -> bool:
         node.labels.get(k) == v for k, v in selector.items())
 
 
-def usable(nodes: Iterable[ObservedNode], selector: Mapping[str, str]) -> int:
+def usable(nodes: Iterable[ObservedNode], selector: Mapping[str, str],
+           avoided: Collection[str] = ()) -> int:
     """Nodes a worker could run on now, healthy ones only (the job's own included: they host
-    its pods)."""
-    return sum(1 for n in nodes if can_host(n, selector) and n.healthy)
+    its pods), less those the job avoids (its avoid list: a job that can train on fewer nodes
+    does not go back to a node that failed it before the entry expires)."""
+    return sum(1 for n in nodes if can_host(n, selector) and n.healthy and n.name not in avoided)
+
+
+def smallest(spec: PretrainJobSpec) -> int:
+    """The fewest nodes the job can train at (elastic.minNodes, or the next size up that keeps
+    the global batch)."""
+    assert spec.elastic is not None
+    return min(spec.sizes(spec.elastic.min_nodes))
 
 
 def shrink_to(spec: PretrainJobSpec, current: int, usable_nodes: int) -> int | None:

@@ -556,7 +556,8 @@ def _shrink(p: _Pass, spec: PretrainJobSpec) -> bool:
         return False
     if not p.observed.nodes_known:
         return False
-    count = elastic.usable(p.observed.nodes.values(), builders.node_selector(d))
+    count = elastic.usable(p.observed.nodes.values(), builders.node_selector(d),
+                           _failed_nodes(p, d))
     target = elastic.shrink_to(d, spec.nodes, count)
     if target is None:
         return False  # below minNodes: Schedulable=False says why it waits
@@ -587,7 +588,8 @@ def _grow(p: _Pass, spec: PretrainJobSpec) -> bool:
     if (d is None or d.elastic is None or not _elastic(p, d) or spec.nodes >= d.nodes
             or not p.observed.nodes_known):
         return False
-    count = elastic.usable(p.observed.nodes.values(), builders.node_selector(d))
+    count = elastic.usable(p.observed.nodes.values(), builders.node_selector(d),
+                           _failed_nodes(p, d))
     target = elastic.grow_to(d, spec.nodes, count)
     latest = p.status.latest_checkpoint.step if p.status.latest_checkpoint else -1
     if target is None:
@@ -809,19 +811,32 @@ def _restarting(p: _Pass, spec: PretrainJobSpec) -> None:
 # --- creating a gang -------------------------------------------------------------------------
 
 
+def _failed_nodes(p: _Pass, spec: PretrainJobSpec) -> set[str]:
+    """The job's avoid list as it stands (faultTolerance.avoidFailedNodes): failed nodes
+    within their expiry."""
+    return ({e.node for e in p.status.avoided_nodes}
+            if spec.fault_tolerance.avoid_failed_nodes else set())
+
+
 def _avoided_nodes(p: _Pass, spec: PretrainJobSpec) -> list[str]:
     """Nodes the next pods must not use: unhealthy ones, and the job's failed ones still
     within their expiry, unless that leaves fewer usable nodes than the job needs: then the
-    least recently failed are let back first (a gang that cannot be placed helps nobody)."""
+    least recently failed are let back first (a gang that cannot be placed helps nobody). An
+    elastic job needs only its smallest size: short of nodes, it shrinks rather than go back to
+    a node that failed it."""
     unhealthy = {n.name for n in p.observed.nodes.values() if not n.healthy}
     entries = p.status.avoided_nodes if spec.fault_tolerance.avoid_failed_nodes else []
     avoid = {e.node for e in entries}
+    need = spec.nodes
+    d = p.desired
+    if d is not None and d.elastic is not None and _elastic(p, d):
+        need = min(need, elastic.smallest(d))
     if p.observed.nodes_known:
         selector = builders.node_selector(spec)
         usable = {n.name for n in p.observed.nodes.values()
                   if elastic.can_host(n, selector) and n.name not in unhealthy}
         for entry in sorted(entries, key=lambda e: e.failed_at):
-            if len(usable - avoid) >= spec.nodes:
+            if len(usable - avoid) >= need:
                 break
             avoid.discard(entry.node)
     return sorted(avoid | unhealthy)

@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 STEPS = 600
 WAIT = 10.0
+AVOID = 20.0
 LOSS_TOLERANCE = 1e-2
 """Relative, on every step. The global batches are the same (their digests are equal): only the
 reduction order differs between sizes (each of 2 ranks sums 3 micro-batches, each of 3 ranks 2,
@@ -33,8 +34,11 @@ most, by step 571. Steps trained before any resize match bit for bit."""
 
 def _spec(name: str) -> dict[str, Any]:
     """3 nodes, one worker on each: the rig's CPU workers request no whole node (a trn1
-    worker asks for all its NeuronCores), so the template keeps them apart, as they would be."""
-    spec: dict[str, Any] = tiny_spec(steps=STEPS, maxRestarts=3)
+    worker asks for all its NeuronCores), so the template keeps them apart, as they would be.
+    The lost node's avoid entry lasts AVOID seconds: an elastic job grows back onto a node it
+    avoids only once the entry has expired (test_reconcile_elastic has the default's case)."""
+    spec: dict[str, Any] = tiny_spec(steps=STEPS, maxRestarts=3,
+                                     avoidFailedNodesSeconds=AVOID)
     spec["nodes"] = 3
     spec["template"] = {"spec": {"affinity": {"podAntiAffinity": {
         "requiredDuringSchedulingIgnoredDuringExecution": [{

@@ -16,10 +16,17 @@ from hlat_api.labels import Reason
 WAIT = 60.0
 
 
+AVOID = 30.0
+"""faultTolerance.avoidFailedNodesSeconds in these tests: a lost node's entry has expired by
+the time a test brings it back (the job shrinks after WAIT); the default (3600 s) keeps a
+returning node out, as `test_an_elastic_job_does_not_grow_back_onto_a_node_it_avoids` shows."""
+
+
 def elastic_spec(**overrides: Any) -> dict[str, Any]:
     """3 nodes of one rank, 6 sequences of 1: it can train on 3, 2 or 1 nodes."""
     return raw_spec(**{"nodes": 3, "train.globalBatch": 6, "train.microBatch": 1,
-                       "elastic": {"minNodes": 2, "waitSeconds": WAIT}, **overrides})
+                       "elastic": {"minNodes": 2, "waitSeconds": WAIT},
+                       "faultTolerance.avoidFailedNodesSeconds": AVOID, **overrides})
 
 
 def _config_nodes(w: World) -> int:
@@ -79,6 +86,49 @@ def test_a_job_short_of_a_node_shrinks_after_the_wait_and_grows_back_at_a_checkp
     (degraded,) = [c for c in w.status.conditions if c.type == "Degraded"]
     assert degraded.status == "False"
     assert w.status.restarts.total == 1
+
+
+def test_an_elastic_job_does_not_grow_back_onto_a_node_it_avoids() -> None:
+    """A lost node back within faultTolerance.avoidFailedNodesSeconds is not capacity to an
+    elastic job: it trains on 2 of 3 (a rigid job would take the node back: it has no other
+    way to train) and grows once the entry has expired, at the next checkpoint."""
+    w = World(elastic_spec(**{"faultTolerance.avoidFailedNodesSeconds": 600}),
+              nodes=("node-a", "node-b", "node-c"))
+    lost = _shrunk(w)
+    w.until("Running", step=3, limit=WAIT + 120)
+    w.node_up(lost)
+    for step in (50, 60):  # checkpoints after the node is back, still within its entry
+        for _ in range(3):
+            w.schedule()
+            w.beat(step, checkpoint_step=step)
+            w.step()
+            w.advance(1.0)
+    w.run(30, step=61, every=1.0)
+    assert len(w.live()) == 2 and w.status.size is not None and w.status.size.text == "2/3"
+    assert [a.node for a in w.status.avoided_nodes] == [lost]
+    assert Reason.GROWN not in w.reasons()
+    w.run(600, step=62, every=10.0)  # the entry expires
+    assert w.status.avoided_nodes == []
+    for _ in range(3):
+        w.schedule()
+        w.beat(70, checkpoint_step=70)
+        w.step()
+        w.advance(1.0)
+    w.until("Running", step=71, limit=60)
+    assert len(w.live()) == 3 and w.status.size.text == "3/3"
+
+
+def test_an_elastic_job_shrinks_rather_than_go_back_to_a_node_it_avoids() -> None:
+    """The lost node is Ready again before elastic.waitSeconds ends: the new gang's pod still
+    may not go there, and the job shrinks to the nodes it may use."""
+    w = World(elastic_spec(**{"faultTolerance.avoidFailedNodesSeconds": 600}),
+              nodes=("node-a", "node-b", "node-c"))
+    lost = _shrunk(w)
+    w.run(WAIT / 2, step=2, every=1.0)  # its pod force-deleted meanwhile
+    w.node_up(lost)
+    w.until("Running", step=3, limit=WAIT + 120)
+    assert Reason.SHRUNK in w.reasons()
+    assert len(w.live()) == 2 and lost not in {p.node for p in w.live()}
 
 
 def test_below_min_nodes_the_job_waits() -> None:

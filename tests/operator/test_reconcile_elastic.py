@@ -12,6 +12,7 @@ from opfakes import World, raw_spec
 
 from hlat_api import InvalidSpecError, parse_spec
 from hlat_api.labels import Reason
+from hlat_operator.metrics import OperatorMetrics
 
 WAIT = 60.0
 
@@ -86,6 +87,28 @@ def test_a_job_short_of_a_node_shrinks_after_the_wait_and_grows_back_at_a_checkp
     (degraded,) = [c for c in w.status.conditions if c.type == "Degraded"]
     assert degraded.status == "False"
     assert w.status.restarts.total == 1
+
+
+def test_the_size_its_time_and_the_capacity_reach_status_and_metrics() -> None:
+    """`status.size.since` is when the current size began (the shrink's resize), and the
+    Prometheus gauges say the same as the status: current and desired nodes, and the capacity
+    fraction below 1 while shrunk."""
+    m = OperatorMetrics()
+    w = World(elastic_spec(), nodes=("node-a", "node-b", "node-c"))
+    _shrunk(w)
+    w.until("Running", step=3, limit=WAIT + 120)
+    w.run(20, step=10, every=1.0)
+    d = w.step()
+    m.observe("default", "tiny", d)
+    size = w.status.size
+    assert size is not None and size.resizes[-1].reason == Reason.SHRUNK
+    assert size.since == size.resizes[-1].at
+    job = {"namespace": "default", "pretrainjob": "tiny"}
+    assert m.registry.get_sample_value("hlat_job_nodes", job) == 2
+    assert m.registry.get_sample_value("hlat_job_nodes_desired", job) == 3
+    capacity = m.registry.get_sample_value("hlat_job_capacity_ratio", job)
+    assert capacity is not None and 2 / 3 < capacity < 1
+    assert capacity == pytest.approx(d.status.goodput.capacity, abs=1e-6)
 
 
 def test_an_elastic_job_does_not_grow_back_onto_a_node_it_avoids() -> None:

@@ -143,6 +143,14 @@ class OperatorMetrics:
             (*JOB_LABELS, "node"),
             registry=r,
         )
+        self.node_straggler = Gauge(
+            "hlat_node_straggler",
+            "1 for each node the operator flags a straggler by the job's own rule (over 1 + "
+            "faultTolerance.stragglers.threshold for its window: the node the Straggler "
+            "condition names); no series for the others.",
+            (*JOB_LABELS, "node"),
+            registry=r,
+        )
         self.checkpoint_age = Gauge(
             "hlat_job_checkpoint_age_seconds",
             "Seconds since the latest complete checkpoint was first seen (the work a fault "
@@ -178,6 +186,7 @@ class OperatorMetrics:
         self._goodput: dict[tuple[str, str], dict[str, float]] = {}
         self._pods: dict[tuple[str, str], set[str]] = {}
         self._nodes: dict[tuple[str, str], set[str]] = {}  # per job: nodes with a slowdown
+        self._flagged: dict[tuple[str, str], set[str]] = {}  # per job: nodes flagged slow
         self.step = Gauge("hlat_job_step", "Latest training step reported.", JOB_LABELS, registry=r)
         self.attempt = Gauge("hlat_job_attempt", "Current restart attempt.", JOB_LABELS, registry=r)
         self.jobs = Gauge("hlat_jobs", "PretrainJobs by phase.", ("phase",), registry=r)
@@ -244,7 +253,7 @@ class OperatorMetrics:
         if decision.heartbeat_ages:
             self.heartbeat_age.labels(*labels).set(max(decision.heartbeat_ages.values()))
         self._worker_ages(labels, decision.heartbeat_ages)
-        self._slowdowns(labels, decision.slowdowns)
+        self._slowdowns(labels, decision.slowdowns, decision.stragglers)
         saved = s.latest_checkpoint.time if s.latest_checkpoint else None
         if saved:
             at = datetime.fromisoformat(saved.replace("Z", "+00:00")).timestamp()
@@ -291,8 +300,10 @@ class OperatorMetrics:
     def _worker_ages(self, labels: tuple[str, str], ages: dict[str, float]) -> None:
         self._per_member(self.worker_heartbeat_age, self._pods, labels, ages)
 
-    def _slowdowns(self, labels: tuple[str, str], ratios: dict[str, float]) -> None:
+    def _slowdowns(self, labels: tuple[str, str], ratios: dict[str, float],
+                   flagged: list[str]) -> None:
         self._per_member(self.node_slowdown, self._nodes, labels, ratios)
+        self._per_member(self.node_straggler, self._flagged, labels, dict.fromkeys(flagged, 1.0))
 
     def _start_at_zero(self, namespace: str, job: str) -> None:
         """Counter and histogram series exist at 0 from the first time a job is seen, so
@@ -330,7 +341,7 @@ class OperatorMetrics:
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)
         self._worker_ages(labels, {})
-        self._slowdowns(labels, {})
+        self._slowdowns(labels, {}, [])
         for reason in RESTART_REASONS:
             with contextlib.suppress(KeyError):
                 self.restarts.remove(*labels, str(reason))

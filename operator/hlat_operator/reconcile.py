@@ -182,6 +182,9 @@ class Decision:
     """How long the longest-waiting worker pod of the attempt has been unschedulable."""
     slowdowns: dict[str, float] = field(default_factory=dict)
     """Each node's compute time over the median of the other nodes' (stragglers.slowdowns)."""
+    stragglers: list[str] = field(default_factory=list)
+    """The nodes flagged now by the job's own rule (threshold and window): those the Straggler
+    condition names."""
 
 
 # --- the pass --------------------------------------------------------------------------------
@@ -219,6 +222,10 @@ class _Pass:
         """The newest in-memory snapshot every worker of the attempt reports holding (-1:
         none): what a restart in place resumes from, when its pods are kept."""
         self.slowdowns: dict[str, float] = {}
+        self.flagged: list[str] = []
+        self.leaving: set[str] = set()
+        """Pods this pass's restart must not keep, though nothing is wrong with them yet (a
+        straggler's, moved off its node)."""
         self.straggler_share = 0.0
         """The share of each step a flagged slow node costs now (goodput's `straggler`
         cause)."""
@@ -326,6 +333,7 @@ class _Pass:
             unschedulable_seconds=self.unschedulable,
             queued_seconds=self.queued,
             slowdowns=self.slowdowns,
+            stragglers=self.flagged,
         )
 
 
@@ -1239,6 +1247,7 @@ def _judge_stragglers(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) 
     before = {node: t for node, at in p.state.slow_since.items() if (t := parse_time(at))}
     flagged, over = stragglers.judge(p.slowdowns, before, p.now, rule.threshold,
                                      rule.window_seconds)
+    p.flagged = [slow.node for slow in flagged]
     if flagged:  # goodput's straggler cause once flagged (a noisy step is no straggler)
         step = p.lead.step_seconds if p.lead is not None else None
         p.straggler_share = stragglers.share_lost(compute, p.slowdowns, rule.threshold, step)
@@ -1296,9 +1305,8 @@ def _move_off_straggler(p: _Pass, spec: PretrainJobSpec, slow: stragglers.Slow,
             return
         why = (f"{head} and has cost {lost:.0f}s, more than a restart ({cost:.0f}s measured): "
                f"restarting off it at checkpoint step_{checkpoint.step} (no ready spare)")
+    p.leaving.add(victim.name)  # not kept in place: a spare or a new node takes its rank
     _on_fault(p, spec, Fault(Reason.STRAGGLER, why, victim.name, slow.node))
-    if spec.fault_tolerance.restart_strategy == "InPlace":
-        p.actions.append(DeletePod(victim.name))  # not kept: a spare or a new node takes it
 
 
 def _restart_cost(p: _Pass, spec: PretrainJobSpec) -> float:
@@ -1458,7 +1466,8 @@ def _gone(p: _Pass, spec: PretrainJobSpec) -> list[ObservedPod]:
     ended (the launcher exited), terminating, or on a node that is dead or unhealthy."""
     attempt = p.status.attempt
     return [pod for pod in p.observed.pods
-            if not _keepable(p, pod, attempt) and not _ready_spare(p, pod)]
+            if (not _keepable(p, pod, attempt) or pod.name in p.leaving)
+            and not _ready_spare(p, pod)]
 
 
 def _spares_cover(p: _Pass, spec: PretrainJobSpec, gone: list[ObservedPod]) -> bool:

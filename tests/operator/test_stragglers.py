@@ -123,9 +123,16 @@ def test_the_job_names_the_slow_node_after_the_window_then_clears_it() -> None:
               if line.startswith("hlat_node_step_slowdown_ratio{")}
     mine = [v for k, v in series.items() if f'node="{slow_node}"' in k and 'job="tiny"' in k]
     assert mine == [pytest.approx(1.43)] and len(series) == 2, series
+    # the alert's input: the nodes the job's own rule flags, and only those
+    job = {"namespace": "default", "pretrainjob": "tiny"}
+    flag = metrics.registry.get_sample_value
+    assert flag("hlat_node_straggler", {**job, "node": slow_node}) == 1
+    assert [k for k in body.splitlines() if k.startswith("hlat_node_straggler{")] == [
+        f'hlat_node_straggler{{namespace="default",node="{slow_node}",pretrainjob="tiny"}} 1.0']
     _beat_compute(w, {0: 0.10, 1: 0.10}, step)
-    w.step()
+    metrics.observe("default", "tiny", w.step())
     assert _condition(w)["status"] == "False" and _condition(w)["reason"] == "NoStraggler"
+    assert flag("hlat_node_straggler", {**job, "node": slow_node}) is None
 
 
 def test_replace_moves_the_slow_node_s_rank_to_a_spare_at_the_next_checkpoint() -> None:

@@ -339,3 +339,27 @@ def test_a_checkpoint_in_flight_at_the_eviction_is_not_the_one_waited_for() -> N
     w.beat(61, checkpoint_step=60)
     w.step()
     assert w.status.phase == "Suspended"
+
+
+def test_an_elastic_job_in_a_queue_keeps_its_full_size() -> None:
+    """Kueue admitted the Workload at spec.nodes and counts it so: a queued elastic job short
+    of a node waits for it (Schedulable says why) rather than shrink below what its quota
+    holds, and its Workload keeps asking for every node."""
+    w = World(raw_spec(**{"nodes": 3, "train.globalBatch": 6, "train.microBatch": 1,
+                          "elastic": {"minNodes": 2, "waitSeconds": 30}}),
+              nodes=("node-a", "node-b", "node-c"))
+    w.queueing = Queueing("team", "high", 1000)
+    w.step()
+    (workers,) = [s for s in _workload(w)["spec"]["podSets"]  # type: ignore[index]
+                  if s["name"] == "workers"]
+    assert workers["count"] == 3
+    w.queueing = replace(w.queueing, workload=_admitted(),  # type: ignore[arg-type]
+                         flavors={"trn1": FLAVOR})
+    w.until("Running", step=1)
+    lost = w.pod_of(2).node
+    assert lost is not None
+    w.node_down(lost)
+    w.run(180, step=2, every=2.0)
+    assert Reason.SHRUNK not in w.reasons()
+    assert w.status.size is None or w.status.size.nodes == 3
+    assert w.status.phase == "Pending" and len([p for p in w.live() if p.node]) == 2

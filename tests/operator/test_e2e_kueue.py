@@ -12,6 +12,7 @@ v0.17.0). On EKS the quota would be on aws.amazon.com/neuron; the tiny jobs here
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -237,6 +238,14 @@ def test_a_higher_priority_job_preempts_a_running_one_which_checkpoints_and_resu
     planned = int(re.search(r"next checkpoint \(step (\d+)", said[0]).group(1))  # type: ignore[union-attr]
     stopped_at = held["latestCheckpoint"]["step"]
     assert stopped_at >= planned, (held["latestCheckpoint"], said)
+    # it waits with no pods: its gang is gone while the higher-priority job holds the quota
+    deadline = time.monotonic() + 30
+    while [p for p in low.pods() if p.metadata.name.startswith(f"{low.name}-a0-")]:
+        assert time.monotonic() < deadline, [p.metadata.name for p in low.pods()]
+        time.sleep(0.25)
+    if high.status().get("phase") != "Succeeded":  # else Kueue may have admitted low again
+        assert not low.pods(), [p.metadata.name for p in low.pods()]
+        assert low.status().get("phase") == "Suspended"
     high_done = high.wait("high Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
     assert high_done["restarts"]["total"] == 0
 

@@ -170,6 +170,13 @@ class Engine(ABC):
     snapshot_step: int | None = None
     """The newest in-memory snapshot this rank holds (None: none, or not taken)."""
 
+    @property
+    def takes_snapshots(self) -> bool:
+        """Whether `snapshot` keeps anything: a store in the pod's memory that outlives this
+        process (the in-place launcher's). The same on every rank of a job (every pod runs
+        the same launcher)."""
+        return False
+
     def _all_ok(self, ok: bool) -> bool:
         """True only if every rank says ok (a collective: every rank calls it)."""
         flag = torch.tensor([1 if ok else 0])
@@ -459,6 +466,10 @@ class TorchEngine(Engine):
 
     def save(self, step: int, loop_state: bytes) -> float:
         return self.checkpointer.save(step, self._state(loop_state))
+
+    @property
+    def takes_snapshots(self) -> bool:
+        return self.snapshots is not None
 
     def snapshot(self, step: int, loop_state: bytes) -> float:
         if self.snapshots is None:

@@ -501,8 +501,8 @@ class Trainer:
         """Whether this rank snapshots its state into memory after `step` (the same answer on
         every rank: memoryInterval auto is decided by a collective, `_choose_interval`)."""
         every = self.spec.snapshot_interval
-        if every is None or self.extracting_graphs:
-            return False
+        if every is None or self.extracting_graphs or not self.engine.takes_snapshots:
+            return False  # none to take: no host sync for them either (on XLA, a read back)
         if every == "auto":
             if self.snapshot_every is None:  # the probe: every rank at the same step
                 return step - self.first_step + 1 == SNAPSHOT_AUTO_PROBE_STEPS

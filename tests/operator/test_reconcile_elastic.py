@@ -36,6 +36,15 @@ def _config_nodes(w: World) -> int:
     return int(parse_spec(json.loads(next(iter(config["data"].values())))).nodes)
 
 
+def _checkpoint(w: World, step: int, passes: int) -> None:
+    """The workers report checkpoint `step` complete, over `passes` passes a second apart."""
+    for _ in range(passes):
+        w.schedule()
+        w.beat(step, checkpoint_step=step)
+        w.step()
+        w.advance(1.0)
+
+
 def _shrunk(w: World) -> str:
     w.until("Running", step=1)
     lost = w.pod_of(2).node
@@ -72,11 +81,7 @@ def test_a_job_short_of_a_node_shrinks_after_the_wait_and_grows_back_at_a_checkp
     assert g.node_seconds == pytest.approx(g.capacity * g.desired_node_seconds, rel=1e-4)
     shrinking = g.badput_seconds.resize
     assert shrinking > 0, "the shrink's teardown is not counted as a resize"
-    for _ in range(5):  # the workers report checkpoint step 40 complete
-        w.schedule()
-        w.beat(40, checkpoint_step=40)
-        w.step()
-        w.advance(1.0)
+    _checkpoint(w, 40, 5)  # the workers report checkpoint step 40 complete
     w.until("Running", step=41, limit=60)
     assert len(w.live()) == 3 and _config_nodes(w) == 3 and w.status.size.text == "3/3"
     assert [r.nodes for r in w.status.size.resizes] == [2, 3]
@@ -121,22 +126,14 @@ def test_an_elastic_job_does_not_grow_back_onto_a_node_it_avoids() -> None:
     w.until("Running", step=3, limit=WAIT + 120)
     w.node_up(lost)
     for step in (50, 60):  # checkpoints after the node is back, still within its entry
-        for _ in range(3):
-            w.schedule()
-            w.beat(step, checkpoint_step=step)
-            w.step()
-            w.advance(1.0)
+        _checkpoint(w, step, 3)
     w.run(30, step=61, every=1.0)
     assert len(w.live()) == 2 and w.status.size is not None and w.status.size.text == "2/3"
     assert [a.node for a in w.status.avoided_nodes] == [lost]
     assert Reason.GROWN not in w.reasons()
     w.run(600, step=62, every=10.0)  # the entry expires
     assert w.status.avoided_nodes == []
-    for _ in range(3):
-        w.schedule()
-        w.beat(70, checkpoint_step=70)
-        w.step()
-        w.advance(1.0)
+    _checkpoint(w, 70, 3)
     w.until("Running", step=71, limit=60)
     assert len(w.live()) == 3 and w.status.size.text == "3/3"
 
@@ -254,11 +251,7 @@ def test_a_suspended_shrunk_job_resumes_at_its_size_and_grows_when_it_can() -> N
     assert len(w.live()) == 2 and w.status.size is not None and w.status.size.text == "2/3"
     w.node_up(lost)
     for step in (50, 60):  # a checkpoint after the node is back, then one more
-        for _ in range(3):
-            w.schedule()
-            w.beat(step, checkpoint_step=step)
-            w.step()
-            w.advance(1.0)
+        _checkpoint(w, step, 3)
     w.until("Running", step=61, limit=60)
     assert len(w.live()) == 3 and w.status.size.text == "3/3"
 
@@ -279,10 +272,6 @@ def test_under_volcano_the_pod_group_s_min_member_follows_the_size() -> None:
     assert len(w.live()) == 2 and min_member() == 2
     w.node_up(lost)
     w.run(30, step=20, every=1.0)
-    for _ in range(5):
-        w.schedule()
-        w.beat(40, checkpoint_step=40)
-        w.step()
-        w.advance(1.0)
+    _checkpoint(w, 40, 5)
     w.until("Running", step=41, limit=60)
     assert len(w.live()) == 3 and min_member() == 3

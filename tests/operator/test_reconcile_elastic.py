@@ -13,6 +13,7 @@ from opfakes import World, raw_spec
 from hlat_api import InvalidSpecError, parse_spec
 from hlat_api.labels import Reason
 from hlat_operator.metrics import OperatorMetrics
+from hlat_operator.observe import ObservedNode
 
 WAIT = 60.0
 
@@ -136,6 +137,22 @@ def test_an_elastic_job_does_not_grow_back_onto_a_node_it_avoids() -> None:
     _checkpoint(w, 70, 3)
     w.until("Running", step=71, limit=60)
     assert len(w.live()) == 3 and w.status.size.text == "3/3"
+
+
+def test_a_replacement_node_is_capacity_while_the_lost_one_stays_avoided() -> None:
+    """The lost node stays down (or avoided); a new one joins (an EC2 replacement, a node a
+    capacity reservation gives back): the job grows onto it at the next checkpoint."""
+    w = World(elastic_spec(**{"faultTolerance.avoidFailedNodesSeconds": 600}),
+              nodes=("node-a", "node-b", "node-c"))
+    lost = _shrunk(w)
+    w.until("Running", step=3, limit=WAIT + 120)
+    w.nodes["node-d"] = ObservedNode("node-d", labels=dict(w.nodes["node-a"].labels))
+    w.run(5, step=45, every=1.0)  # seen: it grows at the first checkpoint after this
+    _checkpoint(w, 50, 3)
+    w.until("Running", step=51, limit=60)
+    assert len(w.live()) == 3 and w.status.size is not None and w.status.size.text == "3/3"
+    assert {p.node for p in w.live()} == {"node-a", "node-b", "node-d"}
+    assert [a.node for a in w.status.avoided_nodes] == [lost]
 
 
 def test_an_elastic_job_shrinks_rather_than_go_back_to_a_node_it_avoids() -> None:

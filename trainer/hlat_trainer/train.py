@@ -289,6 +289,9 @@ class Trainer:
         self.steps_done = steps_done(os.environ)
         self.first_step = 1
         """This attempt's first step (after its resume)."""
+        self.snapshot_plan = self.spec.snapshot_interval
+        """checkpoint.memoryInterval in effect, worked out once (the spec's property checks the
+        node's memory: not a per-step question)."""
         self.snapshot_every: int | None = None
         """memoryInterval auto: the interval chosen in this attempt (None: not yet)."""
         self.resumed_from = "checkpoint"
@@ -500,7 +503,7 @@ class Trainer:
     def snapshots_due(self, step: int) -> bool:
         """Whether this rank snapshots its state into memory after `step` (the same answer on
         every rank: memoryInterval auto is decided by a collective, `_choose_interval`)."""
-        every = self.spec.snapshot_interval
+        every = self.snapshot_plan
         if every is None or self.extracting_graphs or not self.engine.takes_snapshots:
             return False  # none to take: no host sync for them either (on XLA, a read back)
         if every == "auto":
@@ -620,7 +623,7 @@ class Trainer:
                     held = self.ledger.charge("snapshot")
                     self._off_step_time(held)
                     blocked = (blocked or 0.0) + held
-                    if self.snapshot_every is None and self.spec.snapshot_interval == "auto":
+                    if self.snapshot_every is None and self.snapshot_plan == "auto":
                         self._choose_interval(held, step)
                 validation = None
                 if self.evaluates(step, total) and not self.extracting_graphs:

@@ -112,6 +112,11 @@ class Heartbeat(BaseModel):
     every pod's, what a restart in place can resume from."""
     resumed_step: int | None = None
     """The step this attempt resumed from (a checkpoint or an in-memory snapshot; 0: none)."""
+    carried_seconds: float | None = None
+    """With `resumed_step`: the training seconds of the steps the state it resumed from holds
+    past the operator's steps done (HLAT_STEPS_DONE). An earlier attempt trained them after its
+    last report, so no report counted them; goodput counts them productive now, from the time
+    that attempt's end was charged to."""
     checkpoint_seconds: float | None = None
     """Longest whole checkpoint write of this attempt (asynchronous: start to commit): what the
     operator scales into how long a worker in phase `checkpointing` may go without progress

@@ -171,7 +171,7 @@ class Badput(_Model):
     """Waiting for the last asynchronous write after the last step."""
     detection: float = 0
     """The workers' last report before a fault to the operator acting on it (the work of the
-    last moments is in here too)."""
+    last moments is in here too, unless the next gang resumed past it: then it is productive)."""
     teardown: float = 0
     """Deleting a failed gang until none of its pods is left."""
     backoff: float = 0
@@ -211,6 +211,9 @@ class AttemptLedger(_Model):
     time since their report."""
     reported: Activity | None = None
     """Node rank 0's latest per-activity seconds."""
+    carried_seconds: float = 0
+    """Productive seconds of earlier attempts this one reported (its lead's `carriedSeconds`)
+    and that were moved from their end's cause (detection, other) to productive: each once."""
 
 
 class Goodput(_Model):

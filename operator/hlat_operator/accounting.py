@@ -22,6 +22,11 @@ gang was created, Suspended time excluded. The wall clock is split three ways:
 - Attempts that ended are folded into `settled`, in the same status write as the phase change
   that ended them; the running attempt's ledger (`current`) is recomputed from its latest
   report every pass.
+- Steps an attempt trained after its last report are in the time its end was charged to. When
+  the next attempt resumes from a state that holds them (an in-memory snapshot taken since),
+  its trainer reports their seconds (`carriedSeconds`, from the state), and they move from that
+  cause to productive, once. Steps the next attempt trains again count there (`recompute` up to
+  the last step reported, productive after).
 """
 
 from __future__ import annotations
@@ -151,6 +156,20 @@ def _fold(settled: Breakdown, ledger: AttemptLedger, end: EndCause) -> Breakdown
                      badput=_add(settled.badput, **causes))
 
 
+def _credit(settled: Breakdown, seconds: float) -> tuple[Breakdown, float]:
+    """Steps an ended attempt trained after its last report, which the next one resumed from
+    (a snapshot taken since): their time, charged to the attempt's end (detection, else
+    other), is productive. Returns the seconds moved: at most what those causes hold."""
+    values = settled.badput.model_dump()
+    moved = 0.0
+    for cause in ("detection", "other"):
+        share = min(values[cause], seconds - moved)
+        values[cause] -= share
+        moved += share
+    return Breakdown(productive=round(settled.productive + moved, 3),
+                     badput=Badput(**{k: round(v, 3) for k, v in values.items()})), moved
+
+
 def goodput_after(old: Goodput, bucket: Bucket | None, since: datetime | None, now: datetime,
                   attempt: int, lead: Heartbeat | None, end: EndCause | None = None,
                   lost_work_seconds: float = 0.0, checkpoint_at: datetime | None = None,
@@ -195,6 +214,10 @@ def goodput_after(old: Goodput, bucket: Bucket | None, since: datetime | None, n
     if lead is not None and lead.activity is not None:
         current = current or AttemptLedger(attempt=attempt)
         current.reported = lead.activity
+        carried = lead.carried_seconds or 0.0
+        if carried > current.carried_seconds:
+            g.settled, moved = _credit(g.settled, carried - current.carried_seconds)
+            current.carried_seconds = round(current.carried_seconds + moved, 3)
         if current.pending_seconds is None:
             reported_at = lead.progress_time or now
             tail = min(max(0.0, (now - reported_at).total_seconds()), max_report_age)

@@ -1582,10 +1582,13 @@ def _update_progress(p: _Pass, spec: PretrainJobSpec) -> None:
     lead = p.lead
     # only while the attempt's ledger is live: once its time is folded (the pass that ends
     # it), a later beat of a surviving worker must not move the next gang's recompute
-    # boundary past what that ledger counted as productive
-    if lead is not None and p.old.phase in ACTIVE and (
-            lead.phase not in STARTING_PHASES) and lead.step > p.state.high_step:
-        p.state = p.state.model_copy(update={"high_step": lead.step})
+    # boundary past what that ledger counted as productive. The step it resumed from is done
+    # too (its state holds it): the steps it carried from an earlier attempt are counted now
+    if lead is not None and p.old.phase in ACTIVE:
+        done = max(lead.step if lead.phase not in STARTING_PHASES else 0,
+                   lead.resumed_step or 0)
+        if done > p.state.high_step:
+            p.state = p.state.model_copy(update={"high_step": done})
     held = [b.snapshot_step for b in beats if b is not None and b.snapshot_step is not None]
     p.snapshot_step = min(held) if beats and len(held) == len(beats) else -1
     _correct_lost_steps(p, lead)

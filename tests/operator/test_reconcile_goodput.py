@@ -285,3 +285,65 @@ def test_a_beat_after_the_fold_does_not_move_the_next_gang_s_recompute_boundary(
     assert created, "no new gang"
     env = {e["name"]: e.get("value") for e in created[0]["spec"]["containers"][0]["env"]}
     assert env["HLAT_STEPS_DONE"] == "10"
+
+
+def test_steps_trained_after_the_last_report_and_resumed_from_count_productive_once() -> None:
+    """Rank 0 reports step 10 (10 s productive), trains 3 more steps and snapshots them, and
+    its peer dies before the next renewal: those 3 s are charged to detection when the
+    attempt ends. The next gang resumes from the snapshot of step 13 and its first beat carries
+    their 3 s: they move from detection to productive, once however many passes read that
+    beat, and every second is still in one cause. The gang after is told 13 were done, though
+    the one before never reported a step of its own (it was compiling)."""
+    w = World(raw_spec(**{"faultTolerance.backoff.initialSeconds": 0}))
+    w.until("Running")
+    trainer = Trainer()
+    for step in range(1, 11):
+        trainer.spend("productive")
+        w.beat(step, activity=trainer.activity(), progress_time=w.now)
+        w.step()
+        w.advance(1)
+    w.advance(3)  # steps 11 to 13, unreported
+    w.fail(1)
+    w.step()
+    assert w.status.phase == "Restarting"
+    detected = w.status.goodput.settled.badput.detection
+    assert detected >= 3
+    settled = w.status.goodput.settled.productive
+    assert settled == pytest.approx(10, abs=0.01)
+    env: dict[str, str | None] = {}
+    for _ in range(60):
+        w.advance(1)
+        w.schedule()
+        created = [a.obj for a in w.step().actions
+                   if isinstance(a, CreateObject) and a.obj["kind"] == "Pod"]
+        if created:
+            env = {e["name"]: e.get("value") for e in created[0]["spec"]["containers"][0]["env"]}
+            break
+    assert env.get("HLAT_STEPS_DONE") == "10"
+    w.schedule()
+    w.advance(2)  # the new gang's start, before its first report
+    resumed = Trainer()
+    resumed.spend("startup")
+    resumed.spend("memory_restore")
+    for _ in range(5):
+        # compiling its graphs (XLA): no step of its own yet, and 13 are done all the same
+        w.beat(13, "compiling", activity=resumed.activity(), progress_time=w.now,
+               resumed_step=13, carried_seconds=3.0)
+        w.step()
+        w.advance(1)
+    g = w.status.goodput
+    assert g.settled.productive == pytest.approx(13, abs=0.01)
+    assert g.settled.badput.detection == pytest.approx(detected - 3, abs=0.01)
+    assert g.productive_seconds == pytest.approx(13, abs=0.01)
+    assert parts(g) == pytest.approx(g.wall_seconds, abs=0.01)
+    w.fail(1)
+    w.step()
+    for _ in range(60):
+        w.advance(1)
+        w.schedule()
+        created = [a.obj for a in w.step().actions
+                   if isinstance(a, CreateObject) and a.obj["kind"] == "Pod"]
+        if created:
+            env = {e["name"]: e.get("value") for e in created[0]["spec"]["containers"][0]["env"]}
+            break
+    assert env.get("HLAT_STEPS_DONE") == "13"

@@ -31,6 +31,19 @@ def collect(job: Job) -> tuple[Trainer, list[dict[str, Any]]]:
     return trainer, seen
 
 
+class Recorder:
+    """The Lease's place: what the loop hands the heartbeat, in order."""
+
+    def __init__(self) -> None:
+        self.beats: list[dict[str, Any]] = []
+
+    def update(self, **fields: Any) -> None:
+        self.beats.append(fields)
+
+    def stop(self, phase: str | None = None) -> None:
+        self.beats.append({"phase": phase, "stopped": True})
+
+
 @pytest.mark.slow
 def test_loss_falls_on_the_sample_dataset(make_job: Callable[..., Job]) -> None:
     """A few minutes of CPU at most: 80 steps of a small model on stdlib text."""
@@ -211,19 +224,11 @@ def test_a_beat_during_a_save_names_the_step_its_ledger_counts(
     2's save the beat says step 2 (its time is in the ledger), not the last line's step 1. The
     operator tells the next gang which steps were done from that step: with 1, a worker lost
     in the save had step 2 counted productive twice."""
-    beats: list[dict[str, Any]] = []
-
-    class Recorder:  # the Lease's place: what the loop hands over, in order
-        def update(self, **fields: Any) -> None:
-            beats.append(fields)
-
-        def stop(self, phase: str | None = None) -> None:
-            beats.append({"phase": phase, "stopped": True})
-
     job = make_job(train__steps=4, checkpoint__interval=2, train__logInterval=4)
     trainer = Trainer(job)
-    trainer.heartbeat = Recorder()  # type: ignore[assignment]
+    trainer.heartbeat = recorder = Recorder()  # type: ignore[assignment]
     trainer.run()
+    beats = recorder.beats
     saving = [(b["step"], b["activity"].productive) for b in beats
               if b.get("phase") == "checkpointing"]
     assert [step for step, _ in saving][:2] == [2, 4], beats
@@ -436,6 +441,53 @@ def test_snapshots_and_a_restore_from_memory_are_charged_as_their_own_causes(
     spent = again.ledger.snapshot()
     assert again.resumed_from == "snapshot" and seen[0]["step"] == 5
     assert spent.memory_restore > 0 and spent.restore == 0, spent
+
+
+def test_a_resume_past_the_steps_the_operator_saw_reports_their_time_once(
+    make_job: Callable[..., Job], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker lost after its last renewal (the operator saw step 2) but after its snapshot
+    of step 4: the next attempt resumes at 5, never trains steps 3 and 4 again, and its first
+    beat carries what they took in the attempt that trained them (the time its ledger counted
+    productive between its beats of steps 2 and 4), so that goodput counts them."""
+    from hlat_api import Env
+
+    monkeypatch.setenv(Env.SNAPSHOT_DIR, str(tmp_path / "shm"))
+    spec = {"checkpoint__interval": 100, "checkpoint__memoryInterval": 1}
+    first = Trainer(make_job(train__steps=4, **spec))
+    first.heartbeat = lost = Recorder()  # type: ignore[assignment]
+    first.run()
+    productive = {b["step"]: b["activity"].productive for b in lost.beats
+                  if b.get("phase") == "training"}
+    monkeypatch.setenv(Env.STEPS_DONE, "2")
+    again = Trainer(make_job(train__steps=6, **spec))
+    again.heartbeat = next_ = Recorder()  # type: ignore[assignment]
+    again.run()
+    assert again.resumed_from == "snapshot" and again.first_step == 5
+    start = next(b for b in next_.beats if "resumed_step" in b)
+    assert start["resumed_step"] == 4
+    carried = productive[4] - productive[2]
+    assert carried > 0
+    assert start["carried_seconds"] == pytest.approx(carried, abs=0.002), (start, productive)
+    # what the attempt itself trained is productive as before, and nothing twice
+    assert again.state.carried_after(6) == 0
+    assert again.state.carried_after(4) == pytest.approx(
+        sum(again.state.seconds[k] for k in (5, 6)))
+
+
+def test_the_step_times_a_state_keeps_are_bounded_and_survive_a_checkpoint() -> None:
+    state = train.TrainState(step=train.RECENT_STEPS + 10)
+    for step in range(1, train.RECENT_STEPS + 11):
+        state.trained(step, 0.5)
+        state.trained(step, 0.25)  # a step is charged in parts
+    assert len(state.seconds) == train.RECENT_STEPS and min(state.seconds) == 11
+    back = train.TrainState()
+    back.load_state_dict(state.state_dict())
+    assert back.carried_after(train.RECENT_STEPS + 8) == pytest.approx(1.5)
+    old = state.state_dict()
+    del old["seconds"]  # a checkpoint written before step times were kept
+    back.load_state_dict(old)
+    assert back.carried_after(0) == 0
 
 
 @pytest.mark.parametrize("share, every_step", [(0.01, False), (100.0, True)])

@@ -141,6 +141,11 @@ class StepStats:
     result: StepResult
 
 
+RECENT_STEPS = 1024
+"""How many of the last steps' times a checkpoint or snapshot keeps (`TrainState.seconds`):
+more than a worker trains between two heartbeat renewals."""
+
+
 @dataclass
 class TrainState:
     """Counters that survive restarts, besides the model, optimizer and loader."""
@@ -148,13 +153,30 @@ class TrainState:
     step: int = 0
     tokens: int = 0
     monitor: GradSpikeMonitor = field(default_factory=GradSpikeMonitor)
+    seconds: dict[int, float] = field(default_factory=dict)
+    """The seconds the ledger charged each of the last `RECENT_STEPS` steps to training (less
+    data wait and compilation), in the attempt that trained it: an attempt that resumes from a
+    state newer than the last step the operator saw reported (a snapshot taken after the last
+    renewal) has those steps' time from here (`carried_after`)."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens": self.tokens, "monitor": self.monitor.state_dict()}
+        return {"step": self.step, "tokens": self.tokens, "monitor": self.monitor.state_dict(),
+                "seconds": dict(self.seconds)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens = state["step"], state["tokens"]
         self.monitor.load_state_dict(state["monitor"])
+        self.seconds = dict(state.get("seconds", {}))  # none in checkpoints before 2026-11-29
+
+    def trained(self, step: int, seconds: float) -> None:
+        """`seconds` more of step `step`'s training (a step is charged in parts)."""
+        self.seconds[step] = self.seconds.get(step, 0.0) + seconds
+        while len(self.seconds) > RECENT_STEPS:
+            del self.seconds[min(self.seconds)]
+
+    def carried_after(self, done: int) -> float:
+        """The training seconds of the steps this state holds past step `done`."""
+        return sum(s for k, s in self.seconds.items() if done < k <= self.step)
 
 
 def steps_done(env: Mapping[str, str]) -> int:
@@ -427,9 +449,11 @@ class Trainer:
         an asynchronous save's copy of the state (`staged`, checkpoint time); returns the
         compile seconds counted so far (the next step's baseline)."""
         compiled = self.backend.compile_seconds()
-        self.ledger.charge("recompute" if step <= self.steps_done else "productive",
-                           data_wait=data_wait, compile=compiled - compiled_since,
+        kind = "recompute" if step <= self.steps_done else "productive"
+        before = self.ledger.seconds[kind]
+        self.ledger.charge(kind, data_wait=data_wait, compile=compiled - compiled_since,
                            checkpoint=staged)
+        self.state.trained(step, self.ledger.seconds[kind] - before)
         return compiled
 
     def _commit_withheld(self) -> None:
@@ -582,8 +606,14 @@ class Trainer:
         stats: dict[str, Any] = {"step": first - 1}
         self._window = (time.perf_counter(), first - 1, 0.0)  # since, at step, saves blocked
         # on a compiling backend (XLA) the first step of every attempt compiles its graphs
+        carried = self.state.carried_after(self.steps_done)
+        if carried > 0:
+            log.info("resumed past step %d, the last the operator saw done: steps %d-%d took "
+                     "%.2f s in the attempt that trained them, reported now", self.steps_done,
+                     self.steps_done + 1, first - 1, carried)
         self._beat(phase="compiling" if self.backend.compiles else "training", step=first - 1,
-                   tokens=self.state.tokens, resumed_step=first - 1)
+                   tokens=self.state.tokens, resumed_step=first - 1,
+                   carried_seconds=round(carried, 3))
         batches = self._batches()
         finished = False
         compiled = self.backend.compile_seconds()

@@ -110,17 +110,19 @@ def stopwatch(job_env: Env) -> Iterator[Stopwatch]:
 
 
 def _training(job_env: Env, strategy: str) -> int:
-    """Create the job and wait for its checkpoint of step 20; returns the interval. Checkpoints
-    every 20 steps (about 1 s of training here): writes of 2 s still make the next save wait,
-    and rank 0 reports from inside an interval often enough to kill after a fresh beat."""
+    """Create the job and wait for its first checkpoint; returns the interval. Checkpoints
+    every 40 steps (1 to 2 s of training here): writes of 2 s still make the next save wait,
+    and rank 0 reports from inside an interval often enough to kill after a fresh beat. (At 20
+    steps, 0.5 s of training on an idle machine, against 1.5 s blocked in each save: rank 0's
+    renewals, one a second, missed every training window of a run.)"""
     spec = tiny_spec(steps=200, restartStrategy=strategy)
-    spec["checkpoint"].update({"async": True, "interval": 20})
+    spec["checkpoint"].update({"async": True, "interval": 40})
     spec["train"]["logInterval"] = 1
     spec["template"] = {"spec": {"containers": [{"name": "trainer", "env": [
         {"name": "HLAT_FAULT_CHECKPOINT_WRITE_DELAY_SECONDS", "value": str(WRITE_DELAY)}]}]}}
     job_env.create(spec)
-    job_env.wait("a checkpoint at step 20", lambda s: s.get("phase") == "Running"
-                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= 20, 180)
+    job_env.wait("the first checkpoint", lambda s: s.get("phase") == "Running"
+                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= 40, 180)
     return int(spec["checkpoint"]["interval"])
 
 

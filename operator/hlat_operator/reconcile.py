@@ -606,8 +606,10 @@ def _grow(p: _Pass, spec: PretrainJobSpec) -> bool:
         return False
     if p.state.grow_after is None:
         p.state = p.state.model_copy(update={"grow_after": latest})
+        after = (f"a checkpoint newer than step_{latest}" if latest >= 0
+                 else "its first checkpoint")
         p.event(Reason.GROWN, f"{count} usable nodes: growing to {target} of {d.nodes} nodes "
-                f"once a checkpoint newer than step {latest} is complete")
+                f"once {after} is complete")
         return False
     if latest <= p.state.grow_after:
         return False

@@ -255,6 +255,46 @@ def test_under_in_place_restarts_the_resize_recreates_the_gang_and_later_faults_
     assert len(w.live()) == 2 and w.status.size is not None and w.status.size.nodes == 2
 
 
+def test_with_a_spare_a_lost_node_moves_to_it_and_only_a_loss_with_none_left_shrinks() -> None:
+    """Spares first: the first lost node's rank moves to the ready spare (the job keeps its 3
+    nodes, no wait, no resize). The replacement spare finds no node, so the second loss has
+    none: the job shrinks to 2 after the wait. When a node comes back the pending spare starts
+    there, and that is capacity: the job grows back to 3 at the next checkpoint, and asks for
+    a spare again."""
+    w = World(elastic_spec(**{"faultTolerance.restartStrategy": "InPlace",
+                              "faultTolerance.spareNodes": 1}),
+              nodes=("node-a", "node-b", "node-c", "node-d"))
+    w.until("Running", step=1)
+    w.run(5, step=2)
+    assert w.pods["tiny-s0"].phase == "Running" and w.pods["tiny-s0"].spare
+    first = w.pod_of(2).node
+    assert first is not None
+    w.node_down(first)
+    w.run(30, step=3)
+    assert w.status.phase == "Running" and w.status.restarts.total == 1
+    assert w.pods["tiny-s0"].rank == 2 and not w.pods["tiny-s0"].spare  # promoted
+    assert w.status.size is not None and w.status.size.nodes == 3 and not w.status.size.resizes
+    assert Reason.SHRUNK not in w.reasons()
+    assert [p.node for p in w.live() if p.spare] == [None]  # asked for again: no node for it
+    second = w.pod_of(1).node
+    assert second is not None
+    w.node_down(second)
+    w.run(WAIT + 60, step=4)
+    assert w.status.phase == "Running" and Reason.SHRUNK in w.reasons()
+    assert w.status.size.nodes == 2 and len([p for p in w.live() if not p.spare]) == 2
+    w.node_up(first)  # its avoid entry has expired (AVOID < WAIT): the spare starts there
+    w.run(10, step=5)
+    (spare,) = [p for p in w.live() if p.spare]
+    assert spare.node == first and spare.phase == "Running"
+    assert w.status.size.nodes == 2, "grew before a new checkpoint"
+    (waits,) = [e.message for e in w.events if e.reason == Reason.GROWN]
+    assert waits.endswith("growing to 3 of 3 nodes once its first checkpoint is complete")
+    _checkpoint(w, 40, 30)
+    assert w.status.size.nodes == 3 and _config_nodes(w) == 3
+    assert first in {p.node for p in w.live() if not p.spare}
+    assert [p.node for p in w.live() if p.spare] == [None]
+
+
 def test_a_suspended_shrunk_job_resumes_at_its_size_and_grows_when_it_can() -> None:
     w = World(elastic_spec(), nodes=("node-a", "node-b", "node-c"))
     lost = _shrunk(w)

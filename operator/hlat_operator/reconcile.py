@@ -806,11 +806,10 @@ def _restarting(p: _Pass, spec: PretrainJobSpec) -> None:
         return
     waited = f"after {delay:g}s backoff" if delay else "at once (the last attempt made progress)"
     if in_place:
-        kept, created = _in_place_attempt(p, spec, p.status.attempt + 1)
+        how = _in_place_attempt(p, spec, p.status.attempt + 1)
         p.phase("Pending", Reason.CREATED,
-                f"attempt {p.status.attempt} restarted in place {waited}: "
-                f"{kept} pods kept, {created} created; resuming from the latest complete "
-                "checkpoint")
+                f"attempt {p.status.attempt} restarted in place {waited}: {how}; resuming "
+                "from the latest complete checkpoint")
         return
     _new_attempt(p, spec, p.status.attempt + 1)
     p.phase("Pending", Reason.CREATED,
@@ -989,9 +988,9 @@ def _attempt_leases(p: _Pass, spec: PretrainJobSpec, attempt: int) -> None:
             builders.build_gang_lease(job, attempt, _steps_done(p)), replace=True))
 
 
-def _in_place_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> tuple[int, int]:
-    """Move the kept pods to `attempt` and create the missing ranks' pods; returns how many
-    were kept and created. Order: status, then the Role naming only the new attempt's Leases
+def _in_place_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> str:
+    """Move the kept pods to `attempt` and create the missing ranks' pods; returns what it did
+    (the ranks kept, the spares promoted, the pods created), for the phase's one event. Order: status, then the Role naming only the new attempt's Leases
     (a trainer of the old one can no longer renew), the Leases, the pods, and the restart
     record last (the launchers restart their trainers when they read it)."""
     p.status.attempt = attempt
@@ -1018,9 +1017,7 @@ def _in_place_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> tuple[in
         replace=True))
     spared = (f", spares {', '.join(f'{n} -> rank {r}' for n, r in sorted(promoted.items()))}"
               if promoted else "")
-    p.event(Reason.CREATED, f"attempt {attempt} restarted in place: pods of node ranks "
-            f"{sorted(kept) or 'none'} kept{spared}, {created} created")
-    return len(kept) + len(promoted), created
+    return f"pods of node ranks {sorted(kept) or 'none'} kept{spared}, {created} created"
 
 
 def _promote_spares(p: _Pass, spec: PretrainJobSpec, have: set[int]) -> dict[str, int]:

@@ -11,6 +11,7 @@ import pytest
 from opfakes import World, raw_spec
 
 from hlat_api import labels
+from hlat_api.labels import Reason
 from hlat_api.gang import GangRecord
 from hlat_operator.observe import ObservedPod, parse_time
 from hlat_operator.reconcile import CreateObject, Decision, DeletePod, PatchPod, PatchStatus
@@ -236,6 +237,10 @@ def test_a_lost_node_s_rank_moves_to_the_ready_spare_without_waiting_for_its_pod
     assert promoted and promoted[0].labels == {labels.ATTEMPT: "1", labels.NODE_RANK: "1",
                                                labels.SPARE: None}
     assert created(d, "Pod") == []  # no cold pod for rank 1
+    # one event says the new attempt and what it kept, promoted and created
+    (said,) = [e.message for e in w.events
+               if e.reason == Reason.CREATED and e.message.startswith("attempt 1 ")]
+    assert "pods of node ranks [0] kept, spares tiny-s0 -> rank 1, 0 created" in said, said
     record = record_of(w)
     assert record is not None and record.ranks == {"tiny-a0-0": 0, "tiny-s0": 1}
     assert record.master_addr is None  # rank 0 kept its pod

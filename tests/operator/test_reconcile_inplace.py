@@ -11,8 +11,8 @@ import pytest
 from opfakes import World, raw_spec
 
 from hlat_api import labels
-from hlat_api.labels import Reason
 from hlat_api.gang import GangRecord
+from hlat_api.labels import Reason
 from hlat_operator.observe import ObservedPod, parse_time
 from hlat_operator.reconcile import CreateObject, Decision, DeletePod, PatchPod, PatchStatus
 

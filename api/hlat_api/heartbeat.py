@@ -102,6 +102,11 @@ class Heartbeat(BaseModel):
     """Median, over the same steps, of the seconds its gradient synchronisation took: on a
     healthy node mostly waiting for a slow one (a slow node's is the gang's shortest). With
     `compute_seconds`, `step_seconds` and the data wait, where a node's step time goes."""
+    data_wait_seconds: float | None = None
+    """Median, over the same steps, of the seconds the loop waited for this worker's data
+    loader: a node whose data path is slow (a failing disk, a saturated link to the data) keeps
+    its gang waiting as a slow chip does, with its compute time normal. The operator scores a
+    node on `compute_seconds` plus this (`hlat_operator.stragglers`)."""
     validation_loss: float | None = None
     """The latest held-out validation loss (spec.eval), taken after step `validation_step`."""
     validation_step: int | None = None

@@ -1233,15 +1233,16 @@ def _update_ready(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) -> N
 
 
 def _judge_stragglers(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) -> None:
-    """Score each node's compute time against its gang's; condition Straggler, an event when
-    a node is flagged, and the per-node ratios for the metrics (see `stragglers`)."""
+    """Score each node's own time a step (compute and data wait) against its gang's; condition
+    Straggler, an event when a node is flagged, and the per-node ratios for the metrics (see
+    `stragglers`)."""
     rule = spec.fault_tolerance.stragglers
     compute = {}
     for pod in pods:
         beat = _beat_of(p, pod)
         if (pod.node and beat is not None and beat.phase in ("training", "checkpointing")
                 and beat.compute_seconds):
-            compute[pod.node] = beat.compute_seconds
+            compute[pod.node] = beat.compute_seconds + (beat.data_wait_seconds or 0.0)
     p.slowdowns = stragglers.slowdowns(compute)
     before = {node: t for node, at in p.state.slow_since.items() if (t := parse_time(at))}
     flagged, over = stragglers.judge(p.slowdowns, before, p.now, rule.threshold,
@@ -1272,7 +1273,7 @@ def _judge_stragglers(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) 
             _move_off_straggler(p, spec, slow, pods, rule.window_seconds)
     elif shown is not None and shown.status == "True" and compute:
         p.condition("Straggler", False, Reason.NO_STRAGGLER,
-                    f"every node computes within {1 + rule.threshold:.2f}x of the others")
+                    f"every node is within {1 + rule.threshold:.2f}x of the others")
 
 
 def _move_off_straggler(p: _Pass, spec: PretrainJobSpec, slow: stragglers.Slow,

@@ -1,9 +1,11 @@
-"""Fail-slow nodes: which node of a gang computes slower than the others, by how much, since when.
+"""Fail-slow nodes: which node of a gang is slower than the others, by how much, since when.
 
 Synchronous data parallel runs at the pace of its slowest rank, so a slow node shows in every
-rank's step time alike; what tells it apart is the time each rank computes outside its waits on
-the others (`Heartbeat.compute_seconds`, the median of the worker's recent steps): the slow node
-computes longer, the healthy ones wait for it. A node is scored against the median of the
+rank's step time alike; what tells it apart is each rank's own time a step, outside its waits on
+the others: its compute (`Heartbeat.compute_seconds`) and its wait for its own data loader
+(`Heartbeat.data_wait_seconds`), each the median of the worker's recent steps. A slow chip
+computes longer, a slow data path (a failing disk) waits longer for its batches; the healthy
+nodes wait for it in the gradient sync. A node is scored against the median of the
 *other* nodes (relative to its gang, not to an absolute figure: a bigger model or a busier host
 moves every node alike), and flagged only once it has stayed over the threshold for the window
 (a garbage collection, a save's copy on one node, is not a straggler). Pure: no I/O, no clock.
@@ -23,13 +25,14 @@ from hlat_operator.observe import format_time
 class Slow:
     node: str
     ratio: float
-    """Its compute time over the median of the other nodes'."""
+    """Its own time a step (compute and data wait) over the median of the other nodes'."""
     since: datetime
     """Since when it has been over the threshold without a break."""
 
 
 def slowdowns(compute: Mapping[str, float]) -> dict[str, float]:
-    """Each node's compute seconds over the median of the other nodes' (1: as fast as its
+    """Each node's own seconds a step (compute and data wait) over the median of the other
+    nodes' (1: as fast as its
     gang; 1.4: 40% slower). Empty when fewer than two nodes report: a single node has nothing
     to be compared with."""
     if len(compute) < 2:
@@ -79,6 +82,6 @@ def describe(flagged: list[Slow], threshold: float) -> str:
     """The Straggler condition's message (and its event's): the slowest node first."""
     slow, rest = flagged[0], flagged[1:]
     others = "".join(f"; node {s.node} {s.ratio:.2f}x" for s in rest)
-    return (f"node {slow.node} computes {slow.ratio:.2f}x the median of the other nodes "
-            f"(threshold {1 + threshold:.2f}x) since {format_time(slow.since)}{others}; it "
-            "holds back every step")
+    return (f"node {slow.node} takes {slow.ratio:.2f}x the median of the other nodes' time a "
+            f"step, compute and data wait (threshold {1 + threshold:.2f}x) since "
+            f"{format_time(slow.since)}{others}; it holds back every step")

@@ -62,14 +62,17 @@ def test_healthy_nodes_with_noisy_step_times_raise_no_flag() -> None:
 
 
 def _beat_compute(w: World, compute: dict[int, float], step: int,
-                  checkpoint: int | None = None) -> None:
-    """Every running worker renews, node rank r reporting compute time `compute[r]`."""
+                  checkpoint: int | None = None, data_wait: dict[int, float] | None = None
+                  ) -> None:
+    """Every running worker renews, node rank r reporting compute time `compute[r]` (and a
+    data wait of `data_wait[r]`, none by default)."""
     for pod in w.pods.values():
         if pod.phase != "Running" or pod.attempt is None or pod.rank is None or pod.spare:
             continue
         name = labels.worker_lease_name("tiny", pod.attempt, pod.rank)
         hb = Heartbeat(phase="training", step=step, attempt=pod.attempt, step_seconds=0.5,
                        compute_seconds=compute[pod.rank], checkpoint_step=checkpoint,
+                       data_wait_seconds=(data_wait or {}).get(pod.rank),
                        activity=Activity(productive=step * 0.5), progress_time=w.now)
         w.leases[name] = ObservedLease(name, w.now, hb)
 
@@ -103,7 +106,7 @@ def test_the_job_names_the_slow_node_after_the_window_then_clears_it() -> None:
     assert flagged_at == 30, flagged_at  # not before the window, not a resync later
     shown = _condition(w)
     assert shown["reason"] == "Straggler" and shown["message"].startswith(
-        f"node {slow_node} computes 1.43x the median of the other nodes"), shown
+        f"node {slow_node} takes 1.43x the median of the other nodes' time a step"), shown
     warnings = [e for e in w.events if e.reason == "Straggler"]
     assert len(warnings) == 1 and warnings[0].type == "Warning"  # once, not every pass
     assert w.status.restarts.total == 0 and w.status.phase == "Running"
@@ -133,6 +136,25 @@ def test_the_job_names_the_slow_node_after_the_window_then_clears_it() -> None:
     metrics.observe("default", "tiny", w.step())
     assert _condition(w)["status"] == "False" and _condition(w)["reason"] == "NoStraggler"
     assert flag("hlat_node_straggler", {**job, "node": slow_node}) is None
+
+
+def test_a_node_held_back_by_its_data_path_is_flagged_as_a_slow_chip_is() -> None:
+    """A failing disk under one node's data: its compute is its gang's, its wait for its own
+    batches is 45 ms a step more (the others wait for it in the gradient sync). Flagged after
+    the window, with the ratio of its own time (compute and data wait) to the others'."""
+    w = World(raw_spec(faultTolerance={"stragglers": {"threshold": 0.2, "windowSeconds": 30}}))
+    w.until("Running")
+    slow_node = next(p.node for p in w.pods.values() if p.rank == 1)
+    step = 10
+    for _ in range(40):
+        _beat_compute(w, {0: 0.10, 1: 0.10}, step, data_wait={0: 0.001, 1: 0.046})
+        w.step()
+        w.advance(2)
+        step += 3
+    shown = _condition(w)
+    assert shown.get("status") == "True", shown
+    assert shown["message"].startswith(
+        f"node {slow_node} takes 1.45x the median of the other nodes' time a step"), shown
 
 
 def test_replace_moves_the_slow_node_s_rank_to_a_spare_at_the_next_checkpoint() -> None:

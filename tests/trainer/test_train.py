@@ -128,10 +128,18 @@ def test_prometheus_endpoint_serves_training_metrics(make_job: Callable[..., Job
     # a CPU rank's own compute time (no wait on peers in it) is measured: the straggler score
     assert 0 < last["compute_seconds"] == values["hlat_train_compute_seconds"]
     assert 0 <= last["sync_seconds"] == values["hlat_train_sync_seconds"]  # no peers: ~0
+    # and its wait for its own data loader, the straggler score's other part
+    waited = last["data_wait_median_seconds"]
+    assert 0 < waited == values["hlat_train_data_wait_median_seconds"]
     for name in ("grad_norm", "param_norm", "lr", "tokens_per_second", "mfu", "step_seconds",
                  "data_wait_seconds", "checkpoint_blocking_seconds", "compute_seconds",
-                 "sync_seconds"):
+                 "sync_seconds", "data_wait_median_seconds"):
         assert f"hlat_train_{name}" in values, name
+    # the heartbeat carries the medians the operator scores nodes on
+    beat = LeaseHeartbeat(None, "default", "w-0", "w-0", 1.0, attempt=0)
+    beat(last)
+    assert (beat.beat.compute_seconds, beat.beat.data_wait_seconds) == (
+        last["compute_seconds"], waited)
 
 
 def test_graph_extraction_runs_save_no_checkpoint(

@@ -24,6 +24,9 @@ _GAUGES = {
                        "peers) of this rank's recent steps; eager CPU only",
     "sync_seconds": "Median gradient synchronisation time (mostly waiting for the slowest "
                     "peer) of this rank's recent steps; eager CPU only",
+    "data_wait_median_seconds": "Median time this rank's recent steps waited for the data "
+                                "loader (a slow data path holds back the gang as a slow chip "
+                                "does)",
     "checkpoint_blocking_seconds": "Time the last checkpoint blocked training",
     "validation_loss": "Held-out validation loss of the latest evaluation (spec.eval), mean "
                        "per token over data-parallel ranks",

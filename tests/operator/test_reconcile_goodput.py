@@ -287,6 +287,18 @@ def test_a_beat_after_the_fold_does_not_move_the_next_gang_s_recompute_boundary(
     assert env["HLAT_STEPS_DONE"] == "10"
 
 
+def _next_gang_env(w: World) -> dict[str, str | None]:
+    """Passes a second apart until the next gang's pods are created: their trainer's env."""
+    for _ in range(60):
+        w.advance(1)
+        w.schedule()
+        created = [a.obj for a in w.step().actions
+                   if isinstance(a, CreateObject) and a.obj["kind"] == "Pod"]
+        if created:
+            return {e["name"]: e.get("value") for e in created[0]["spec"]["containers"][0]["env"]}
+    raise AssertionError("no new gang")
+
+
 def test_steps_trained_after_the_last_report_and_resumed_from_count_productive_once() -> None:
     """Rank 0 reports step 10 (10 s productive), trains 3 more steps and snapshots them, and
     its peer dies before the next renewal: those 3 s are charged to detection when the
@@ -310,16 +322,7 @@ def test_steps_trained_after_the_last_report_and_resumed_from_count_productive_o
     assert detected >= 3
     settled = w.status.goodput.settled.productive
     assert settled == pytest.approx(10, abs=0.01)
-    env: dict[str, str | None] = {}
-    for _ in range(60):
-        w.advance(1)
-        w.schedule()
-        created = [a.obj for a in w.step().actions
-                   if isinstance(a, CreateObject) and a.obj["kind"] == "Pod"]
-        if created:
-            env = {e["name"]: e.get("value") for e in created[0]["spec"]["containers"][0]["env"]}
-            break
-    assert env.get("HLAT_STEPS_DONE") == "10"
+    assert _next_gang_env(w).get("HLAT_STEPS_DONE") == "10"
     w.schedule()
     w.advance(2)  # the new gang's start, before its first report
     resumed = Trainer()
@@ -338,12 +341,4 @@ def test_steps_trained_after_the_last_report_and_resumed_from_count_productive_o
     assert parts(g) == pytest.approx(g.wall_seconds, abs=0.01)
     w.fail(1)
     w.step()
-    for _ in range(60):
-        w.advance(1)
-        w.schedule()
-        created = [a.obj for a in w.step().actions
-                   if isinstance(a, CreateObject) and a.obj["kind"] == "Pod"]
-        if created:
-            env = {e["name"]: e.get("value") for e in created[0]["spec"]["containers"][0]["env"]}
-            break
-    assert env.get("HLAT_STEPS_DONE") == "13"
+    assert _next_gang_env(w).get("HLAT_STEPS_DONE") == "13"

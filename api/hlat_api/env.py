@@ -35,6 +35,8 @@ class Env(StrEnum):
     LAUNCHED_MONOTONIC = "HLAT_LAUNCHED_MONOTONIC"
     """The launcher's start on the machine's monotonic clock: where the attempt's time
     accounting begins (set by hlat-launch)."""
+    EVAL_RESULT = "HLAT_EVAL_RESULT"
+    """Where `hlat-eval` writes its result (a JSON object) when no --output is given."""
     EXIT_FILE = "HLAT_EXIT_FILE"
     """Where a trainer that fails for good writes its exit code (set by hlat-launch, which
     makes it the pod's: torchrun reports every failed worker as 1)."""

@@ -3,6 +3,12 @@
 The same rule neuronx-distributed's checkpoint API uses. `done` is written last, after every
 shard is durable; anything without it is never loaded and may be deleted. The operator reads
 this layout (latest checkpoint, progress), the trainer writes it: both import these functions.
+
+A reader of a complete checkpoint (an evaluation, `hlat-eval`) keeps a file under
+`step_<N>/readers/` whose modification time it refreshes at least every
+`READER_REFRESH_SECONDS` while it reads, and removes it when done; retention (keep-K) deletes no
+checkpoint with a reader file younger than `READER_FRESH_SECONDS` (a reader that died stops
+holding it after that). Any tool can take part: `touch step_<N>/readers/<name>` in a loop.
 """
 
 from __future__ import annotations
@@ -12,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DONE = "done"
+READERS = "readers"
+READER_REFRESH_SECONDS = 30.0
+READER_FRESH_SECONDS = 120.0
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -49,3 +58,22 @@ def list_checkpoints(root: str | Path, job: str) -> list[CheckpointEntry]:
 def latest_complete(root: str | Path, job: str) -> CheckpointEntry | None:
     complete = [e for e in list_checkpoints(root, job) if e.complete]
     return complete[-1] if complete else None
+
+
+def being_read(path: Path, now: float | None = None) -> bool:
+    """Whether a reader holds the checkpoint at `path`: a file under its `readers/` modified
+    less than `READER_FRESH_SECONDS` ago (`now`: time.time())."""
+    import time
+
+    now = time.time() if now is None else now
+    try:
+        marks = list((path / READERS).iterdir())
+    except OSError:
+        return False
+    for mark in marks:
+        try:
+            if now - mark.stat().st_mtime < READER_FRESH_SECONDS:
+                return True
+        except OSError:  # removed meanwhile: its reader is done
+            continue
+    return False

@@ -219,8 +219,10 @@ class EvalSpec(_Model):
     interval: PositiveInt = 1000
     """Evaluate after every this many steps (and after the last)."""
     batches: PositiveInt = 8
-    """Micro-batches each data-parallel rank evaluates: the same ones every time (the first
-    of the held-out set, dealt to the ranks as training data is), so evaluations compare."""
+    """Micro-batches of the held-out set each evaluation reads, over all data-parallel ranks:
+    the same ones every time (the set's first, read and dealt to the ranks as a step's global
+    batch is), so evaluations compare, across elastic sizes too, and `hlat-eval` reproduces
+    them in one process. Ranks beyond this many evaluate none."""
 
 
 class CheckpointSpec(_Model):

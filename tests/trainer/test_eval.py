@@ -86,7 +86,10 @@ def test_a_killed_and_resumed_run_with_evaluation_equals_an_uninterrupted_one(
 def test_the_validation_loss_falls_as_the_model_learns(
         make_job: Callable[..., Job], held_out_data: Path) -> None:
     """From near uniform (ln 4096 = 8.3) after step 2 to well below by step 40: held-out
-    stdlib pieces share the training pieces' unigram statistics."""
+    stdlib pieces share the training pieces' unigram statistics. (The set's 8 sequences come
+    from 8 documents, one lane each, as a step's are: 274 distinct tokens. Read as one stream,
+    as before 2026-11-29, they came from one or two, 167 distinct tokens, and the loss fell
+    by more: 1.0 then, 0.84 now.)"""
     job = make_job(train__steps=40, train__globalBatch=8, optimizer__warmupSteps=5,
                    checkpoint__interval=40,
                    eval={"path": str(held_out_data), "interval": 2, "batches": 4})
@@ -94,7 +97,7 @@ def test_the_validation_loss_falls_as_the_model_learns(
     losses = [r["validation_loss"] for r in seen if "validation_loss" in r]
     assert len(losses) == 20
     assert losses[0] == pytest.approx(8.3, abs=0.4)
-    assert max(losses[-3:]) < losses[0] - 1.0, losses
+    assert max(losses[-3:]) < losses[0] - 0.6, losses
 
 
 def test_the_validation_loss_is_a_prometheus_gauge() -> None:

@@ -28,7 +28,10 @@ Design choices:
   complete checkpoint fails, the trainer stops with an error rather than train from partially
   overwritten weights.
 - Retention keeps the newest `keep` complete checkpoints and deletes `done` first, so a purge
-  cut short never leaves a half-deleted checkpoint that looks complete.
+  cut short never leaves a half-deleted checkpoint that looks complete. An older one that a
+  reader holds (`hlat_api.layout.being_read`: an evaluation) is kept until its reader is done.
+  (The neuron-xla stack's checkpoints are purged by NxD's own `num_kept_ckpts`, which knows
+  nothing of readers.)
 """
 
 from __future__ import annotations
@@ -58,7 +61,15 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
-from hlat_api.layout import DONE, CheckpointEntry, latest_complete, list_checkpoints, step_dir
+from hlat_api.layout import (
+    DONE,
+    READERS,
+    CheckpointEntry,
+    being_read,
+    latest_complete,
+    list_checkpoints,
+    step_dir,
+)
 from hlat_trainer.errors import UserError, first_line
 
 log = logging.getLogger(__name__)
@@ -175,6 +186,7 @@ class Checkpointer:
     def __init__(self, root: str | Path, job: str, keep: int, *, async_: bool,
                  rank: int = 0, meta: dict[str, Any] | None = None) -> None:
         self.root, self.job, self.keep, self.async_ = Path(root), job, keep, async_
+        self._held: set[int] = set()  # steps purge kept for a reader (said once each)
         self.rank = rank
         self.meta = meta or {}
         """Extra fields for each checkpoint's hlat.json (the saving layout)."""
@@ -313,9 +325,18 @@ class Checkpointer:
             settled.wait()
 
     def purge(self) -> None:
-        """Keep the newest `keep` complete checkpoints; `done` goes first when deleting."""
+        """Keep the newest `keep` complete checkpoints; `done` goes first when deleting. One
+        being read (`hlat_api.layout.being_read`: an evaluation) is kept until its reader is
+        done; the next purge after that deletes it."""
         complete = [e for e in list_checkpoints(self.root, self.job) if e.complete]
         for entry in complete[: -self.keep]:
+            if being_read(entry.path):
+                if entry.step not in self._held:
+                    self._held.add(entry.step)
+                    log.info("checkpoint %s is being read (%s): kept past checkpoint.keep "
+                             "until its reader is done", entry.path, entry.path / READERS)
+                continue
+            self._held.discard(entry.step)
             (entry.path / DONE).unlink(missing_ok=True)
             shutil.rmtree(entry.path, ignore_errors=True)
 

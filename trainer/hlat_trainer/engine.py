@@ -276,9 +276,10 @@ class Engine(ABC):
 
     def eval_loss(self, batches: list[tuple[Tensor, Tensor]],
                   each: Callable[[], None] = lambda: None) -> Tensor:
-        """Mean token loss over `batches` (host tensors) and the data-parallel ranks, without
-        gradients, the optimizer or the RNG: training resumes as if it had not run. `each`
-        after every micro-batch (a sign of life). A 0-d tensor left on the device."""
+        """Mean token loss over `batches` (host tensors) and the data-parallel ranks (each rank's
+        count may differ, or be none: the mean is over every micro-batch of every rank),
+        without gradients, the optimizer or the RNG: training resumes as if it had not run.
+        `each` after every micro-batch (a sign of life). A 0-d tensor left on the device."""
         backend, model = self.backend, self.model
         was_training = model.training
         model.eval()
@@ -294,10 +295,13 @@ class Engine(ABC):
                     total += backend.loss(logits, targets).float()
                     backend.micro_batch_end()
                     each()
-                total /= len(batches)
-                if self.world.dp > 1:
-                    dist.all_reduce(total, group=self.world.dp_group)
-                    total /= self.world.dp
+                if self.world.dp > 1:  # (sum, count) of every rank's micro-batches
+                    pair = torch.stack([total, torch.full((), float(len(batches)),
+                                                          device=self.device)])
+                    dist.all_reduce(pair, group=self.world.dp_group)
+                    total = pair[0] / pair[1]
+                else:
+                    total /= max(len(batches), 1)
                 backend.step_end()
         finally:
             model.train(was_training)

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from hlat_api import INSTANCE_TYPES, Env, ExitCode, Job, PretrainJobSpec
-from hlat_api.spec import SNAPSHOT_AUTO_PROBE_STEPS, SNAPSHOT_AUTO_SHARE
+from hlat_api.spec import SNAPSHOT_AUTO_PROBE_STEPS, SNAPSHOT_AUTO_SHARE, micro_batch_share
 from hlat_trainer.backends import Backend, select_backend
 from hlat_trainer.data import PackedLoader, Tokenizer, load_tokenizer
 from hlat_trainer.data.digest import MASK, batch_digest, digest_text
@@ -253,18 +253,27 @@ def known_peak_flops(device: torch.device, dtype: torch.dtype, path: str | None)
 
 def held_out_batches(spec: PretrainJobSpec, tokenizer: Tokenizer, world: World
                      ) -> list[tuple[Tensor, Tensor]]:
-    """This rank's share of the held-out set (spec.eval): its first `eval.batches`
-    micro-batches, packed and dealt to the data-parallel ranks as training data is, read once
-    and kept on the host; none without spec.eval."""
+    """This rank's share of the held-out set (spec.eval), read once and kept on the host: the
+    set's first `eval.batches` micro-batches, read as a step's global batch is (one lane per
+    sequence) and dealt as one (`micro_batch_share`), so that the set is the same at every
+    data-parallel degree: an elastic job's evaluations compare across sizes, and `hlat-eval`
+    reads all of it in one process. With fewer micro-batches than ranks the last ranks get
+    none. None without spec.eval."""
     ev = spec.eval
     if ev is None:
         return []
+    readers = min(world.dp, ev.batches)
+    if world.dp_rank >= readers:
+        return []
+    sequences = ev.batches * spec.train.micro_batch
+    mine = len(micro_batch_share(ev.batches, readers, world.dp_rank))
     try:
         with PackedLoader(ev.path, tokenizer, text_column=spec.data.text_column,
                           seq_len=spec.data.seq_len, micro_batch=spec.train.micro_batch,
-                          dp_rank=world.dp_rank, dp_size=world.dp,
-                          seed=spec.data.shuffle_seed) as loader:
-            return [next(loader) for _ in range(ev.batches)]
+                          dp_rank=world.dp_rank, dp_size=readers,
+                          seed=spec.data.shuffle_seed, global_batch=sequences,
+                          lanes=sequences) as loader:
+            return [next(loader) for _ in range(mine)]
     except UserError as err:  # its messages speak of data.path
         raise UserError(f"eval.path {ev.path}: {err}".replace("data.path", "eval.path")
                         .replace("data path", "path")) from err

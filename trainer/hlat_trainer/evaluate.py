@@ -1,0 +1,193 @@
+"""`hlat-eval --config FILE [--step N] [--output FILE]`: the held-out loss of one durable checkpoint.
+
+The evaluator of our own (issue 33): it loads the weights of one complete checkpoint (the
+newest, or step N) into one process, whatever data- and tensor-parallel layout saved them
+(torch.distributed.checkpoint reshards as it loads), and takes the mean token loss of
+`spec.eval`'s held-out set over the micro-batches the run's in-loop evaluation reads
+(`eval.batches`, the same set at every data-parallel degree), all of them here. Same model,
+precision and batches: the value is the run's `validationLoss` at that step, up to the order
+of the reduction.
+
+While it reads, it holds the checkpoint with a reader file (`hlat_api.layout.READERS`, refreshed
+every `READER_REFRESH_SECONDS`), which the trainer's retention respects: `checkpoint.keep` deletes
+no checkpoint being read. It writes one JSON object, `{"step", "tokens", "validationLoss",
+"validationPerplexity", "microBatches"}`, to `--output` (default `$HLAT_EVAL_RESULT`), else to
+stdout. Checkpoints of the torch-native engines (backends cpu, cuda, neuron-native) only: the
+neuron-xla stack saves NxD's own format, which is refused, naming it. A bad config or checkpoint
+prints what to fix and exits with `ExitCode.CONFIG_ERROR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from hlat_api import Env, ExitCode, InvalidSpecError, PretrainJobSpec, load_job
+from hlat_api.layout import (
+    DONE,
+    READER_REFRESH_SECONDS,
+    READERS,
+    CheckpointEntry,
+    latest_complete,
+    step_dir,
+)
+from hlat_trainer.errors import UserError
+
+log = logging.getLogger("hlat_trainer.evaluate")
+
+DCP_METADATA = ".metadata"
+"""The file torch.distributed.checkpoint writes last in a checkpoint it saved."""
+
+
+def evaluation_spec(spec: PretrainJobSpec, backend: str = "cpu") -> PretrainJobSpec:
+    """The run's spec for one process: one node of one rank, no tensor or sequence parallelism
+    (the checkpoint is resharded as it loads), no snapshots. The held-out set is the same at
+    every data-parallel degree (`train.held_out_batches`): this process reads all of it."""
+    if spec.eval is None:
+        raise UserError("spec.eval is not set: hlat-eval takes the loss of its held-out set "
+                        "(eval.path); add eval to the job's spec")
+    raw: dict[str, Any] = spec.model_dump(by_alias=True, exclude_none=True)
+    raw.update(nodes=1, processesPerNode=1, instanceType="cpu" if backend == "cpu" else
+               raw["instanceType"], backend=backend)
+    raw["parallelism"] = {**raw["parallelism"], "tensor": 1, "pipeline": 1,
+                          "sequenceParallel": False}
+    raw["checkpoint"] = {**raw["checkpoint"], "memoryInterval": "off"}
+    raw.pop("elastic", None)
+    return PretrainJobSpec.model_validate(raw)
+
+
+def choose(root: str, job: str, step: int | None) -> CheckpointEntry:
+    """The checkpoint to read: step `step`, else the newest complete one."""
+    if step is None:
+        entry = latest_complete(root, job)
+        if entry is None:
+            raise UserError(f"no complete checkpoint under {Path(root) / job} (a step_<N> "
+                            f"directory with `{DONE}`): nothing to evaluate yet")
+        return entry
+    entry = CheckpointEntry(step, step_dir(root, job, step))
+    if not entry.complete:
+        raise UserError(f"checkpoint {entry.path} is not complete (no `{DONE}`): it is being "
+                        "written, was deleted, or never existed; --step names a complete one")
+    return entry
+
+
+@contextlib.contextmanager
+def reading(path: Path, refresh: float = READER_REFRESH_SECONDS) -> Iterator[Path]:
+    """Hold the checkpoint at `path` while the block reads it: a reader file under its
+    `readers/`, its time refreshed every `refresh` seconds, removed at the end. The checkpoint
+    must still be complete once held (retention may have been deleting it)."""
+    mark = path / READERS / f"{socket.gethostname()}-{os.getpid()}"
+    mark.parent.mkdir(exist_ok=True)
+    mark.touch()
+    stop = threading.Event()
+
+    def refresh_loop() -> None:
+        while not stop.wait(refresh):
+            with contextlib.suppress(OSError):
+                os.utime(mark)
+
+    keeper = threading.Thread(target=refresh_loop, name="hlat-eval-reader", daemon=True)
+    keeper.start()
+    try:
+        if not (path / DONE).is_file():
+            raise UserError(f"checkpoint {path} was deleted as the evaluation began "
+                            "(checkpoint.keep): evaluate a newer one")
+        yield mark
+    finally:
+        stop.set()
+        keeper.join(timeout=5)
+        mark.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            mark.parent.rmdir()  # only when no other reader holds it
+
+
+def evaluate(spec: PretrainJobSpec, job: str, entry: CheckpointEntry,
+             backend_name: str = "cpu") -> dict[str, Any]:
+    """The held-out loss of the checkpoint at `entry` (see the module doc)."""
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    from hlat_trainer.backends import select_backend
+    from hlat_trainer.data import load_tokenizer
+    from hlat_trainer.engine import build_engine
+    from hlat_trainer.train import held_out_batches
+
+    if not (entry.path / DCP_METADATA).is_file():
+        raise UserError(f"checkpoint {entry.path} has no {DCP_METADATA}: hlat-eval reads the "
+                        "checkpoints of the torch-native backends (cpu, cuda, neuron-native); "
+                        "the neuron-xla stack saves NxD's own format, not read here yet")
+    one = evaluation_spec(spec, backend_name)
+    backend = select_backend(one)
+    world = backend.init_world()
+    device = backend.device(world.local_rank)
+    engine = build_engine(one, job, backend, world, device)
+    tokenizer = load_tokenizer(one.data.tokenizer)
+    batches = held_out_batches(one, tokenizer, world)
+    with reading(entry.path):
+        try:
+            dcp_load({"model": engine.model.state_dict()}, checkpoint_id=entry.path)
+        except Exception as err:
+            raise UserError(f"checkpoint {entry.path} could not be read: {err}") from err
+    (loss,) = backend.to_host([engine.eval_loss(batches)])
+    value = float(loss)
+    return {"step": entry.step, "tokens": entry.step * spec.tokens_per_step,
+            "validationLoss": value, "validationPerplexity": math.exp(min(value, 700.0)),
+            "microBatches": len(batches)}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="hlat-eval", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=os.environ.get(Env.CONFIG),
+                   help=f"PretrainJob manifest or spec, YAML or JSON (default: ${Env.CONFIG})")
+    p.add_argument("--job-name", default=os.environ.get(Env.JOB_NAME),
+                   help="job name of the checkpoint directory (default: metadata.name)")
+    p.add_argument("--step", type=int, default=None,
+                   help="the checkpoint's step (default: the newest complete one)")
+    p.add_argument("--output", default=os.environ.get(Env.EVAL_RESULT),
+                   help=f"write the result here (default: ${Env.EVAL_RESULT}, else stdout)")
+    p.add_argument("--backend", choices=["cpu", "cuda"], default="cpu",
+                   help="the device to evaluate on (default: cpu)")
+    args = p.parse_args(argv)
+    if not args.config:
+        p.error(f"--config is required (or set ${Env.CONFIG})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        job = load_job(args.config, name=args.job_name)
+        entry = choose(job.spec.checkpoint.dir, job.name, args.step)
+        result = evaluate(job.spec, job.name, entry, args.backend)
+    except (InvalidSpecError, UserError) as err:
+        print(f"hlat-eval: {err}", file=sys.stderr)
+        return ExitCode.CONFIG_ERROR
+    finally:
+        from hlat_trainer.distributed import shutdown
+
+        shutdown()
+    text = json.dumps(result)
+    if args.output:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    else:
+        print(text)
+    log.info("step_%d: validation loss %.4f over %d micro-batches", result["step"],
+             result["validationLoss"], result["microBatches"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

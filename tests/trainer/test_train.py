@@ -19,6 +19,7 @@ from kubernetes.client.exceptions import ApiException
 
 from hlat_api import ExitCode, Job, step_dir
 from hlat_trainer import heartbeat, train
+from hlat_trainer.engine import pack, unpack
 from hlat_trainer.heartbeat import LeaseHeartbeat
 from hlat_trainer.metrics import TrainMetrics
 from hlat_trainer.train import Trainer
@@ -500,12 +501,18 @@ def test_the_step_times_a_state_keeps_are_bounded_and_survive_a_checkpoint() -> 
         state.trained(step, 0.5)
         state.trained(step, 0.25)  # a step is charged in parts
     assert len(state.seconds) == train.RECENT_STEPS and min(state.seconds) == 11
+    # through the loop state's own serialization (torch.load weights_only, as a resume reads
+    # it): a rank's state with step times, and one without (every rank but 0)
     back = train.TrainState()
-    back.load_state_dict(state.state_dict())
+    back.load_state_dict(unpack(pack(state.state_dict())))
     assert back.carried_after(train.RECENT_STEPS + 8) == pytest.approx(1.5)
+    assert back.seconds == state.seconds
+    other = train.TrainState(step=5)
+    back.load_state_dict(unpack(pack(other.state_dict())))
+    assert back.seconds == {} and back.carried_after(0) == 0
     old = state.state_dict()
     del old["seconds"]  # a checkpoint written before step times were kept
-    back.load_state_dict(old)
+    back.load_state_dict(unpack(pack(old)))
     assert back.carried_after(0) == 0
 
 

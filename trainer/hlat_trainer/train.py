@@ -40,7 +40,6 @@ import math
 import os
 import statistics
 import time
-from array import array
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -145,8 +144,9 @@ class StepStats:
 RECENT_STEPS = 1024
 """How many of the last steps' times a checkpoint or snapshot keeps (`TrainState.seconds`):
 more than a worker trains between two heartbeat renewals (10 s by default). Global rank 0's
-only (the rank whose ledger the operator reads), packed as two arrays: 20 KiB and 0.14 ms a
-snapshot here (a dict of floats took 0.47 ms)."""
+only (the rank whose ledger the operator reads), as two tensors (torch.load's weights-only
+unpickler refuses bytes): 18 KiB and 0.29 ms a snapshot here (a dict of floats took 0.47 ms);
+the other ranks' states hold none."""
 
 
 @dataclass
@@ -163,15 +163,19 @@ class TrainState:
     renewal) has those steps' time from here (`carried_after`)."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens": self.tokens, "monitor": self.monitor.state_dict(),
-                "seconds": (array("q", self.seconds).tobytes(),
-                            array("d", self.seconds.values()).tobytes())}
+        state = {"step": self.step, "tokens": self.tokens, "monitor": self.monitor.state_dict()}
+        if self.seconds:  # rank 0's only: the others keep none, and write nothing for it
+            state["seconds"] = (torch.tensor(list(self.seconds), dtype=torch.int64),
+                                torch.tensor(list(self.seconds.values()), dtype=torch.float64))
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens = state["step"], state["tokens"]
         self.monitor.load_state_dict(state["monitor"])
-        steps, seconds = state.get("seconds", (b"", b""))  # none before 2026-11-29
-        self.seconds = dict(zip(array("q", steps), array("d", seconds), strict=True))
+        self.seconds = {}  # none on ranks but 0, nor in checkpoints before 2026-11-29
+        if "seconds" in state:
+            steps, seconds = state["seconds"]
+            self.seconds = dict(zip(steps.tolist(), seconds.tolist(), strict=True))
 
     def trained(self, step: int, seconds: float) -> None:
         """`seconds` more of step `step`'s training (a step is charged in parts)."""

@@ -14,6 +14,7 @@ holding it after that). Any tool can take part: `touch step_<N>/readers/<name>` 
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,8 +64,6 @@ def latest_complete(root: str | Path, job: str) -> CheckpointEntry | None:
 def being_read(path: Path, now: float | None = None) -> bool:
     """Whether a reader holds the checkpoint at `path`: a file under its `readers/` modified
     less than `READER_FRESH_SECONDS` ago (`now`: time.time())."""
-    import time
-
     now = time.time() if now is None else now
     try:
         marks = list((path / READERS).iterdir())

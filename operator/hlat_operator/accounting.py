@@ -160,14 +160,12 @@ def _credit(settled: Breakdown, seconds: float) -> tuple[Breakdown, float]:
     """Steps an ended attempt trained after its last report, which the next one resumed from
     (a snapshot taken since): their time, charged to the attempt's end (detection, else
     other), is productive. Returns the seconds moved: at most what those causes hold."""
-    values = settled.badput.model_dump()
-    moved = 0.0
+    taken: dict[str, float] = {}
     for cause in ("detection", "other"):
-        share = min(values[cause], seconds - moved)
-        values[cause] -= share
-        moved += share
+        taken[cause] = min(getattr(settled.badput, cause), seconds - sum(taken.values()))
+    moved = sum(taken.values())
     return Breakdown(productive=round(settled.productive + moved, 3),
-                     badput=Badput(**{k: round(v, 3) for k, v in values.items()})), moved
+                     badput=_add(settled.badput, **{k: -v for k, v in taken.items()})), moved
 
 
 def goodput_after(old: Goodput, bucket: Bucket | None, since: datetime | None, now: datetime,

@@ -990,9 +990,10 @@ def _attempt_leases(p: _Pass, spec: PretrainJobSpec, attempt: int) -> None:
 
 def _in_place_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> str:
     """Move the kept pods to `attempt` and create the missing ranks' pods; returns what it did
-    (the ranks kept, the spares promoted, the pods created), for the phase's one event. Order: status, then the Role naming only the new attempt's Leases
-    (a trainer of the old one can no longer renew), the Leases, the pods, and the restart
-    record last (the launchers restart their trainers when they read it)."""
+    (the ranks kept, the spares promoted, the pods created), for the phase's one event.
+    Order: status, then the Role naming only the new attempt's Leases (a trainer of the old
+    one can no longer renew), the Leases, the pods, and the restart record last (the
+    launchers restart their trainers when they read it)."""
     p.status.attempt = attempt
     p.status.restarts.in_place = (p.status.restarts.in_place or 0) + 1
     ckpt = p.status.latest_checkpoint.step if p.status.latest_checkpoint else None
@@ -1237,20 +1238,20 @@ def _judge_stragglers(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) 
     Straggler, an event when a node is flagged, and the per-node ratios for the metrics (see
     `stragglers`)."""
     rule = spec.fault_tolerance.stragglers
-    compute = {}
+    own = {}  # seconds a step outside the waits on peers: compute and data wait
     for pod in pods:
         beat = _beat_of(p, pod)
         if (pod.node and beat is not None and beat.phase in ("training", "checkpointing")
                 and beat.compute_seconds):
-            compute[pod.node] = beat.compute_seconds + (beat.data_wait_seconds or 0.0)
-    p.slowdowns = stragglers.slowdowns(compute)
+            own[pod.node] = beat.compute_seconds + (beat.data_wait_seconds or 0.0)
+    p.slowdowns = stragglers.slowdowns(own)
     before = {node: t for node, at in p.state.slow_since.items() if (t := parse_time(at))}
     flagged, over = stragglers.judge(p.slowdowns, before, p.now, rule.threshold,
                                      rule.window_seconds)
     p.flagged = [slow.node for slow in flagged]
     if flagged:  # goodput's straggler cause once flagged (a noisy step is no straggler)
         step = p.lead.step_seconds if p.lead is not None else None
-        p.straggler_share = stragglers.share_lost(compute, p.slowdowns, rule.threshold, step)
+        p.straggler_share = stragglers.share_lost(own, p.slowdowns, rule.threshold, step)
     if over != before:
         p.state = p.state.model_copy(
             update={"slow_since": {node: format_time(t) for node, t in over.items()}})
@@ -1271,7 +1272,7 @@ def _judge_stragglers(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) 
                     accounted - slow.since).total_seconds()
         if rule.action == "Replace":
             _move_off_straggler(p, spec, slow, pods, rule.window_seconds)
-    elif shown is not None and shown.status == "True" and compute:
+    elif shown is not None and shown.status == "True" and own:
         p.condition("Straggler", False, Reason.NO_STRAGGLER,
                     f"every node is within {1 + rule.threshold:.2f}x of the others")
 
@@ -1294,7 +1295,7 @@ def _move_off_straggler(p: _Pass, spec: PretrainJobSpec, slow: stragglers.Slow,
     if victim is None or checkpoint is None or saved is None or saved < flagged_at:
         p.after(p.settings.resync_seconds)  # a checkpoint is awaited
         return
-    head = f"node {slow.node} computed {slow.ratio:.2f}x the median of the other nodes"
+    head = f"node {slow.node} took {slow.ratio:.2f}x the median of the other nodes' time a step"
     if spare is not None:
         why = f"{head}: its rank moves to spare {spare.name} at checkpoint step_{checkpoint.step}"
     else:

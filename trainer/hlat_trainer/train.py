@@ -180,8 +180,8 @@ class TrainState:
     def trained(self, step: int, seconds: float) -> None:
         """`seconds` more of step `step`'s training (a step is charged in parts)."""
         self.seconds[step] = self.seconds.get(step, 0.0) + seconds
-        while len(self.seconds) > RECENT_STEPS:
-            del self.seconds[min(self.seconds)]
+        while len(self.seconds) > RECENT_STEPS:  # steps arrive in order: the first is oldest
+            del self.seconds[next(iter(self.seconds))]
 
     def carried_after(self, done: int) -> float:
         """The training seconds of the steps this state holds past step `done`."""

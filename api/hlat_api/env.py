@@ -35,6 +35,8 @@ class Env(StrEnum):
     LAUNCHED_MONOTONIC = "HLAT_LAUNCHED_MONOTONIC"
     """The launcher's start on the machine's monotonic clock: where the attempt's time
     accounting begins (set by hlat-launch)."""
+    EVAL_STEP = "HLAT_EVAL_STEP"
+    """The checkpoint step an evaluation Job reads (hlat-eval's default for --step)."""
     EVAL_RESULT = "HLAT_EVAL_RESULT"
     """Where `hlat-eval` writes its result (a JSON object) when no --output is given."""
     EXIT_FILE = "HLAT_EXIT_FILE"

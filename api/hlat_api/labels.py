@@ -32,6 +32,22 @@ MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 APP_NAME: Final = "hlat"
 OPERATOR_NAME: Final = "hlat-operator"
 WORKER: Final = "worker"
+EVALUATION: Final = "evaluation"
+"""The component of an evaluation Job and its pods (spec.evaluation): never listed as workers."""
+STEP: Final = "hlat.dev/step"
+"""The checkpoint step an evaluation Job reads."""
+
+
+def evaluation_job_name(job: str, step: int) -> str:
+    """`<job>-eval-<step>`, at most 63 characters (the Job controller labels its pods with the
+    Job's name): a long job name is cut and told apart by a hash of it."""
+    import hashlib
+
+    suffix = f"-eval-{step}"
+    if len(job) + len(suffix) <= 63:
+        return job + suffix
+    digest = hashlib.sha256(job.encode()).hexdigest()[:8]
+    return f"{job[:63 - len(suffix) - 9].rstrip('-.')}-{digest}{suffix}"
 
 SPARE: Final = "hlat.dev/spare"
 """Label of a spare worker pod (faultTolerance.spareNodes): outside the gang, no attempt or

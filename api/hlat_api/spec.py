@@ -225,6 +225,38 @@ class EvalSpec(_Model):
     them in one process. Ranks beyond this many evaluate none."""
 
 
+class EvaluationSpec(_Model):
+    """Evaluation jobs on durable checkpoints: a Kubernetes Job per checkpoint chosen, beside
+    the training (never blocking it), on nodes of its own. Its command finds the checkpoint's
+    step in HLAT_EVAL_STEP and the job's spec at HLAT_CONFIG, and writes its results, one JSON
+    object of numbers of at most 4 KiB, to HLAT_EVAL_RESULT (the container's
+    terminationMessagePath: the operator reads them from the pod's status). The checkpoint is
+    held against checkpoint.keep while read (hlat_api.layout's reader files; hlat-eval holds
+    it)."""
+
+    every: PositiveInt = 1
+    """Evaluate every this many durable checkpoints (those whose step is a multiple of every x
+    checkpoint.interval), and the last."""
+    image: Text | None = None
+    """The evaluator's image. Unset: the trainer's (spec.image)."""
+    command: list[Text] = Field(default_factory=lambda: ["hlat-eval"])
+    """The evaluator. Default: hlat-eval, the held-out loss of spec.eval's set (which it
+    needs)."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Where the evaluations run, e.g. {node.kubernetes.io/instance-type: trn1.2xlarge}."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Taints the evaluations' nodes may carry (e.g. aws.amazon.com/neuron)."""
+    resources: dict[str, Text] = Field(default_factory=dict)
+    """Requests (and limits) of the evaluator's container, e.g. {cpu: "8", memory: 64Gi}."""
+    retries: Annotated[int, Field(ge=0, le=10)] = 2
+    """Retries of a failed evaluation (the Job's backoffLimit); a failure after them is
+    reported and never fails the training job."""
+    deadline_seconds: PositiveInt = 3600
+    """The longest one evaluation may take, retries included (activeDeadlineSeconds)."""
+    keep: Annotated[int, Field(ge=1, le=100)] = 20
+    """Evaluations kept in status.evaluations (the newest)."""
+
+
 class CheckpointSpec(_Model):
     """Where and how often state is saved; layout `<dir>/<job>/step_<N>/`, complete iff `done`."""
 
@@ -528,6 +560,9 @@ class PretrainJobSpec(_Model):
     eval: EvalSpec | None = None
     """Held-out validation loss every eval.interval steps: in the step's log line, the
     heartbeat, status.progress and metrics. Unset: none."""
+    evaluation: EvaluationSpec | None = None
+    """Evaluation jobs on durable checkpoints, their results in status.evaluations and
+    metrics. Unset: none."""
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     """Checkpoint location and cadence."""
     storage: StorageSpec = Field(default_factory=StorageSpec)
@@ -1042,6 +1077,14 @@ def _check_eval(spec: PretrainJobSpec) -> None:
                         "training data does not include")
 
 
+def _check_evaluation(spec: PretrainJobSpec) -> None:
+    """The default evaluator, hlat-eval, takes the loss of spec.eval's held-out set."""
+    ev = spec.evaluation
+    if ev is not None and ev.command and ev.command[0] == "hlat-eval" and spec.eval is None:
+        raise SpecError("evaluation.command", "hlat-eval (the default) takes the loss of the "
+                        "held-out set: set eval.path, or give your own evaluator's command")
+
+
 _CHECKS = (_check_image, _check_devices, _check_model, _check_parallelism, _check_batch,
            _check_lengths, _check_memory, _check_spares, _check_eval, _check_elastic,
-           _check_snapshots)
+           _check_snapshots, _check_evaluation)

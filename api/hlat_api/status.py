@@ -250,6 +250,24 @@ class Goodput(_Model):
     current: AttemptLedger | None = None
 
 
+EvaluationPhase = Literal["Running", "Succeeded", "Failed"]
+
+
+class Evaluation(_Model):
+    """One evaluation job on a durable checkpoint (spec.evaluation)."""
+
+    step: int
+    tokens: float = 0
+    """Tokens trained by that checkpoint: step x tokens per step."""
+    job: str
+    """The Kubernetes Job that runs it."""
+    phase: EvaluationPhase = "Running"
+    results: dict[str, float] = Field(default_factory=dict)
+    """What the evaluator wrote (HLAT_EVAL_RESULT), its numbers by name."""
+    message: str | None = None
+    """Why it failed, or why its results could not be read."""
+
+
 class PretrainJobStatus(_Model):
     phase: Phase = "Pending"
     reason: str | None = None
@@ -273,6 +291,9 @@ class PretrainJobStatus(_Model):
     """The size the job trains at (below spec.nodes only for an elastic job short of nodes),
     with its changes."""
     avoided_nodes: list[AvoidedNode] = Field(default_factory=list)
+    evaluations: list[Evaluation] = Field(default_factory=list)
+    """Evaluation jobs on durable checkpoints (spec.evaluation), oldest first, the newest
+    evaluation.keep of them."""
     """Nodes kept out of the next attempts; the next gang may still use some of them when
     fewer usable nodes than `nodes` would remain (the least recently failed first)."""
     accounted_at: str | None = None

@@ -50,6 +50,7 @@ from hlat_api.podtemplate import (
 from hlat_api.presets import INSTANCE_TYPES
 from hlat_api.spec import PretrainJobSpec
 from hlat_operator.config import OperatorSettings
+from hlat_operator.evaluations import RESULT_PATH
 from hlat_operator.kube import (
     ConfigMap,
     Container,
@@ -678,3 +679,70 @@ def build_node_affinity(avoid: list[str], place: RankPlacement | None = None
     if preferred:
         affinity["preferredDuringSchedulingIgnoredDuringExecution"] = preferred
     return {"nodeAffinity": affinity}
+
+
+EVALUATOR_CONTAINER = "evaluator"
+
+
+def build_evaluation_job(job: JobRef, spec: PretrainJobSpec, step: int,
+                         settings: OperatorSettings) -> dict[str, Any]:
+    """The batch/v1 Job that evaluates the durable checkpoint of `step` (spec.evaluation):
+    one pod, never restarted in place (the Job retries `retries` times), on the evaluation's
+    own nodes, with the workers' volumes and mounts (the checkpoint directory is where the
+    workers see it) and the job's config; its result comes back as the container's
+    termination message (`evaluations.RESULT_PATH`)."""
+    ev = spec.evaluation
+    assert ev is not None
+    worker = build_worker_pod(job, spec, 0, 0, settings)
+    trainer = next(c for c in worker["spec"]["containers"] if c["name"] == CONTAINER)
+    name = labels.evaluation_job_name(job.name, step)
+    extra = {labels.COMPONENT: labels.EVALUATION, labels.STEP: str(step)}
+    env: list[EnvVar] = [
+        {"name": str(Env.JOB_NAME), "value": job.name},
+        {"name": str(Env.NAMESPACE), "value": job.namespace},
+        {"name": str(Env.CONFIG), "value": f"{labels.CONFIG_DIR}/{labels.CONFIG_FILE}"},
+        {"name": str(Env.EVAL_STEP), "value": str(step)},
+        {"name": str(Env.EVAL_RESULT), "value": RESULT_PATH},
+    ]
+    container: Container = {
+        "name": EVALUATOR_CONTAINER,
+        "image": ev.image or resolve_image(spec, settings) or "",
+        "command": list(ev.command),
+        "env": env + [e for e in trainer.get("env", []) if not e["name"].startswith("HLAT_")],
+        "volumeMounts": list(trainer.get("volumeMounts", [])),
+        "terminationMessagePath": RESULT_PATH,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if ev.resources:
+        container["resources"] = {"requests": dict(ev.resources), "limits": dict(ev.resources)}
+    if settings.image_pull_policy:
+        container["imagePullPolicy"] = settings.image_pull_policy
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,
+        "containers": [container],
+        "volumes": list(worker["spec"].get("volumes", [])),
+    }
+    theirs: dict[str, Any] = dict(worker["spec"])
+    for key in ("imagePullSecrets", "securityContext"):
+        if key in theirs:
+            pod_spec[key] = theirs[key]
+    if spec.template is not None and "serviceAccountName" in spec.template.spec:
+        pod_spec["serviceAccountName"] = spec.template.spec["serviceAccountName"]
+    if ev.node_selector:
+        pod_spec["nodeSelector"] = dict(ev.node_selector)
+    if ev.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True)
+                                   for t in ev.tolerations]
+    meta = _meta(job, name, extra)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "backoffLimit": ev.retries,
+            "activeDeadlineSeconds": ev.deadline_seconds,
+            "template": {"metadata": {"labels": {**meta["labels"]}}, "spec": pod_spec},
+        },
+    }

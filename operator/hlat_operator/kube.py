@@ -57,6 +57,8 @@ class Container(TypedDict, total=False):
     ports: list[ContainerPort]
     resources: dict[str, dict[str, str]]
     volumeMounts: list[VolumeMount]
+    terminationMessagePath: str
+    terminationMessagePolicy: str
     securityContext: dict[str, Any]
 
 

@@ -88,7 +88,7 @@ def test_every_spec_field_is_in_the_schema_with_a_description() -> None:
         f.alias or n for n, f in PretrainJobSpec.model_fields.items()
     }
     for path, node in _walk(spec, "spec"):
-        if path.startswith("spec.scheduling.tolerations[].") or path.endswith(("[]", "{}")):
+        if path.startswith(("spec.scheduling.tolerations[].", "spec.evaluation.tolerations[].")) or path.endswith(("[]", "{}")):
             continue  # the Kubernetes Toleration's own fields; list items and map values
         assert node.get("description"), f"{path} has no description"
 

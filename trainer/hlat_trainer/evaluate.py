@@ -150,8 +150,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"PretrainJob manifest or spec, YAML or JSON (default: ${Env.CONFIG})")
     p.add_argument("--job-name", default=os.environ.get(Env.JOB_NAME),
                    help="job name of the checkpoint directory (default: metadata.name)")
-    p.add_argument("--step", type=int, default=None,
-                   help="the checkpoint's step (default: the newest complete one)")
+    step = os.environ.get(Env.EVAL_STEP)
+    p.add_argument("--step", type=int, default=int(step) if step else None,
+                   help=f"the checkpoint's step (default: ${Env.EVAL_STEP}, else the newest "
+                   "complete one)")
     p.add_argument("--output", default=os.environ.get(Env.EVAL_RESULT),
                    help=f"write the result here (default: ${Env.EVAL_RESULT}, else stdout)")
     p.add_argument("--backend", choices=["cpu", "cuda"], default="cpu",

@@ -279,6 +279,14 @@ class Reason(StrEnum):
     EVICTED_BY_KUEUE = "EvictedByKueue"
     """Kueue evicted the job's Workload (preempted by a higher priority, deactivated, ...): the
     pods are stopped, no restart counted, and the job waits to be admitted again."""
+    # evaluation jobs (spec.evaluation): they never change the training's phase
+    EVALUATING = "Evaluating"
+    """An evaluation Job started on a durable checkpoint."""
+    EVALUATED = "Evaluated"
+    """An evaluation Job finished; its results are in status.evaluations and the metrics."""
+    EVALUATION_FAILED = "EvaluationFailed"
+    """An evaluation Job failed after its retries, ran past its deadline, or wrote no result
+    that reads: reported, and the training goes on."""
     API_ERROR = "ApiError"
     """A request to the API server failed in a way a retry can fix; retried with backoff."""
 

@@ -9,10 +9,17 @@ A reader of a complete checkpoint (an evaluation, `hlat-eval`) keeps a file unde
 `READER_REFRESH_SECONDS` while it reads, and removes it when done; retention (keep-K) deletes no
 checkpoint with a reader file younger than `READER_FRESH_SECONDS` (a reader that died stops
 holding it after that). Any tool can take part: `touch step_<N>/readers/<name>` in a loop.
+
+A checkpoint due for an evaluation Job (spec.evaluation) is held from the moment it is complete
+until its evaluator takes over: the trainer writes `readers/evaluation-pending` dated ahead, to
+the Job's deadline (`hold_ahead`), and the Job's sidecar (`hlat-eval --hold`) removes it once
+its own reader file is there. Retention never races the Job's start, however quickly the
+checkpoints come; an evaluation that never starts lets go at its deadline.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -59,6 +66,20 @@ def list_checkpoints(root: str | Path, job: str) -> list[CheckpointEntry]:
 def latest_complete(root: str | Path, job: str) -> CheckpointEntry | None:
     complete = [e for e in list_checkpoints(root, job) if e.complete]
     return complete[-1] if complete else None
+
+
+PENDING_READER = "evaluation-pending"
+"""The reader file of an evaluation that has yet to start (`hold_ahead`)."""
+
+
+def hold_ahead(path: Path, until: float) -> Path:
+    """Hold the checkpoint at `path` for a reader yet to come: a reader file dated `until`
+    (time.time() seconds), so that it stays fresh until `READER_FRESH_SECONDS` after that."""
+    mark = path / READERS / PENDING_READER
+    mark.parent.mkdir(exist_ok=True)
+    mark.touch()
+    os.utime(mark, (until, until))
+    return mark
 
 
 def being_read(path: Path, now: float | None = None) -> bool:

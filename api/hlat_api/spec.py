@@ -1077,6 +1077,15 @@ def _check_eval(spec: PretrainJobSpec) -> None:
                         "training data does not include")
 
 
+def evaluation_due(spec: PretrainJobSpec, step: int) -> bool:
+    """Whether the durable checkpoint of `step` gets an evaluation Job (spec.evaluation): every
+    `every` x checkpoint.interval steps, and the last."""
+    ev = spec.evaluation
+    if ev is None or step <= 0:
+        return False
+    return step % (ev.every * spec.checkpoint.interval) == 0 or step >= spec.total_steps
+
+
 def _check_evaluation(spec: PretrainJobSpec) -> None:
     """The default evaluator, hlat-eval, takes the loss of spec.eval's held-out set."""
     ev = spec.evaluation

@@ -291,11 +291,11 @@ class PretrainJobStatus(_Model):
     """The size the job trains at (below spec.nodes only for an elastic job short of nodes),
     with its changes."""
     avoided_nodes: list[AvoidedNode] = Field(default_factory=list)
+    """Nodes kept out of the next attempts; the next gang may still use some of them when
+    fewer usable nodes than `nodes` would remain (the least recently failed first)."""
     evaluations: list[Evaluation] = Field(default_factory=list)
     """Evaluation jobs on durable checkpoints (spec.evaluation), oldest first, the newest
     evaluation.keep of them."""
-    """Nodes kept out of the next attempts; the next gang may still use some of them when
-    fewer usable nodes than `nodes` would remain (the least recently failed first)."""
     accounted_at: str | None = None
     """Time up to which uptime and goodput are accounted (written with them, microseconds)."""
     start_time: str | None = None

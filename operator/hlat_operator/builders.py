@@ -50,8 +50,9 @@ from hlat_api.podtemplate import (
 from hlat_api.presets import INSTANCE_TYPES
 from hlat_api.spec import PretrainJobSpec
 from hlat_operator.config import OperatorSettings
-from hlat_operator.evaluations import RESULT_PATH
+from hlat_operator.evaluations import EVALUATOR, RESULT_PATH
 from hlat_operator.kube import (
+    BatchJob,
     ConfigMap,
     Container,
     EnvVar,
@@ -681,16 +682,21 @@ def build_node_affinity(avoid: list[str], place: RankPlacement | None = None
     return {"nodeAffinity": affinity}
 
 
-EVALUATOR_CONTAINER = "evaluator"
+HOLD_CONTAINER = "checkpoint-hold"
+EVALUATION_TTL_SECONDS = 86400
+"""A finished evaluation Job (and its pods' logs) stays this long; its result is in status."""
 
 
 def build_evaluation_job(job: JobRef, spec: PretrainJobSpec, step: int,
-                         settings: OperatorSettings) -> dict[str, Any]:
+                         settings: OperatorSettings) -> BatchJob:
     """The batch/v1 Job that evaluates the durable checkpoint of `step` (spec.evaluation):
     one pod, never restarted in place (the Job retries `retries` times), on the evaluation's
     own nodes, with the workers' volumes and mounts (the checkpoint directory is where the
     workers see it) and the job's config; its result comes back as the container's
-    termination message (`evaluations.RESULT_PATH`)."""
+    termination message (`evaluations.RESULT_PATH`). A native sidecar (an init container
+    with restartPolicy Always) runs `hlat-eval --hold` from the trainer image beside the
+    evaluator, so that checkpoint.keep never deletes the checkpoint while any evaluator,
+    ours or the user's own, reads it."""
     ev = spec.evaluation
     assert ev is not None
     worker = build_worker_pod(job, spec, 0, 0, settings)
@@ -704,23 +710,39 @@ def build_evaluation_job(job: JobRef, spec: PretrainJobSpec, step: int,
         {"name": str(Env.EVAL_STEP), "value": str(step)},
         {"name": str(Env.EVAL_RESULT), "value": RESULT_PATH},
     ]
+    env += [e for e in trainer.get("env", []) if not e["name"].startswith("HLAT_")]
+    mounts = list(trainer.get("volumeMounts", []))
+    ours = resolve_image(spec, settings) or ""
+    command = list(ev.command)
+    if command[0] == "hlat-eval":
+        command = [*settings.eval_command, *command[1:]]
     container: Container = {
-        "name": EVALUATOR_CONTAINER,
-        "image": ev.image or resolve_image(spec, settings) or "",
-        "command": list(ev.command),
-        "env": env + [e for e in trainer.get("env", []) if not e["name"].startswith("HLAT_")],
-        "volumeMounts": list(trainer.get("volumeMounts", [])),
+        "name": EVALUATOR,
+        "image": ev.image or ours,
+        "command": command,
+        "env": env,
+        "volumeMounts": mounts,
         "terminationMessagePath": RESULT_PATH,
         "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    hold: dict[str, Any] = {
+        "name": HOLD_CONTAINER,
+        "image": ours,
+        "command": [*settings.eval_command, "--hold"],
+        "env": env,
+        "volumeMounts": mounts,
+        "restartPolicy": "Always",
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
     }
     if ev.resources:
         container["resources"] = {"requests": dict(ev.resources), "limits": dict(ev.resources)}
     if settings.image_pull_policy:
-        container["imagePullPolicy"] = settings.image_pull_policy
+        container["imagePullPolicy"] = hold["imagePullPolicy"] = settings.image_pull_policy
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,
+        "initContainers": [hold],
         "containers": [container],
         "volumes": list(worker["spec"].get("volumes", [])),
     }
@@ -743,6 +765,7 @@ def build_evaluation_job(job: JobRef, spec: PretrainJobSpec, step: int,
         "spec": {
             "backoffLimit": ev.retries,
             "activeDeadlineSeconds": ev.deadline_seconds,
+            "ttlSecondsAfterFinished": EVALUATION_TTL_SECONDS,
             "template": {"metadata": {"labels": {**meta["labels"]}}, "spec": pod_spec},
         },
     }

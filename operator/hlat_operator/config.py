@@ -34,6 +34,9 @@ class OperatorSettings(BaseModel):
     trainer_command: list[str] = Field(default_factory=lambda: ["hlat-launch"])
     """Worker container command; `hlat-launch` turns the HLAT_* env into a torchrun line.
     The local rig sets an absolute path (its pods run on the host)."""
+    eval_command: list[str] = Field(default_factory=lambda: ["hlat-eval"])
+    """hlat-eval in the trainer image: an evaluation Job's sidecar that holds its checkpoint
+    (`--hold`), and its evaluator when spec.evaluation.command starts with `hlat-eval`."""
     default_image: str | None = None
     """Trainer image for jobs whose spec.image is unset; None makes such jobs InvalidSpec."""
     image_pull_policy: str | None = None
@@ -136,7 +139,7 @@ class OperatorSettings(BaseModel):
                 continue
             if raw == "" and info.default is None:
                 values[name] = None
-            elif name == "trainer_command":
+            elif name in ("trainer_command", "eval_command"):
                 values[name] = _parse_list(ENV_PREFIX + name.upper(), raw)
             else:
                 values[name] = raw

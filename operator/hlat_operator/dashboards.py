@@ -4,8 +4,9 @@ Two dashboards, generated so their queries track the metric names in code:
 - **HLAT fleet** (`hlat-fleet`): jobs by phase, goodput and badput by cause, uptime per job,
   restarts by reason, time to recover, lost steps, pods waiting for a node, jobs waiting in a
   Kueue queue;
-- **HLAT job** (`hlat-job`): one job's training (loss, grad norm with its spikes, learning rate,
-  tokens/s, MFU, step time, data wait, checkpoint blocking and age, heartbeat age per worker) and
+- **HLAT job** (`hlat-job`): one job's training (loss, the evaluation jobs' results over time and
+  against tokens trained, grad norm with its spikes, learning rate, tokens/s, MFU, step time,
+  data wait, checkpoint blocking and age, heartbeat age per worker) and
   the Neuron devices of its nodes (neuron-monitor's metric names: these panels have data only on
   Trainium nodes running neuron-monitor, so the tests check their names against neuron-monitor's
   published list and promtool evaluates them over made-up series instead of asking a Prometheus
@@ -27,10 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grafana_foundation_sdk.builders import common as gcommon
 from grafana_foundation_sdk.builders import dashboard as gdash
-from grafana_foundation_sdk.builders import prometheus, timeseries
+from grafana_foundation_sdk.builders import prometheus, timeseries, xychart
+from grafana_foundation_sdk.cog.builder import Builder
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import dashboard as gmodel
+from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement
 from grafana_foundation_sdk.models.dashboard import DataSourceRef, GridPos, VariableRefresh
+from grafana_foundation_sdk.models.xychart import ScatterShow, SeriesMapping
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "hlat"
 TEMPLATE_FILE = "templates/grafana-dashboards.yaml"
@@ -67,6 +73,10 @@ class Panel:
     doc: str
     hardware: bool = False
     """Has data only on Trainium nodes running neuron-monitor."""
+    x: str | None = None
+    """An XY chart instead of a time series: the legend of the query drawn on the x axis, every
+    other query's series against it (their samples joined on time, so a gauge's value at each
+    time meets the x gauge's then); one chart per selected job, each with its own x."""
 
 
 FLEET: tuple[Panel, ...] = (
@@ -114,6 +124,16 @@ JOB_PANELS: tuple[Panel, ...] = (
         (f"hlat_train_validation_loss{JOB}", "{{pretrainjob}} validation"),
     ), "Loss of each step (mean over micro-batches and data-parallel ranks), and the held-out "
        "validation loss of the latest evaluation (spec.eval)."),
+    Panel("Evaluation results", "none",
+          ((f"hlat_job_evaluation{JOB}", "{{pretrainjob}} {{metric}}"),),
+          "The results of the evaluation jobs on durable checkpoints (spec.evaluation: the "
+          "evaluator's numbers by name, e.g. eval_loss, hellaswag_acc), those of the latest "
+          "that succeeded: each line steps when a newer checkpoint's evaluation succeeds."),
+    Panel("Evaluation results by tokens trained", "none", (
+        (f"hlat_job_evaluation_tokens{JOB}", "tokens"),
+        (f"hlat_job_evaluation{JOB}", "{{metric}}"),
+    ), "Each evaluated checkpoint's results against the tokens it had trained (status."
+       "evaluations[].tokens): how the scores move with training, one chart per job.", x="tokens"),
     Panel("Gradient norm and spikes", "none", (
         (f"hlat_train_grad_norm{JOB}", "grad norm"),
         (f"increase(hlat_train_grad_spikes_total{JOB}[$__rate_interval])", "spike steps"),
@@ -179,8 +199,26 @@ def _variable(name: str, query: str) -> gdash.QueryVariable:
             .include_all(True).multi(True).refresh(VariableRefresh.ON_TIME_RANGE_CHANGED))
 
 
-def _panel(i: int, panel: Panel) -> timeseries.Panel:
-    built = (timeseries.Panel().id(i + 1).title(panel.title).description(panel.doc).unit(panel.unit)
+JOIN_ON_TIME = gmodel.DataTransformerConfig(
+    id_val="joinByField", options={"byField": "Time", "mode": "outer"})
+"""Grafana's "Join by field" transformation: every query's series in one frame, a row per time."""
+
+
+def _panel(i: int, panel: Panel) -> Builder[gmodel.Panel]:
+    built: timeseries.Panel | xychart.Panel
+    if panel.x is None:
+        built = timeseries.Panel()
+    else:
+        built = (xychart.Panel().with_transformation(JOIN_ON_TIME)
+                 .series_mapping(SeriesMapping.AUTO)
+                 .dims(xychart.XYDimensionConfig().frame(0).x(panel.x))
+                 .show(ScatterShow.POINTS_AND_LINES)
+                 .legend(gcommon.VizLegendOptions().show_legend(True)
+                         .display_mode(LegendDisplayMode.LIST)
+                         .placement(LegendPlacement.BOTTOM))
+                 .override_by_name(panel.x, [gmodel.DynamicConfigValue("unit", "short")])
+                 .repeat("pretrainjob").repeat_direction("v"))
+    built = (built.id(i + 1).title(panel.title).description(panel.doc).unit(panel.unit)
              .datasource(DATASOURCE).grid_pos(GridPos(h=8, w=12, x=12 * (i % 2), y=8 * (i // 2))))
     for k, (expr, legend) in enumerate(panel.queries):
         built = built.with_target(prometheus.Dataquery().expr(expr).legend_format(legend)

@@ -14,9 +14,10 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from hlat_api import PretrainJobSpec
+from hlat_api import PretrainJobSpec, labels
+from hlat_api.spec import evaluation_due
 from hlat_api.status import Evaluation
 
 RESULT_PATH = "/hlat-eval/result.json"
@@ -39,12 +40,77 @@ class ObservedEvaluation:
     pod's termination message, else the Job's Failed condition)."""
 
 
+EVALUATOR = "evaluator"
+"""The evaluator's container in an evaluation Job's pod (builders.build_evaluation_job)."""
+
+
+def _condition(raw: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
+    for cond in (raw.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == type_ and cond.get("status") == "True":
+            return dict(cond)
+    return None
+
+
+def _terminated(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") == EVALUATOR:
+            return dict((status.get("state") or {}).get("terminated") or {})
+    return {}
+
+
+def watched(body: Mapping[str, Any]) -> bool:
+    """Whether a pass reads the evaluation Jobs of this raw PretrainJob: it asks for them, or
+    its status has one running (spec.evaluation removed meanwhile)."""
+    if (body.get("spec") or {}).get("evaluation") is not None:
+        return True
+    return any(e.get("phase") == "Running"
+               for e in (body.get("status") or {}).get("evaluations") or [])
+
+
+def observe_jobs(jobs: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
+                 ) -> dict[int, ObservedEvaluation]:
+    """The evaluation Jobs of a PretrainJob by checkpoint step, from raw batch/v1 Jobs and
+    their pods (both labelled `hlat.dev/step`). A Job is done once the Job controller set its
+    Complete or Failed condition: the result is the Succeeded pod's termination message; the
+    failure, the Failed condition with the newest failed pod's message (with
+    FallbackToLogsOnError, its log's tail)."""
+    by_step: dict[int, list[Mapping[str, Any]]] = {}
+    for pod in pods:
+        step = ((pod.get("metadata") or {}).get("labels") or {}).get(labels.STEP)
+        if step is not None and step.isdigit():
+            by_step.setdefault(int(step), []).append(pod)
+    out: dict[int, ObservedEvaluation] = {}
+    for job in jobs:
+        meta = job.get("metadata") or {}
+        step = (meta.get("labels") or {}).get(labels.STEP)
+        if step is None or not step.isdigit() or meta.get("deletionTimestamp"):
+            continue
+        mine = sorted(by_step.get(int(step), []),
+                      key=lambda p: str((p.get("metadata") or {}).get("creationTimestamp")))
+        if _condition(job, "Complete") is not None:
+            done = [p for p in mine if (p.get("status") or {}).get("phase") == "Succeeded"]
+            message = _terminated(done[-1]).get("message") if done else None
+            out[int(step)] = ObservedEvaluation(int(step), meta.get("name", ""), "Succeeded",
+                                                message)
+        elif (failed := _condition(job, "Failed")) is not None:
+            why = ": ".join(str(v) for v in (failed.get("reason"), failed.get("message")) if v)
+            last = [p for p in mine if (p.get("status") or {}).get("phase") == "Failed"]
+            term = _terminated(last[-1]) if last else {}
+            tail = term.get("message") or term.get("reason")
+            if tail:
+                code = term.get("exitCode")
+                why += f"; its last try exited {code}: {str(tail).strip()[-600:]}"
+            out[int(step)] = ObservedEvaluation(int(step), meta.get("name", ""), "Failed",
+                                                why or "the Job failed")
+        else:
+            out[int(step)] = ObservedEvaluation(int(step), meta.get("name", ""), "Active")
+    return out
+
+
 def due(spec: PretrainJobSpec, step: int) -> bool:
-    """Whether the durable checkpoint of `step` gets an evaluation."""
-    ev = spec.evaluation
-    if ev is None or step <= 0:
-        return False
-    return step % (ev.every * spec.checkpoint.interval) == 0 or step >= spec.total_steps
+    """Whether the durable checkpoint of `step` gets an evaluation (the trainer holds those
+    for it: hlat_api.layout.hold_ahead)."""
+    return evaluation_due(spec, step)
 
 
 def parse_results(message: str | None) -> dict[str, float]:
@@ -65,19 +131,59 @@ def parse_results(message: str | None) -> dict[str, float]:
     return out
 
 
-def settle(entries: Iterable[Evaluation], seen: Mapping[int, ObservedEvaluation],
-           keep: int) -> tuple[list[Evaluation], list[Evaluation]]:
-    """`entries` brought up to date with the Jobs seen: (all of them, the newest `keep`; those
-    that finished in this pass). A Running entry whose Job is gone stays Running until its
-    Job is seen again or is replaced: a Job deleted by hand is reported by the caller."""
+@dataclass(frozen=True)
+class Plan:
+    """What a pass does about evaluations: the status entries after it, the step to start an
+    evaluation of (None: none), the entries that finished in it."""
+
+    entries: list[Evaluation]
+    start: int | None = None
+    finished: tuple[Evaluation, ...] = ()
+
+
+def plan(spec: PretrainJobSpec, job: str, entries: Iterable[Evaluation],
+         seen: Mapping[int, ObservedEvaluation] | None, latest: int | None) -> Plan:
+    """Bring `entries` (status.evaluations) up to date with the Jobs `seen` (None: not read),
+    and start one on the latest durable checkpoint when it is due and newer than any so far.
+    `job`: the PretrainJob's name. Only the latest gets one: checkpoints that came and went between two passes (seconds)
+    are not caught up."""
+    out = list(entries)
+    finished: list[Evaluation] = []
+    if seen is not None:
+        newest = max((e.step for e in out), default=-1)
+        for step in sorted(s for s in seen if s > newest):  # created, then status lost
+            out.append(Evaluation(step=step, tokens=step * spec.tokens_per_step,
+                                  job=seen[step].name))
+        out, finished = settle(out, seen)
+    start = None
+    newest = max((e.step for e in out), default=-1)
+    if seen is not None and latest is not None and latest > newest and due(spec, latest):
+        start = latest
+        out.append(Evaluation(step=latest, tokens=latest * spec.tokens_per_step,
+                              job=labels.evaluation_job_name(job, latest)))
+    keep = spec.evaluation.keep if spec.evaluation is not None else len(out)
+    return Plan(out[-keep:] if keep else [], start, tuple(finished))
+
+
+def settle(entries: Iterable[Evaluation], seen: Mapping[int, ObservedEvaluation]
+           ) -> tuple[list[Evaluation], list[Evaluation]]:
+    """`entries` brought up to date with the Jobs seen: (all of them; those that finished
+    now). A Running entry whose Job is not there failed: its creation was refused (a Warning
+    event says why) or someone deleted it."""
     out: list[Evaluation] = []
     finished: list[Evaluation] = []
     for entry in entries:
         job = seen.get(entry.step)
-        if entry.phase != "Running" or job is None or job.state == "Active":
+        if entry.phase != "Running" or (job is not None and job.state == "Active"):
             out.append(entry)
             continue
-        if job.state == "Succeeded":
+        if job is None:
+            done = entry.model_copy(update={
+                "phase": "Failed",
+                "message": f"its Job {entry.job} is not there: its creation failed (the "
+                           "EvaluationFailed event before this one says why) or it was "
+                           "deleted"})
+        elif job.state == "Succeeded":
             try:
                 done = entry.model_copy(update={"phase": "Succeeded",
                                                 "results": parse_results(job.message)})
@@ -88,4 +194,4 @@ def settle(entries: Iterable[Evaluation], seen: Mapping[int, ObservedEvaluation]
                                             "message": job.message or "the Job failed"})
         out.append(done)
         finished.append(done)
-    return out[-keep:], finished
+    return out, finished

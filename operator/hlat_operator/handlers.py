@@ -32,7 +32,7 @@ from hlat_api.apitimeouts import bound_requests
 from hlat_api.labels import COMPONENT, JOB, REPORTED, WORKER, Reason
 from hlat_api.manifest import API_GROUP, API_VERSION
 from hlat_api.status import PretrainJobStatus
-from hlat_operator import heap, late_apis, observe, queueing
+from hlat_operator import evaluations, heap, late_apis, observe, queueing
 from hlat_operator.builders import JobRef
 from hlat_operator.config import OperatorSettings
 from hlat_operator.k8s import PLURAL, Conflict, K8sError, Kube, Rejected
@@ -137,7 +137,11 @@ def _observe(rt: Runtime, namespace: str, name: str) -> tuple[Any, observe.Obser
                     "from now on, not from before it was lost")
     observed = observe.observe(body, pods, nodes, leases)
     queued = rt.kube.queueing(observed.job, (body.get("metadata") or {}).get("labels") or {})
-    return body, replace(observed, seeing_since=rt.api_back_at, queueing=queued)
+    evaluated = None
+    if evaluations.watched(body):
+        evaluated = evaluations.observe_jobs(*rt.kube.evaluation_jobs(namespace, name))
+    return body, replace(observed, seeing_since=rt.api_back_at, queueing=queued,
+                         evaluations=evaluated)
 
 
 def reconcile_once(rt: Runtime, namespace: str, name: str) -> float | None:

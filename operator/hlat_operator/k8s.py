@@ -177,6 +177,7 @@ _KINDS: dict[str, tuple[str, str, bool]] = {
     "RoleBinding": ("rbac", "role_binding", True),
     "Lease": ("coordination", "lease", True),
     "PodDisruptionBudget": ("policy", "pod_disruption_budget", False),
+    "Job": ("batch", "job", False),
 }
 """The kinds the operator creates: which client (a `Kube` attribute), the method suffix
 (`create_namespaced_<suffix>`, `replace_namespaced_<suffix>`), and whether it may replace one
@@ -226,6 +227,7 @@ class Kube:
         self.coordination = client.CoordinationV1Api(api)
         self.rbac = client.RbacAuthorizationV1Api(api)
         self.policy = client.PolicyV1Api(api)
+        self.batch = client.BatchV1Api(api)
         self.sleep: Callable[[float], None] = time.sleep
         self.clock: Callable[[], float] = time.monotonic
         self._flavors: dict[str, tuple[float, Raw | None]] = {}  # name: (read at, flavor)
@@ -325,6 +327,18 @@ class Kube:
         items: Items = _json(resp).get("items") or []
         return items
 
+    def evaluation_jobs(self, namespace: str, job: str) -> tuple[Items, Items]:
+        """The job's evaluation Jobs (spec.evaluation) and their pods."""
+        selector = f"{labels.JOB}={job},{labels.COMPONENT}={labels.EVALUATION}"
+        try:
+            jobs = self.batch.list_namespaced_job(
+                namespace, label_selector=selector, _preload_content=False)
+            pods = self.core.list_namespaced_pod(
+                namespace, label_selector=selector, _preload_content=False)
+        except _API_ERRORS as err:
+            raise _wrap(f"list evaluation jobs of {namespace}/{job}", err) from err
+        return _json(jobs).get("items") or [], _json(pods).get("items") or []
+
     def job_leases(self, namespace: str, job: str) -> Items:
         try:
             resp = self.coordination.list_namespaced_lease(
@@ -411,7 +425,13 @@ class Kube:
         return None  # pragma: no cover - the loop returns or raises
 
     def run(self, job: JobRef, action: Action) -> None:
-        if isinstance(action, CreateObject):
+        if isinstance(action, CreateObject) and action.refused is not None:
+            try:  # an object the job can do without: a failure is told, never fatal
+                self._create(job, action)
+            except K8sError as err:
+                log.warning("%s/%s: %s", job.namespace, job.name, err)
+                self.emit_event(job, "Warning", action.refused, str(err))
+        elif isinstance(action, CreateObject):
             self._create(job, action)
         elif isinstance(action, DeletePod):
             self._delete_pod(job, action)

@@ -221,6 +221,15 @@ class Workload(TypedDict):
     spec: WorkloadSpec
 
 
+class BatchJob(TypedDict):
+    """batch/v1 Job (an evaluation Job: builders.build_evaluation_job)."""
+
+    apiVersion: str
+    kind: str
+    metadata: ObjectMeta
+    spec: dict[str, Any]
+
+
 Object = (Pod | Service | ConfigMap | ServiceAccount | Role | RoleBinding | Lease | PodGroup
-          | PodDisruptionBudget | Workload)
+          | PodDisruptionBudget | Workload | BatchJob)
 """Anything the operator creates for a job."""

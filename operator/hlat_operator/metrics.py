@@ -3,7 +3,9 @@
 Per job: goodput ratio with productive and badput seconds by cause (counters that follow
 `status.goodput`: they start where the status stands when a job is first seen, so an operator
 restart does not replay a job's history as an increase), uptime ratio (the paper's Table 1
-measure, as a lasting signal rather than events), restarts by reason, node faults by node and condition, time to recover, lost steps, heartbeat age, training step; and the number
+measure, as a lasting signal rather than events), restarts by reason, node faults by node and
+condition, time to recover, lost steps, heartbeat age, training step, the latest succeeded
+evaluation's results with its checkpoint's step and tokens, evaluations by phase; and the number
 of jobs per phase. Fed from each Decision (`observe`), so the numbers are exactly what the
 status says. Labels are `namespace` and `pretrainjob` (not `job`, which Prometheus reserves
 for the scrape target; the chart's ServiceMonitor sets honorLabels so `namespace` survives).
@@ -21,10 +23,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import start_http_server
 
 from hlat_api.labels import INFRA_REASONS, Reason
-from hlat_api.status import Badput, Goodput, Phase
+from hlat_api.status import Badput, Evaluation, EvaluationPhase, Goodput, Phase
 from hlat_operator.reconcile import Decision
 
 PHASES: tuple[Phase, ...] = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+EVALUATION_PHASES: tuple[EvaluationPhase, ...] = ("Running", "Succeeded", "Failed")
 JOB_LABELS = ("namespace", "pretrainjob")
 RECOVERY_BUCKETS = (5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)
 PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -197,6 +200,37 @@ class OperatorMetrics:
             registry=r,
         )
         self._phases: dict[tuple[str, str], Phase] = {}
+        self.evaluation = Gauge(
+            "hlat_job_evaluation",
+            "The latest succeeded evaluation's results (status.evaluations: the Succeeded entry "
+            "of the highest checkpoint step), one series per number its evaluator reported, "
+            "named by `metric` (eval_loss, hellaswag_acc, ...); a name that evaluation did not "
+            "report has no series.",
+            (*JOB_LABELS, "metric"),
+            registry=r,
+        )
+        self._results: dict[tuple[str, str], set[str]] = {}  # per job: metric names exported
+        self.evaluation_step = Gauge(
+            "hlat_job_evaluation_step",
+            "The checkpoint step hlat_job_evaluation's results were measured at.",
+            JOB_LABELS,
+            registry=r,
+        )
+        self.evaluation_tokens = Gauge(
+            "hlat_job_evaluation_tokens",
+            "Tokens trained by the checkpoint hlat_job_evaluation's results were measured at "
+            "(the x axis to plot them against).",
+            JOB_LABELS,
+            registry=r,
+        )
+        self.evaluations = Gauge(
+            "hlat_job_evaluations",
+            "Evaluation jobs on the job's checkpoints (spec.evaluation) by phase: Running, "
+            "Succeeded, Failed, among the newest spec.evaluation.keep that status.evaluations "
+            "lists (all three from the job's first evaluation on).",
+            (*JOB_LABELS, "phase"),
+            registry=r,
+        )
         for phase in PHASES:
             self.jobs.labels(phase).set(0)
         # the operator itself: what a pass costs, how soon it follows what woke it, its load
@@ -254,6 +288,7 @@ class OperatorMetrics:
             self.heartbeat_age.labels(*labels).set(max(decision.heartbeat_ages.values()))
         self._worker_ages(labels, decision.heartbeat_ages)
         self._slowdowns(labels, decision.slowdowns, decision.stragglers)
+        self._evaluations(labels, s.evaluations)
         saved = s.latest_checkpoint.time if s.latest_checkpoint else None
         if saved:
             at = datetime.fromisoformat(saved.replace("Z", "+00:00")).timestamp()
@@ -288,8 +323,8 @@ class OperatorMetrics:
     @staticmethod
     def _per_member(gauge: Gauge, seen: dict[tuple[str, str], set[str]],
                     labels: tuple[str, str], values: dict[str, float]) -> None:
-        """One series per member (a worker pod, a node) of the job's current gang; those of
-        members no longer in it go."""
+        """One series per member (a worker pod, a node) of the job's current gang, or per
+        result name of its latest evaluation; those of members no longer in it go."""
         for member in seen.get(labels, set()) - set(values):
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels, member)
@@ -304,6 +339,32 @@ class OperatorMetrics:
                    flagged: list[str]) -> None:
         self._per_member(self.node_slowdown, self._nodes, labels, ratios)
         self._per_member(self.node_straggler, self._flagged, labels, dict.fromkeys(flagged, 1.0))
+
+    def _evaluations(self, labels: tuple[str, str], entries: list[Evaluation]) -> None:
+        """The newest Succeeded entry by step (the later one in the list on a tie): its results,
+        one series per name (a name it lacks loses its series), step and tokens; and the
+        entries per phase. Without such an entry, those series go: they say what the status
+        says."""
+        latest: Evaluation | None = None
+        for entry in entries:
+            if entry.phase == "Succeeded" and (latest is None or entry.step >= latest.step):
+                latest = entry
+        self._per_member(self.evaluation, self._results, labels,
+                         latest.results if latest else {})
+        for gauge, value in ((self.evaluation_step, latest.step if latest else None),
+                             (self.evaluation_tokens, latest.tokens if latest else None)):
+            if value is None:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*labels)
+            else:
+                gauge.labels(*labels).set(value)
+        for phase in EVALUATION_PHASES:
+            if entries:
+                self.evaluations.labels(*labels, phase).set(
+                    sum(1 for e in entries if e.phase == phase))
+            else:
+                with contextlib.suppress(KeyError):
+                    self.evaluations.remove(*labels, phase)
 
     def _start_at_zero(self, namespace: str, job: str) -> None:
         """Counter and histogram series exist at 0 from the first time a job is seen, so
@@ -342,6 +403,8 @@ class OperatorMetrics:
                 gauge.remove(*labels)
         self._worker_ages(labels, {})
         self._slowdowns(labels, {}, [])
+        self._evaluations(labels, [])
+        self._results.pop(labels, None)
         for reason in RESTART_REASONS:
             with contextlib.suppress(KeyError):
                 self.restarts.remove(*labels, str(reason))

@@ -22,6 +22,7 @@ from hlat_api import labels
 from hlat_api.heartbeat import Heartbeat
 from hlat_api.status import PretrainJobStatus
 from hlat_operator.builders import AVOIDED_ANNOTATION, JobRef
+from hlat_operator.evaluations import ObservedEvaluation
 from hlat_operator.nodehealth import NodeProblem, label_problem, node_problems
 from hlat_operator.queueing import Queueing
 
@@ -219,6 +220,9 @@ class Observed:
     creation_time: datetime | None = None
     queueing: Queueing | None = None
     """The job's Kueue queue and Workload, when it is labelled with a queue (else None)."""
+    evaluations: dict[int, ObservedEvaluation] | None = None
+    """Its evaluation Jobs by checkpoint step (evaluations.observe_jobs); None: not read (a job
+    without spec.evaluation and none running)."""
     seeing_since: datetime | None = None
     """Since when the operator sees: its own start, or its getting the API server back after
     losing it (None: unknown). While it was away (or not yet running) no renewal or kubelet

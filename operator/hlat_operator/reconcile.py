@@ -48,7 +48,15 @@ from hlat_api.status import (
     Size,
     Spares,
 )
-from hlat_operator import accounting, builders, elastic, queueing, stragglers, topology
+from hlat_operator import (
+    accounting,
+    builders,
+    elastic,
+    evaluations,
+    queueing,
+    stragglers,
+    topology,
+)
 from hlat_operator.builders import RankPlacement
 from hlat_operator.config import OperatorSettings
 from hlat_operator.faults import (
@@ -110,6 +118,10 @@ class CreateObject:
 
     obj: Object
     replace: bool = False
+    refused: str | None = None
+    """For an object the job can do without (an evaluation Job): the reason of the Warning
+    event that reports a failure to create it, after which the pass goes on (a refusal of
+    any other object fails the job, `Rejected`; other errors fail the pass)."""
 
 
 @dataclass(frozen=True)
@@ -365,6 +377,7 @@ def decide(
     if status.phase in TERMINAL:
         _terminal(p, spec)
         _finish_workload(p)
+        _evaluate(p, spec)
         return p.finish(None)
     parsed = _parse(p, spec)
     if parsed is None:
@@ -388,7 +401,38 @@ def decide(
         _restarting(p, admitted)
     else:
         _active(p, admitted)
+    _evaluate(p, parsed)
     return p.finish(admitted or parsed)
+
+
+def _evaluate(p: _Pass, spec: Mapping[str, Any] | PretrainJobSpec) -> None:
+    """Evaluation Jobs on durable checkpoints (spec.evaluation): start one on the latest
+    checkpoint when it is due, and report those that finished. They never change the phase,
+    and go on after the training ended (the last checkpoint's evaluation runs then)."""
+    if p.observed.evaluations is None:
+        return
+    if not isinstance(spec, PretrainJobSpec):
+        try:
+            spec = parse_spec(spec)
+        except InvalidSpecError:
+            return
+    latest = p.status.latest_checkpoint.step if p.status.latest_checkpoint else None
+    job = p.observed.job
+    plan = evaluations.plan(spec, job.name, p.status.evaluations, p.observed.evaluations,
+                            latest)
+    p.status.evaluations = plan.entries
+    for done in plan.finished:
+        if done.phase == "Succeeded":
+            scores = ", ".join(f"{k} {v:.6g}" for k, v in done.results.items())
+            p.event(Reason.EVALUATED, f"checkpoint step {done.step}: {scores}")
+        else:
+            p.event(Reason.EVALUATION_FAILED, f"checkpoint step {done.step} (Job {done.job}): "
+                    f"{done.message}; the training goes on", warning=True)
+    if plan.start is not None and spec.evaluation is not None:
+        obj = builders.build_evaluation_job(job, spec, plan.start, p.settings)
+        p.actions.append(CreateObject(obj, refused=Reason.EVALUATION_FAILED))
+        p.event(Reason.EVALUATING, f"evaluating the checkpoint of step {plan.start} with Job "
+                f"{obj['metadata']['name']} ({' '.join(spec.evaluation.command)})")
 
 
 def phase_reason(status: PretrainJobStatus) -> str | None:

@@ -16,8 +16,10 @@ from typing import Any
 from hlat_api import labels
 from hlat_api.heartbeat import Heartbeat
 from hlat_api.status import PretrainJobStatus
+from hlat_operator import evaluations
 from hlat_operator.builders import AVOIDED_ANNOTATION, JobRef
 from hlat_operator.config import OperatorSettings
+from hlat_operator.evaluations import JobState, ObservedEvaluation
 from hlat_operator.observe import (
     Observed,
     ObservedLease,
@@ -135,6 +137,10 @@ class World:
         self.workload_writes: list[WriteWorkloadStatus] = []
         self.workload_active: list[bool] = []
         """The spec.active values the operator set on the Workload, in order."""
+        self.eval_jobs: dict[int, ObservedEvaluation] = {}
+        """Evaluation Jobs by checkpoint step, as evaluations.observe_jobs reads them."""
+        self.refuse_jobs = False
+        """The API server refuses evaluation Jobs (k8s.Kube tells it in an event instead)."""
 
     # --- the operator's side ------------------------------------------------------------------
 
@@ -148,6 +154,8 @@ class World:
             generation=1,
             seeing_since=self.seeing_since,
             queueing=self.queueing,
+            evaluations=dict(self.eval_jobs) if evaluations.watched(
+                {"spec": self.spec, "status": self.status.model_dump(by_alias=True)}) else None,
         )
 
     def decide(self) -> Decision:
@@ -222,6 +230,14 @@ class World:
                 avoided=None if noted is None else tuple(n for n in noted.split(",") if n),
                 spare=labels.SPARE in lab, hostname=obj["spec"].get("hostname"),
             )
+        elif kind == "Job":
+            step = int(obj["metadata"]["labels"][labels.STEP])
+            if self.refuse_jobs:
+                assert action.refused is not None  # the Kube tells it; the pass goes on
+                self.events.append(EmitEvent("Warning", action.refused, f"create Job {name}"))
+            elif step not in self.eval_jobs:
+                self.eval_jobs[step] = ObservedEvaluation(step, name, "Active")
+                self.objects[(kind, name)] = obj
         elif kind == "Lease":
             if name not in self.leases:
                 self.leases[name] = ObservedLease(name)
@@ -345,6 +361,10 @@ class World:
         for name, pod in list(self.pods.items()):
             if pod.phase == "Running":
                 self.pods[name] = replace(pod, phase="Succeeded", exit_code=0)
+
+    def end_evaluation(self, step: int, state: JobState, message: str | None) -> None:
+        """The Job controller marks the evaluation Job of `step` Complete or Failed."""
+        self.eval_jobs[step] = replace(self.eval_jobs[step], state=state, message=message)
 
     def node_down(self, node: str) -> None:
         self.nodes[node] = replace(self.nodes[node], ready=False, not_ready_since=self.now)

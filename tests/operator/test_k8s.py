@@ -91,6 +91,7 @@ def kube(**answers: dict[str, Any]) -> Kube:
     k.core, k.custom = Recorder(answers.get("core", {})), Recorder(answers.get("custom", {}))  # type: ignore[assignment]
     k.coordination = Recorder(answers.get("coordination", {}))  # type: ignore[assignment]
     k.rbac = Recorder(answers.get("rbac", {}))  # type: ignore[assignment]
+    k.batch = Recorder(answers.get("batch", {}))  # type: ignore[assignment]
     return k
 
 
@@ -216,6 +217,32 @@ def test_a_create_refused_for_good_is_rejected_and_a_passing_refusal_retried(
     assert message in str(err.value) and f"create {kind}" in str(err.value)
     if kind == "PodGroup" and status == 404:  # the job's Failed message says what to do
         assert "install Volcano, or unset spec.scheduling.schedulerName" in str(err.value)
+
+
+@pytest.mark.parametrize("status, message", [
+    (422, 'Job.batch "tiny-eval-10" is invalid: spec.template.spec.containers[0].image: '
+          "Required value"),
+    (403, 'jobs.batch "tiny-eval-10" is forbidden: exceeded quota: compute'),
+    (500, "etcdserver: request timed out"),
+])
+def test_an_evaluation_job_that_cannot_be_created_is_told_and_the_pass_goes_on(
+        status: int, message: str) -> None:
+    """An evaluation Job is something the training can do without: whatever stops its
+    creation, refused for good or not, is a Warning event on the job, and neither fails the job
+    (Rejected) nor stops the pass (the status patch after it is still made)."""
+    obj = {"kind": "Job", "apiVersion": "batch/v1", "metadata": {"name": "tiny-eval-10"}}
+    k = kube(batch={"create_namespaced_job": api_error(status, message)})
+    done = k.execute(JOB, decision(CreateObject(obj, refused="EvaluationFailed"),
+                                   PatchStatus({"phase": "Running"})))
+    assert done == 2 and k.batch.names() == ["create_namespaced_job"]  # type: ignore[attr-defined]
+    events = [c for c in k.core.calls if c[0] == "create_namespaced_event"]  # type: ignore[attr-defined]
+    assert len(events) == 1
+    body = events[0][1][1]
+    assert body["type"] == "Warning" and body["reason"] == "EvaluationFailed"
+    assert message in body["message"] and "create Job" in body["message"]
+    k = kube(batch={"create_namespaced_job": api_error(status, message)})
+    with pytest.raises(K8sError):  # the same refusal of an object the job needs stops the pass
+        k.execute(JOB, decision(CreateObject(obj)))
 
 
 def test_a_job_in_a_kueue_queue_without_kueue_is_told_to_install_it_or_leave_the_queue() -> None:

@@ -145,6 +145,53 @@ def test_every_queried_metric_is_exposed_by_its_source() -> None:
             assert f"# TYPE {base} " in exposed, name
 
 
+def test_the_job_dashboard_shows_evaluation_results_beside_the_loss_and_against_tokens() -> None:
+    """The committed job dashboard: "Evaluation results" beside the loss panel, the selected
+    job's hlat_job_evaluation per metric; an XY chart, one per selected job, of the same against
+    hlat_job_evaluation_tokens (the x field is the tokens query's legend, the queries joined on
+    time); and every label those queries select on or name in a legend is one the operator's
+    series carry."""
+    from dataclasses import replace
+
+    from opfakes import World
+
+    from hlat_api.status import Evaluation
+    from hlat_operator.metrics import OperatorMetrics
+
+    board = json.loads((CHART / dashboards.dashboard_file("hlat-job")).read_text())
+    by_title = {p["title"]: p for p in board["panels"]}
+    loss, results = by_title["Training and validation loss"], by_title["Evaluation results"]
+    xy = by_title["Evaluation results by tokens trained"]
+    assert results["gridPos"]["y"] == loss["gridPos"]["y"]  # beside it
+    assert results["gridPos"]["x"] == loss["gridPos"]["x"] + loss["gridPos"]["w"]
+    job = '{namespace=~"$namespace", pretrainjob=~"$pretrainjob"}'
+    assert [(t["expr"], t["legendFormat"]) for t in results["targets"]] == [
+        (f"hlat_job_evaluation{job}", "{{pretrainjob}} {{metric}}")]
+    assert results["type"] == "timeseries"
+    assert (xy["type"], xy["repeat"]) == ("xychart", "pretrainjob")
+    assert xy["transformations"] == [
+        {"id": "joinByField", "options": {"byField": "Time", "mode": "outer"}}]
+    legends = {t["expr"]: t["legendFormat"] for t in xy["targets"]}
+    assert legends == {f"hlat_job_evaluation_tokens{job}": "tokens",
+                       f"hlat_job_evaluation{job}": "{{metric}}"}
+    assert xy["options"]["seriesMapping"] == "auto"
+    assert xy["options"]["dims"]["x"] == legends[f"hlat_job_evaluation_tokens{job}"]
+
+    metrics = OperatorMetrics()
+    d = World().step()
+    evaluation = Evaluation(step=100, tokens=1e5, job="tiny-eval-100", phase="Succeeded",
+                            results={"eval_loss": 2.5})
+    metrics.observe("default", "tiny", replace(d, status=d.status.model_copy(
+        update={"evaluations": [evaluation]})))
+    exported = {s.name: set(s.labels) for m in metrics.registry.collect() for s in m.samples}
+    for panel in (results, xy):
+        for target in panel["targets"]:
+            name = target["expr"].split("{")[0]
+            used = set(re.findall(r"(\w+)=~", target["expr"]))
+            used |= set(re.findall(r"\{\{(\w+)\}\}", target["legendFormat"]))
+            assert used <= exported[name], (name, used)
+
+
 def test_deployment_has_a_liveness_probe_and_runs_as_non_root() -> None:
     text = (CHART / "templates" / "deployment.yaml").read_text()
     assert "livenessProbe" in text and "/healthz" in text

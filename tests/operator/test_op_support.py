@@ -443,3 +443,71 @@ def test_goodput_counters_follow_the_status_and_never_go_back() -> None:
     assert badput("compile") == 40 and badput("teardown") == 12 and badput("detection") == 40
     assert _sample(m, "hlat_job_lost_work_seconds_total", namespace="default",
                    pretrainjob="tiny") == 3
+
+
+def _evaluation_series(m: OperatorMetrics, job: str) -> dict[str, float]:
+    """Every exported `hlat_job_evaluation*` sample of `job`, keyed `name{label=value,...}` by
+    its labels other than namespace and pretrainjob (what a scrape would show)."""
+    out = {}
+    for metric in m.registry.collect():
+        for s in metric.samples:
+            if s.name.startswith("hlat_job_evaluation") and s.labels.get("pretrainjob") == job:
+                rest = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                                if k not in ("namespace", "pretrainjob"))
+                out[f"{s.name}{{{rest}}}"] = s.value
+    return out
+
+
+def test_evaluation_metrics_are_the_latest_succeeded_results_and_go_with_the_job() -> None:
+    """hlat_job_evaluation holds the results of the Succeeded entry of the highest step (not the
+    list's last), with that checkpoint's step and tokens; a result name the newer evaluation
+    lacks loses its series; the entries per phase are counted, 0s included, from the first
+    entry; without a Succeeded entry those series go; forget drops every one of them and
+    leaves another job's alone."""
+    from hlat_api.status import Evaluation, EvaluationPhase
+
+    m = OperatorMetrics()
+    d = World(raw_spec()).step()
+
+    def observe(job: str, *entries: Evaluation) -> dict[str, float]:
+        m.observe("default", job, replace(d, status=d.status.model_copy(
+            update={"evaluations": list(entries)})))
+        return _evaluation_series(m, job)
+
+    def ev(step: int, phase: EvaluationPhase, **results: float) -> Evaluation:
+        return Evaluation(step=step, tokens=step * 1000.0, job=f"tiny-eval-{step}", phase=phase,
+                          results=results, message="boom" if phase == "Failed" else None)
+
+    assert observe("tiny") == {}  # no evaluations: no series, not even phase counts at 0
+    first = ev(100, "Succeeded", eval_loss=2.5, eval_perplexity=12.2, hellaswag_acc=0.3)
+    assert observe("tiny", first, ev(200, "Running")) == {
+        "hlat_job_evaluation{metric=eval_loss}": 2.5,
+        "hlat_job_evaluation{metric=eval_perplexity}": 12.2,
+        "hlat_job_evaluation{metric=hellaswag_acc}": 0.3,
+        "hlat_job_evaluation_step{}": 100, "hlat_job_evaluation_tokens{}": 100_000,
+        "hlat_job_evaluations{phase=Running}": 1, "hlat_job_evaluations{phase=Succeeded}": 1,
+        "hlat_job_evaluations{phase=Failed}": 0}
+    second = ev(200, "Succeeded", eval_loss=2.3, eval_perplexity=10.0)
+    # an older checkpoint's evaluation finishing later (listed last) is not the latest
+    late = ev(150, "Succeeded", eval_loss=2.4, eval_perplexity=11.0, hellaswag_acc=0.35)
+    now = observe("tiny", first, second, ev(300, "Failed"), late)
+    assert now == {
+        "hlat_job_evaluation{metric=eval_loss}": 2.3,
+        "hlat_job_evaluation{metric=eval_perplexity}": 10.0,
+        "hlat_job_evaluation_step{}": 200, "hlat_job_evaluation_tokens{}": 200_000,
+        "hlat_job_evaluations{phase=Running}": 0, "hlat_job_evaluations{phase=Succeeded}": 3,
+        "hlat_job_evaluations{phase=Failed}": 1}
+    assert 'metric="hellaswag_acc"' not in m.render().decode()  # the stale series is gone
+    observe("other", ev(100, "Succeeded", eval_loss=3.0))
+    # the status keeps the newest entries only: none Succeeded left, so no results to show
+    assert observe("tiny", ev(300, "Failed"), ev(400, "Running")) == {
+        "hlat_job_evaluations{phase=Running}": 1, "hlat_job_evaluations{phase=Succeeded}": 0,
+        "hlat_job_evaluations{phase=Failed}": 1}
+    observe("tiny", second, ev(300, "Failed"))
+    m.forget("default", "tiny")
+    assert _evaluation_series(m, "tiny") == {}
+    assert "pretrainjob=\"tiny\"" not in m.render().decode()
+    assert _evaluation_series(m, "other")["hlat_job_evaluation{metric=eval_loss}"] == 3.0
+    assert observe("tiny", ev(100, "Running")) == {  # seen again after forget: from scratch
+        "hlat_job_evaluations{phase=Running}": 1, "hlat_job_evaluations{phase=Succeeded}": 0,
+        "hlat_job_evaluations{phase=Failed}": 0}

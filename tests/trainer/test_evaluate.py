@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +16,13 @@ from pathlib import Path
 import pytest
 
 from hlat_api import ExitCode, Job, step_dir
-from hlat_api.layout import READER_FRESH_SECONDS, READERS, being_read
+from hlat_api.layout import (
+    PENDING_READER,
+    READER_FRESH_SECONDS,
+    READERS,
+    being_read,
+    list_checkpoints,
+)
 from hlat_trainer import evaluate
 from hlat_trainer.checkpoint import Checkpointer
 from hlat_trainer.errors import UserError
@@ -78,6 +87,39 @@ def test_retention_keeps_a_checkpoint_being_read_and_deletes_it_once_read(
     os.utime(stale / READERS / "gone-1", (old, old))
     ckpt.purge()
     assert not stale.exists()
+
+
+def test_a_checkpoint_due_for_an_evaluation_job_is_held_until_its_sidecar_takes_over(
+        make_job: Callable[..., Job], tmp_path: Path) -> None:
+    """spec.evaluation: the trainer holds each checkpoint due for an evaluation Job from the
+    moment it is complete (a pending reader dated to the Job's deadline), however fast the next
+    ones come; the Job's sidecar (`hlat-eval --hold`) takes the hold over, and once it is
+    stopped (SIGTERM, as the kubelet stops a sidecar) retention deletes the checkpoint."""
+    job = make_job(train__steps=6, checkpoint__interval=2, checkpoint__keep=1,
+                   evaluation={"every": 2, "command": ["lm_eval"], "deadlineSeconds": 600})
+    Trainer(job).run()
+    root, name = job.spec.checkpoint.dir, job.name
+    kept = sorted(e.step for e in list_checkpoints(root, name) if e.complete)
+    assert kept == [4, 6], "the checkpoint due for evaluation (4) was deleted, or 2 was kept"
+    pending = step_dir(root, name, 4) / READERS / PENDING_READER
+    assert pending.stat().st_mtime > time.time() + 500  # dated to the Job's deadline
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "hlat_trainer.evaluate", "--config", str(tmp_path / "job.yaml"),
+         "--step", "4", "--hold"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while pending.exists() and time.monotonic() < deadline and sidecar.poll() is None:
+            time.sleep(0.1)
+        assert not pending.exists(), "the sidecar did not take the hold over"
+        assert being_read(step_dir(root, name, 4))
+        Checkpointer(root, name, keep=1, async_=False).purge()
+        assert step_dir(root, name, 4).is_dir(), "deleted while its sidecar held it"
+    finally:
+        sidecar.send_signal(signal.SIGTERM)
+        _, err = sidecar.communicate(timeout=30)
+    assert sidecar.returncode == 0, err
+    Checkpointer(root, name, keep=1, async_=False).purge()
+    assert not step_dir(root, name, 4).exists()
 
 
 def test_bad_input_names_what_to_fix(make_job: Callable[..., Job], held_out_data: Path,

@@ -66,6 +66,7 @@ from hlat_api.layout import (
     READERS,
     CheckpointEntry,
     being_read,
+    hold_ahead,
     latest_complete,
     list_checkpoints,
     step_dir,
@@ -199,6 +200,9 @@ class Checkpointer:
         self.fenced: Callable[[], bool] | None = None
         """Asked before marking a checkpoint complete: True when this trainer's attempt is over
         (the heartbeat's `fenced_now`); a fenced trainer's checkpoints never get `done`."""
+        self.hold_for: Callable[[int], float] | None = None
+        """Seconds a newly complete checkpoint of this step is held for an evaluation that
+        has yet to start (0: none; `hlat_api.layout.hold_ahead`)."""
         self.withheld: int | None = None
         """The newest checkpoint written whole whose `done` `fenced` held back (rank 0), until
         a later one commits or `commit_withheld` does: the last one of a run must not be lost
@@ -291,6 +295,8 @@ class Checkpointer:
                     **self.meta}
             write_durably(target / META_FILE, json.dumps(meta).encode())
             write_durably(target / DONE, b"")
+            if self.hold_for is not None and (hold := self.hold_for(step)) > 0:
+                hold_ahead(target, time.time() + hold)  # its evaluation Job has yet to start
             self.purge()
             log.info("checkpoint step_%d complete", step)
 

@@ -58,6 +58,7 @@ from torch import Tensor, nn
 
 from hlat_api import Env, PretrainJobSpec
 from hlat_api.layout import CheckpointEntry, latest_complete, step_dir
+from hlat_api.spec import evaluation_due
 from hlat_trainer.backends import Backend
 from hlat_trainer.checkpoint import (
     META_FILE,
@@ -386,6 +387,10 @@ class TorchEngine(Engine):
         self.checkpointer = Checkpointer(self.root, job, spec.checkpoint.keep,
                                          async_=spec.checkpoint.async_, rank=world.rank,
                                          meta=self._meta())
+        if spec.evaluation is not None:
+            deadline = float(spec.evaluation.deadline_seconds)
+            self.checkpointer.hold_for = lambda step: (
+                deadline if evaluation_due(spec, step) else 0.0)
         root = snapshot_root(os.environ)
         self.snapshots = (Snapshots(root, job, world.rank, self.layout)
                           if spec.snapshot_interval and root is not None else None)

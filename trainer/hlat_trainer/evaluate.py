@@ -15,6 +15,10 @@ no checkpoint being read. It writes one JSON object, `{"step", "tokens", "valida
 stdout. Checkpoints of the torch-native engines (backends cpu, cuda, neuron-native) only: the
 neuron-xla stack saves NxD's own format, which is refused, naming it. A bad config or checkpoint
 prints what to fix and exits with `ExitCode.CONFIG_ERROR`.
+
+`hlat-eval --hold` reads nothing: it holds the checkpoint until SIGTERM. It is the sidecar of
+every evaluation Job the operator runs (spec.evaluation), so that retention waits for an
+evaluator of the user's own (lm-evaluation-harness, say) that knows nothing of reader files.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import sys
 import threading
@@ -35,6 +40,7 @@ from typing import Any
 from hlat_api import Env, ExitCode, InvalidSpecError, PretrainJobSpec, load_job
 from hlat_api.layout import (
     DONE,
+    PENDING_READER,
     READER_REFRESH_SECONDS,
     READERS,
     CheckpointEntry,
@@ -144,6 +150,19 @@ def evaluate(spec: PretrainJobSpec, job: str, entry: CheckpointEntry,
             "microBatches": len(batches)}
 
 
+def hold(path: Path) -> None:
+    """Hold the checkpoint at `path` until SIGTERM or SIGINT (the kubelet stops a sidecar
+    with SIGTERM once the evaluator's container has ended)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    with reading(path):
+        # the trainer's hold for an evaluation yet to start is this one's now
+        (path / READERS / PENDING_READER).unlink(missing_ok=True)
+        log.info("holding %s against checkpoint.keep until stopped", path)
+        stop.wait()
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hlat-eval", description=__doc__.splitlines()[0])
     p.add_argument("--config", default=os.environ.get(Env.CONFIG),
@@ -158,6 +177,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"write the result here (default: ${Env.EVAL_RESULT}, else stdout)")
     p.add_argument("--backend", choices=["cpu", "cuda"], default="cpu",
                    help="the device to evaluate on (default: cpu)")
+    p.add_argument("--hold", action="store_true",
+                   help="read nothing: hold the checkpoint against checkpoint.keep until "
+                   "SIGTERM (the sidecar of an evaluation Job)")
     args = p.parse_args(argv)
     if not args.config:
         p.error(f"--config is required (or set ${Env.CONFIG})")
@@ -171,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = load_job(args.config, name=args.job_name)
         entry = choose(job.spec.checkpoint.dir, job.name, args.step)
+        if args.hold:
+            hold(entry.path)
+            return 0
         result = evaluate(job.spec, job.name, entry, args.backend)
     except (InvalidSpecError, UserError) as err:
         print(f"hlat-eval: {err}", file=sys.stderr)

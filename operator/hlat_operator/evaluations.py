@@ -133,20 +133,22 @@ def parse_results(message: str | None) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Plan:
-    """What a pass does about evaluations: the status entries after it, the step to start an
-    evaluation of (None: none), the entries that finished in it."""
+    """What a pass does about evaluations: the status entries after it, the steps to start an
+    evaluation of, the entries that finished in it."""
 
     entries: list[Evaluation]
-    start: int | None = None
+    start: tuple[int, ...] = ()
     finished: tuple[Evaluation, ...] = ()
 
 
 def plan(spec: PretrainJobSpec, job: str, entries: Iterable[Evaluation],
          seen: Mapping[int, ObservedEvaluation] | None, latest: int | None) -> Plan:
     """Bring `entries` (status.evaluations) up to date with the Jobs `seen` (None: not read),
-    and start one on the latest durable checkpoint when it is due and newer than any so far.
-    `job`: the PretrainJob's name. Only the latest gets one: checkpoints that came and went between two passes (seconds)
-    are not caught up."""
+    and start one on each due checkpoint after the newest evaluated, up to the `latest`
+    complete one (`job`: the PretrainJob's name). Checkpoints come faster than passes see them
+    (a small model saves several a second); the trainer holds every due one until its Job
+    takes over (hlat_api.layout.hold_ahead), so none is skipped. The first evaluation of a
+    job (or of a spec that just gained spec.evaluation) is of the latest checkpoint alone."""
     out = list(entries)
     finished: list[Evaluation] = []
     if seen is not None:
@@ -155,14 +157,21 @@ def plan(spec: PretrainJobSpec, job: str, entries: Iterable[Evaluation],
             out.append(Evaluation(step=step, tokens=step * spec.tokens_per_step,
                                   job=seen[step].name))
         out, finished = settle(out, seen)
-    start = None
-    newest = max((e.step for e in out), default=-1)
-    if seen is not None and latest is not None and latest > newest and due(spec, latest):
-        start = latest
-        out.append(Evaluation(step=latest, tokens=latest * spec.tokens_per_step,
-                              job=labels.evaluation_job_name(job, latest)))
-    keep = spec.evaluation.keep if spec.evaluation is not None else len(out)
-    return Plan(out[-keep:] if keep else [], start, tuple(finished))
+    ev = spec.evaluation
+    start: list[int] = []
+    if ev is not None and seen is not None and latest is not None:
+        newest = max((e.step for e in out), default=None)
+        period = ev.every * spec.checkpoint.interval
+        if newest is not None:
+            start = list(range((newest // period + 1) * period, latest + 1, period))
+        if due(spec, latest) and latest not in start and latest > (newest or 0):
+            start.append(latest)
+        start = start[-ev.keep:]
+    for step in start:
+        out.append(Evaluation(step=step, tokens=step * spec.tokens_per_step,
+                              job=labels.evaluation_job_name(job, step)))
+    keep = ev.keep if ev is not None else len(out)
+    return Plan(out[-keep:] if keep else [], tuple(start), tuple(finished))
 
 
 def settle(entries: Iterable[Evaluation], seen: Mapping[int, ObservedEvaluation]

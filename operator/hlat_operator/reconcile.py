@@ -428,10 +428,11 @@ def _evaluate(p: _Pass, spec: Mapping[str, Any] | PretrainJobSpec) -> None:
         else:
             p.event(Reason.EVALUATION_FAILED, f"checkpoint step {done.step} (Job {done.job}): "
                     f"{done.message}; the training goes on", warning=True)
-    if plan.start is not None and spec.evaluation is not None:
-        obj = builders.build_evaluation_job(job, spec, plan.start, p.settings)
+    for step in plan.start:
+        assert spec.evaluation is not None
+        obj = builders.build_evaluation_job(job, spec, step, p.settings)
         p.actions.append(CreateObject(obj, refused=Reason.EVALUATION_FAILED))
-        p.event(Reason.EVALUATING, f"evaluating the checkpoint of step {plan.start} with Job "
+        p.event(Reason.EVALUATING, f"evaluating the checkpoint of step {step} with Job "
                 f"{obj['metadata']['name']} ({' '.join(spec.evaluation.command)})")
 
 

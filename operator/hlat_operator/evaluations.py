@@ -152,19 +152,19 @@ def plan(spec: PretrainJobSpec, job: str, entries: Iterable[Evaluation],
     out = list(entries)
     finished: list[Evaluation] = []
     if seen is not None:
-        newest = max((e.step for e in out), default=-1)
-        for step in sorted(s for s in seen if s > newest):  # created, then status lost
+        settled = max((e.step for e in out), default=-1)
+        for step in sorted(s for s in seen if s > settled):  # created, then status lost
             out.append(Evaluation(step=step, tokens=step * spec.tokens_per_step,
                                   job=seen[step].name))
         out, finished = settle(out, seen)
     ev = spec.evaluation
     start: list[int] = []
     if ev is not None and seen is not None and latest is not None:
-        newest = max((e.step for e in out), default=None)
+        newest = max((e.step for e in out), default=0)
         period = ev.every * spec.checkpoint.interval
-        if newest is not None:
+        if out:
             start = list(range((newest // period + 1) * period, latest + 1, period))
-        if due(spec, latest) and latest not in start and latest > (newest or 0):
+        if due(spec, latest) and latest not in start and latest > newest:
             start.append(latest)
         start = start[-ev.keep:]
     for step in start:

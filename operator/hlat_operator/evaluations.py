@@ -148,7 +148,8 @@ def plan(spec: PretrainJobSpec, job: str, entries: Iterable[Evaluation],
     complete one (`job`: the PretrainJob's name). Checkpoints come faster than passes see them
     (a small model saves several a second); the trainer holds every due one until its Job
     takes over (hlat_api.layout.hold_ahead), so none is skipped. The first evaluation of a
-    job (or of a spec that just gained spec.evaluation) is of the latest checkpoint alone."""
+    job (or of a spec that just gained spec.evaluation) is of the newest due checkpoint
+    alone."""
     out = list(entries)
     finished: list[Evaluation] = []
     if seen is not None:
@@ -162,10 +163,10 @@ def plan(spec: PretrainJobSpec, job: str, entries: Iterable[Evaluation],
     if ev is not None and seen is not None and latest is not None:
         newest = max((e.step for e in out), default=0)
         period = ev.every * spec.checkpoint.interval
-        if out:
-            start = list(range((newest // period + 1) * period, latest + 1, period))
+        first = (newest // period + 1) * period if out else max(period, latest // period * period)
+        start = list(range(first, latest + 1, period))
         if due(spec, latest) and latest not in start and latest > newest:
-            start.append(latest)
+            start.append(latest)  # the last checkpoint, whatever its step
         start = start[-ev.keep:]
     for step in start:
         out.append(Evaluation(step=step, tokens=step * spec.tokens_per_step,

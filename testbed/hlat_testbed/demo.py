@@ -78,6 +78,7 @@ class OperatorProcess:
         env = {**os.environ, **RIG_OPERATOR_ENV, **self.extra_env,
                "KUBECONFIG": str(self.kubeconfig),
                "HLAT_OPERATOR_TRAINER_COMMAND": str(venv_bin("hlat-launch")),
+               "HLAT_OPERATOR_EVAL_COMMAND": str(venv_bin("hlat-eval")),
                "PYTHONUNBUFFERED": "1"}
         argv = [sys.executable, "-m", "hlat_operator.cli", "--liveness", "none",
                 "--metrics-port", str(self.metrics_port)]

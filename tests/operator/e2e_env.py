@@ -74,16 +74,21 @@ class Env:
         attempts = {labels.get("hlat.dev/attempt") for _, labels, live in self.pod_rows() if live}
         self.max_gangs = max(self.max_gangs, len(attempts))
 
+    @property
+    def _workers(self) -> str:
+        """The job's worker pods (spares too), not its evaluation Jobs' pods."""
+        return f"hlat.dev/job={self.name},hlat.dev/component=worker"
+
     def pods(self) -> list[Any]:
         return list(self.core.list_namespaced_pod(
-            self.ns, label_selector=f"hlat.dev/job={self.name}").items)
+            self.ns, label_selector=self._workers).items)
 
     def pod_rows(self) -> list[tuple[str, dict[str, str], bool]]:
         """The job's pods: name, labels, and live (Pending or Running, not terminating), read
         from the list's JSON as it comes (the polls of `status` and `TrainerCensus` ask up to
         ten times a second; building the client's models each time cost a tenth of a core)."""
         response = self.core.list_namespaced_pod(
-            self.ns, label_selector=f"hlat.dev/job={self.name}", _preload_content=False)
+            self.ns, label_selector=self._workers, _preload_content=False)
         return [(pod["metadata"]["name"], pod["metadata"].get("labels") or {},
                  "deletionTimestamp" not in pod["metadata"]
                  and (pod.get("status") or {}).get("phase") in ("Pending", "Running"))

@@ -59,6 +59,8 @@ def test_every_dashboard_panel_has_data_from_a_real_prometheus(
         spec["checkpoint"]["interval"] = 10
         # the sample's held-out set (hlat-data sample --docs N): the loss panel's second query
         spec["eval"] = {"path": "/fsx/data/sample/held-out", "interval": 5, "batches": 2}
+        # evaluation Jobs (hlat-eval) on two checkpoints: the evaluation panels' series
+        spec["evaluation"] = {"every": 20, "retries": 0}
         job.create(spec)
         start = time.time()
         job.wait("a checkpoint", lambda s: s.get("phase") == "Running"
@@ -87,6 +89,8 @@ def test_every_dashboard_panel_has_data_from_a_real_prometheus(
         progress = done["progress"]
         assert progress["validationStep"] == STEPS and progress["validationLoss"] > 0, progress
         assert progress["validationLossText"] == f"{progress['validationLoss']:.4g}"
+        job.wait("the evaluations settled", lambda s: len(s.get("evaluations") or []) == 2
+                 and all(e["phase"] == "Succeeded" for e in s["evaluations"]), 300)
         _the_operator_reports_its_own_load(port)
         time.sleep(3)  # a few more scrapes
         end = time.time()

@@ -223,10 +223,10 @@ def test_status_keeps_the_newest_evaluations() -> None:
     assert list(w.eval_jobs) == [20, 40, 60]  # nothing made twice when 20 left the status
 
 
-def test_checkpoints_that_came_between_two_passes_each_get_one_the_first_only_the_latest(
+def test_checkpoints_that_came_between_two_passes_each_get_one_the_first_only_the_newest(
         ) -> None:
     w = training()
-    w.beat(41, checkpoint_step=40)  # the job's first evaluation: the latest checkpoint alone
+    w.beat(51, checkpoint_step=50)  # the job's first: the newest due checkpoint alone
     w.step()
     assert list(w.eval_jobs) == [40]
     w.beat(101, checkpoint_step=100)  # 60, 80 and 100 came before the next pass saw any

@@ -171,10 +171,22 @@ def ensure_volume(cluster: Cluster, namespace: str, host_dir: Path) -> None:
         cluster.wait_claim_bound(namespace, CLAIM)
 
 
+SAMPLE_DOCS = 1500
+"""The demo's sample: 1,500 documents train, 150 others are held out (`spec.eval`)."""
+EVALUATION = {
+    "eval": {"path": "/fsx/data/sample/held-out", "interval": 10, "batches": 4},
+    "evaluation": {"every": 3, "retries": 1, "deadlineSeconds": 600},
+}
+"""What the demo adds to the example: the held-out loss in the loop every 10 steps, and an
+evaluation Job (hlat-eval) on every third durable checkpoint and the last."""
+
+
 def make_sample_data(out: Path) -> None:
-    if (out / "tokenizer.json").exists() and (out / "train.arrow").exists():
+    if all((out / f).exists() for f in ("tokenizer.json", "train.arrow",
+                                        "held-out/held_out.arrow")):
         return
-    subprocess.run([str(venv_bin("hlat-data")), "sample", "--out", str(out)], check=True)
+    subprocess.run([str(venv_bin("hlat-data")), "sample", "--out", str(out), "--docs",
+                    str(SAMPLE_DOCS)], check=True)
 
 
 def load_job(path: Path = EXAMPLE) -> dict[str, Any]:
@@ -214,7 +226,8 @@ def status_line(job: dict[str, Any]) -> str:
     ratio, good = up.get("ratio"), (s.get("goodput") or {}).get("ratio")
     return (f"phase={s.get('phase', '-'):<10} attempt={s.get('attempt', 0)} "
             f"step={prog.get('step', 0):<4} loss={loss if loss is None else f'{loss:.3f}'} "
-            f"checkpoint={ckpt} restarts={rs.get('total', 0)} "
+            + (f"val={prog['validationLoss']:.3f} " if prog.get("validationLoss") else "")
+            + f"checkpoint={ckpt} restarts={rs.get('total', 0)} "
             f"uptime={up.get('runningSeconds', 0):.0f}s/{up.get('downSeconds', 0):.0f}s down"
             + (f" ratio={ratio:.3f}" if ratio is not None else "")
             + (f" goodput={good:.3f}" if good is not None else ""))
@@ -280,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
     fsx = workdir / "fsx"
     ensure_namespace(core, ns)
     job = load_job()
+    job["spec"].update(EVALUATION)
     name = job["metadata"]["name"]
     if get_job(custom, ns, name) is not None:
         say(f"deleting the previous {name} in {ns}")
@@ -304,8 +318,11 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
     try:
         custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)
-        say(f"applied {EXAMPLE.relative_to(REPO)}: {name} ({job['spec']['nodes']} nodes)")
+        say(f"applied {EXAMPLE.relative_to(REPO)}: {name} ({job['spec']['nodes']} nodes), "
+            "with a held-out validation loss every 10 steps and evaluation Jobs on its "
+            "checkpoints")
         ok = watch(cluster, custom, ns, name, say, args.timeout, operator)
+        ok = watch_evaluations(custom, ns, name, say, 300) and ok
         time.sleep(3)  # the last scrapes
         pictures = draw_dashboards(prom, ns, name, started, workdir / "dashboards")
     finally:
@@ -361,6 +378,30 @@ def rank_zero_pod(cluster: Cluster, ns: str, name: str, attempt: int) -> str:
         ns, label_selector=f"hlat.dev/job={name},hlat.dev/attempt={attempt},"
                            "hlat.dev/node-rank=0").items
     return str(pods[0].metadata.name) if pods else f"{name}-a{attempt}-0"
+
+
+def watch_evaluations(custom: client.CustomObjectsApi, ns: str, name: str, say: Any,
+                      timeout: float) -> bool:
+    """Until every evaluation Job of the job has settled (the last checkpoint's runs after the
+    training ends); says each one's result. False when one failed or `timeout` passed."""
+    deadline = time.monotonic() + timeout
+    entries: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        entries = ((get_job(custom, ns, name) or {}).get("status") or {}).get(
+            "evaluations") or []
+        if entries and all(e.get("phase") != "Running" for e in entries):
+            break
+        time.sleep(1)
+    else:
+        say(f"evaluations not settled after {timeout:.0f}s: {entries}")
+        return False
+    for e in entries:
+        found = e.get("results") or {}
+        what = (f"validation loss {found['validationLoss']:.4f}" if "validationLoss" in found
+                else e.get("message") or found)
+        say(f"evaluation Job {e.get('job')}: checkpoint step {e.get('step')} "
+            f"({e.get('tokens', 0):.0f} tokens): {e.get('phase')}, {what}")
+    return all(e.get("phase") == "Succeeded" for e in entries)
 
 
 def watch(cluster: Cluster, custom: client.CustomObjectsApi, ns: str, name: str,

@@ -53,16 +53,32 @@ def draw(prom: Prometheus, namespace: str, job: str, start: float, end: float,
 
 def _plot(ax: Any, prom: Prometheus, panel: dashboards.Panel, namespace: str, job: str,
           start: float, end: float) -> int:
+    """The panel's series over time; an XY panel's (`panel.x`) against its x query's values
+    at the same instants, as Grafana joins them on time."""
     series = 0
+    xs_at: dict[float, float] = {}
     for expr, legend in panel.queries:
+        if legend != panel.x:
+            continue
         query = instantiate(expr, namespace, job, end - start)
         for result in prom.query_range(query, start, end):
-            points = [(float(t) - start, float(v)) for t, v in result["values"] if v != "NaN"]
+            xs_at.update((float(t), float(v)) for t, v in result["values"] if v != "NaN")
+    for expr, legend in panel.queries:
+        if panel.x is not None and legend == panel.x:
+            continue
+        query = instantiate(expr, namespace, job, end - start)
+        for result in prom.query_range(query, start, end):
+            points = [(float(t) - start if panel.x is None else xs_at.get(float(t)), float(v))
+                      for t, v in result["values"] if v != "NaN"]
+            points = [(x, y) for x, y in points if x is not None]
             if not points:
                 continue
             xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, label=_legend(legend, result["metric"]) or panel.title)
+            ax.plot(xs, ys, label=_legend(legend, result["metric"]) or panel.title,
+                    marker="o" if panel.x else None, markersize=3)
             series += 1
+    if panel.x is not None:
+        ax.set_xlabel(panel.x, fontsize=8)
     ax.set_title(f"{panel.title} ({panel.unit})", fontsize=10)
     if series and series <= 8:
         ax.legend(fontsize=6)

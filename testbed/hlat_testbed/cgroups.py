@@ -25,6 +25,7 @@ import contextlib
 import functools
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -48,7 +49,10 @@ def hierarchy() -> Path | None:
 
 def _usable(base: Path) -> bool:
     """Groups can be made under ``base``, a process moved into one, and the group killed."""
-    probe = base / f"probe-{os.getpid()}"
+    # a name per thread: the kubelet starts pods on threads, and functools.cache lets two
+    # first calls run at once; with one name, one removed the group the other was probing
+    # and cached False (memory limits unenforced for that kubelet's life: a flaky OOM test)
+    probe = base / f"probe-{os.getpid()}-{threading.get_ident()}"
     try:
         probe.mkdir(parents=True, exist_ok=True)
         moved = subprocess.run(["sh", "-c", JOIN, str(probe / "cgroup.procs"), "true"],
@@ -68,7 +72,7 @@ def memory_base() -> Path | None:
     group = oom.memory_cgroup()
     if group is None or not (group / "memory.limit_in_bytes").exists():
         return None
-    probe = group / f"hlat-probe-{os.getpid()}"
+    probe = group / f"hlat-probe-{os.getpid()}-{threading.get_ident()}"
     try:
         probe.mkdir(exist_ok=True)
         return group / "hlat"

@@ -7,13 +7,20 @@ written, alone in its own cgroup with everything it starts, as under a container
 the restart policy, and reports status after every change: Pending, then Running with podIP and
 Ready, then Succeeded or Failed with each container's exit code and reason (a signal ``n`` is
 exit code ``128+n``, as container runtimes report it; ``OOMKilled`` when the kernel OOM-killed a
-process of the container, whose memory limit it enforces: `cgroups`).
+process of the container, whose memory limit it enforces: `cgroups`) and termination message
+(the file at its ``terminationMessagePath``, or its log's tail: `termination_message`).
 
-Deletion follows the kubelet's contract: SIGTERM to each main process, SIGKILL to the whole
-container (its cgroup and process group) after the grace period, a final status, then the pod
-object is deleted with grace 0 and a UID precondition. When the main process exits, whatever it
-left behind is killed, as a container's pid namespace would be: with cgroups that includes workers
-started in other sessions (torchrun's), which a process group misses.
+Sidecars (KEP-753: an init container with ``restartPolicy: Always``) are started in their turn
+among the init containers, and the next one starts without waiting for them to exit; they run
+beside the containers, are restarted whenever they exit, whatever the pod's restart policy, and
+are stopped, last first, once the containers are done. The pod's phase is the containers' alone.
+
+Deletion follows the kubelet's contract: SIGTERM to each main process (the sidecars' once the
+containers have exited, last sidecar first), SIGKILL to the whole container (its cgroup and
+process group) after the grace period, a final status, then the pod object is deleted with grace
+0 and a UID precondition. When the main process exits, whatever it left behind is killed, as a
+container's pid namespace would be: with cgroups that includes workers started in other sessions
+(torchrun's), which a process group misses.
 
 Each container's stdout and stderr go to ``<pods_dir>/<ns>_<pod>_<uid>/<container>.log`` and its
 pid to ``<container>.pid``, which is how ``hlat-cluster logs`` and fault injection find it.
@@ -32,6 +39,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from kubernetes.client import ApiClient
@@ -78,6 +86,13 @@ class ContainerRun:
     restarts: int = 0
     last_state: Status | None = None
     group: cgroups.ContainerGroup | None = None
+    log_start: int = 0
+    """Where this run's output begins in the container's log (runs of a container share one)."""
+
+    @property
+    def sidecar(self) -> bool:
+        """An init container with ``restartPolicy: Always`` (KEP-753)."""
+        return self.init and getattr(self.spec, "restart_policy", None) == "Always"
 
     def kill_all(self) -> None:
         """SIGKILL the main process's group and everything in the container's cgroup."""
@@ -110,12 +125,51 @@ class ContainerRun:
         out: Status = {
             "name": self.spec.name, "image": self.spec.image or "host",
             "imageID": "", "containerID": f"hlat://{pod_uid}/{self.spec.name}",
-            "ready": self.running and not self.init, "started": self.running,
+            "ready": self.running and (self.sidecar or not self.init), "started": self.running,
             "restartCount": self.restarts, "state": self.state(),
         }
         if self.last_state:
             out["lastState"] = self.last_state
         return out
+
+
+TERMINATION_PATH = "/dev/termination-log"
+"""The API server's default terminationMessagePath."""
+MAX_TERMINATION_BYTES = 4096
+"""The kubelet reads at most the last this many bytes of the file."""
+FALLBACK_LOG_LINES, FALLBACK_LOG_BYTES = 80, 2048
+"""terminationMessagePolicy FallbackToLogsOnError: the log's tail instead, this long at most."""
+
+
+def termination_path(spec: Obj) -> str:
+    return getattr(spec, "termination_message_path", None) or TERMINATION_PATH
+
+
+def termination_message(file: Path, log: Path, log_start: int, spec: Obj,
+                        exit_code: int) -> str | None:
+    """A terminated container's message, made as the kubelet makes it (kubernetes
+    pkg/kubelet/kuberuntime/kuberuntime_container.go, convertToKubeContainerStatus): the last
+    4096 bytes of the file at its terminationMessagePath; if that is empty, the policy is
+    FallbackToLogsOnError and the container failed, the tail of this run's log (from
+    ``log_start``): its last 80 lines, at most 2048 bytes (the last 80 lines of the last 2048
+    bytes are the same)."""
+    try:
+        message = _tail(file, MAX_TERMINATION_BYTES)
+    except OSError:
+        message = b""
+    if (not message and exit_code != 0
+            and getattr(spec, "termination_message_policy", None) == "FallbackToLogsOnError"):
+        with contextlib.suppress(OSError):
+            lines = _tail(log, FALLBACK_LOG_BYTES, log_start).splitlines(keepends=True)
+            message = b"".join(lines[-FALLBACK_LOG_LINES:])
+    return message.decode(errors="replace") or None
+
+
+def _tail(path: Path, max_bytes: int, start: int = 0) -> bytes:
+    """The last ``max_bytes`` of ``path``, none before offset ``start``."""
+    with path.open("rb") as f:
+        f.seek(max(start, f.seek(0, os.SEEK_END) - max_bytes))
+        return f.read()
 
 
 def exit_code_of(returncode: int) -> int:
@@ -136,9 +190,11 @@ class PodWorker:
         self.start_time = now()
         self.phase = "Pending"
         self.init_runs = [ContainerRun(c, init=True) for c in pod.spec.init_containers or []]
+        self.sidecars = [r for r in self.init_runs if r.sidecar]
         self.runs = [ContainerRun(c) for c in pod.spec.containers]
         self.deleting = threading.Event()
-        self.grace_s: float = 30
+        grace = pod.spec.termination_grace_period_seconds
+        self.grace_s: float = 30 if grace is None else grace  # deletion's may replace it
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, name=f"pod-{self.key}", daemon=True)
 
@@ -215,6 +271,10 @@ class PodWorker:
                     source.mkdir(parents=True)
             mounts.append({"source": str(source), "target": m.mount_path,
                            "readOnly": bool(m.read_only)})
+        # the termination-message file, emptied for each run by _spawn, bind-mounted at the
+        # container's terminationMessagePath (kuberuntime_container.go makeMounts), read at exit
+        mounts.append({"source": str(self._termination_file(run)),
+                       "target": termination_path(run.spec), "readOnly": False})
         launch = {"argv": podspec.container_argv(run.spec, env), "env": env, "mounts": mounts,
                   "hostname": hostname, "workingDir": run.spec.working_dir or "/",
                   "cgroupMounts": cgroups.container_mounts() if run.group is not None else []}
@@ -231,11 +291,16 @@ class PodWorker:
             run.group.mark_oom()
             for procs in run.group.join_files():
                 argv = ["sh", "-c", cgroups.JOIN, str(procs), *argv]
+        self._termination_file(run).write_bytes(b"")  # a new file for each run, as the kubelet's
         with (self.dir / f"{name}.log").open("ab") as log:
+            run.log_start = log.tell()
             run.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
         (self.dir / f"{name}.pid").write_text(str(run.proc.pid))
         run.started_at, run.exit_code, run.finished_at, run.message = now(), None, None, None
+
+    def _termination_file(self, run: ContainerRun) -> Path:
+        return self.dir / f"{run.spec.name}.termination-log"
 
     def _reap(self, run: ContainerRun) -> bool:
         """Record ``run``'s exit if its main process ended; True if it did."""
@@ -246,20 +311,31 @@ class PodWorker:
         run.exit_code, run.finished_at = code, now()
         oom_killed = run.group is not None and run.group.oom_killed()
         run.reason = "Completed" if code == 0 else "OOMKilled" if oom_killed else "Error"
+        run.message = termination_message(self._termination_file(run),
+                                          self.dir / f"{run.spec.name}.log", run.log_start,
+                                          run.spec, code)
         with contextlib.suppress(FileNotFoundError):
             (self.dir / f"{run.spec.name}.pid").unlink()
         return True
 
     def _run_containers(self) -> str:
+        # As kubernetes pkg/kubelet/kuberuntime/kuberuntime_container.go
+        # computeInitContainerActions (KEP-753): init containers start in order; the next one
+        # starts once a sidecar has started, but only once a regular one has exited 0.
         for run in self.init_runs:
             if self.deleting.is_set():
-                return "Failed"
+                return self._stop_all()
             self._spawn(run)
             self.report()
+            if run.sidecar:
+                continue
             while not self._reap(run):
                 if self.deleting.wait(0.1):
                     return self._stop_all()
+                if self._keep_sidecars():
+                    self.report()
             if run.exit_code != 0:
+                self._stop(*self._sidecars_last_first())
                 return "Failed"
         for run in self.runs:
             self._spawn(run)
@@ -279,9 +355,25 @@ class PodWorker:
                         self._restart(run)
                         changed.append(run)
                 if all(r.exit_code is not None for r in self.runs):
-                    return "Succeeded" if all(r.exit_code == 0 for r in self.runs) else "Failed"
+                    # nothing left to keep running: the sidecars are stopped, not restarted
+                    # (kuberuntime_manager.go computePodActions), and the phase is the
+                    # containers' alone (kubelet_pods.go getPhase)
+                    self._stop(*self._sidecars_last_first())
+                    return self._phase()
+            changed += self._keep_sidecars()
             if changed:
                 self.report()
+
+    def _keep_sidecars(self) -> list[ContainerRun]:
+        """Reap the sidecars and restart those that exited, whatever the pod's restart policy
+        (computeInitContainerActions), unless the node is down; those that changed."""
+        changed = [run for run in self.sidecars if self._reap(run)]
+        if self.agent.online.is_set():
+            for run in self.sidecars:
+                if run.exit_code is not None:
+                    self._restart(run)
+                    changed.append(run)
+        return changed
 
     def _restart(self, run: ContainerRun) -> None:
         run.last_state = run.state()
@@ -289,21 +381,35 @@ class PodWorker:
         run.restarts += 1
         self._spawn(run)
 
-    def _stop_all(self) -> str:
-        """SIGTERM every main process, SIGKILL the groups after the grace period."""
-        live = [(r, r.proc) for r in [*self.init_runs, *self.runs]
-                if r.running and r.proc is not None]
-        for _, proc in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace_s
-        while time.monotonic() < deadline and any(p.poll() is None for _, p in live):
-            time.sleep(0.05)
-        for run, proc in live:
-            run.kill_all()
-            proc.wait()
-            self._reap(run)
+    def _sidecars_last_first(self) -> list[list[ContainerRun]]:
+        return [[run] for run in reversed(self.sidecars)]
+
+    def _phase(self) -> str:
         return "Succeeded" if all(r.exit_code == 0 for r in self.runs) else "Failed"
+
+    def _stop_all(self) -> str:
+        """Deletion: the containers (and a running init container) first, then the sidecars,
+        the last one first, all in one grace period (kuberuntime_container.go killContainer,
+        kuberuntime_termination_order.go)."""
+        self._stop([r for r in [*self.init_runs, *self.runs] if not r.sidecar],
+                   *self._sidecars_last_first())
+        return self._phase()
+
+    def _stop(self, *groups: list[ContainerRun]) -> None:
+        """Stop ``groups`` in turn: SIGTERM to a group's main processes once the group before
+        has exited; SIGKILL to whatever is left when the grace period ends."""
+        deadline = time.monotonic() + self.grace_s
+        for group in groups:
+            live = [(r, r.proc) for r in group if r.running and r.proc is not None]
+            for _, proc in live:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+            while time.monotonic() < deadline and any(p.poll() is None for _, p in live):
+                time.sleep(0.05)
+            for run, proc in live:
+                run.kill_all()
+                proc.wait()
+                self._reap(run)
 
     def _teardown(self) -> None:
         self.report()
@@ -333,8 +439,9 @@ class PodWorker:
 
     def status(self) -> Status:
         with self.lock:
-            runs_ready = all(r.running for r in self.runs)
-            initialized = all(r.exit_code == 0 for r in self.init_runs)
+            runs_ready = all(r.running for r in [*self.sidecars, *self.runs])
+            initialized = all(r.started_at is not None if r.sidecar else r.exit_code == 0
+                              for r in self.init_runs)
             ready = self.phase == "Running" and runs_ready
             status: Status = {
                 "phase": self.phase,

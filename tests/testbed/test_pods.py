@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -275,3 +277,99 @@ def test_processes_a_container_started_in_other_sessions_die_with_it(
     core.delete_namespaced_pod("deleted", namespace)
     wait_pod_gone(core, namespace, "deleted", timeout=30)
     assert not is_alive(deleted)
+
+
+REPORT = """
+import json, pathlib
+pathlib.Path("/run/hlat-test/out/result.json").write_text(json.dumps({"loss": 1.25, "step": 40}))
+"""
+
+CRASH = """
+import pathlib, sys
+for i in range(100):
+    print(f"line {i}")
+if len(sys.argv) > 1:
+    pathlib.Path("/dev/termination-log").write_text(sys.argv[1])
+sys.exit(3)
+"""
+
+
+def test_termination_message_is_its_file_or_else_its_log_tail(
+        cluster: Cluster, core: client.CoreV1Api, namespace: str) -> None:
+    """state.terminated.message, as the kubelet makes it: what the container wrote at its
+    terminationMessagePath; with FallbackToLogsOnError, a failed container that wrote nothing
+    there gets the last 80 lines of its log instead."""
+    fallback = {"terminationMessagePolicy": "FallbackToLogsOnError"}
+    core.create_namespaced_pod(namespace, python_pod(  # type: ignore[arg-type]
+        "report", REPORT, container={"terminationMessagePath": "/run/hlat-test/out/result.json"}))
+    core.create_namespaced_pod(namespace, python_pod("crash", CRASH, container=fallback))  # type: ignore[arg-type]
+    core.create_namespaced_pod(namespace, python_pod(  # type: ignore[arg-type]
+        "said", CRASH, container={**fallback, "args": ["disk full"]}))
+    report = wait_pod_phase(core, namespace, "report", TERMINAL)
+    crash = wait_pod_phase(core, namespace, "crash", TERMINAL)
+    said = wait_pod_phase(core, namespace, "said", TERMINAL)
+    assert report.status.phase == "Succeeded", cluster.pod_log(namespace, "report")
+    assert json.loads(terminated(report).message) == {"loss": 1.25, "step": 40}
+    assert (crash.status.phase, terminated(crash).exit_code) == ("Failed", 3)
+    assert terminated(crash).message.splitlines() == [f"line {i}" for i in range(20, 100)]
+    assert terminated(said).message == "disk full"  # the file, at the default path, wins
+
+
+SIDECAR = """
+import os, pathlib, sys, time
+shared = pathlib.Path("/run/hlat-test/shared")
+run = len(list(shared.glob("sidecar-*")))
+(shared / f"sidecar-{run}").write_text(str(os.getpid()))
+print(f"sidecar run {run}", flush=True)
+if run == 0:
+    sys.exit(1)  # restarted all the same, though the pod's restartPolicy is Never
+time.sleep(600)
+"""
+
+SETUP = """
+import pathlib, time
+shared = pathlib.Path("/run/hlat-test/shared")
+deadline = time.monotonic() + 30
+while not (shared / "sidecar-1").exists():
+    assert time.monotonic() < deadline, "the sidecar did not run again"
+    time.sleep(0.1)
+(shared / "setup-done").write_text("")
+"""
+
+BESIDE_SIDECAR = """
+import os, pathlib, time
+shared = pathlib.Path("/run/hlat-test/shared")
+assert (shared / "setup-done").exists()
+os.kill(int((shared / "sidecar-1").read_text()), 0)  # raises if the sidecar is not running
+print("main: the sidecar runs beside me", flush=True)
+time.sleep(3)
+"""
+
+
+def test_a_sidecar_runs_beside_the_containers_and_is_stopped_after_them(
+        cluster: Cluster, core: client.CoreV1Api, namespace: str) -> None:
+    """A native sidecar (an init container with restartPolicy Always): the next init container
+    starts once it has started, it is restarted when it exits, the containers run beside it,
+    and once they are done it is stopped (SIGTERM) and the pod's phase is theirs alone."""
+    shared = {"name": "shared", "mountPath": "/run/hlat-test/shared"}
+
+    def init(name: str, script: str, **extra: object) -> dict[str, object]:
+        return {"name": name, "image": "host", "volumeMounts": [shared], **extra,
+                "command": [sys.executable, "-u", "-c", textwrap.dedent(script)]}
+
+    core.create_namespaced_pod(namespace, python_pod(  # type: ignore[arg-type]
+        "sidecar", BESIDE_SIDECAR, container={"volumeMounts": [shared]},
+        volumes=[{"name": "shared", "emptyDir": {}}],
+        initContainers=[init("proxy", SIDECAR, restartPolicy="Always"), init("setup", SETUP)]))
+    running = wait_pod_running(core, namespace, "sidecar")
+    proxy, setup = running.status.init_container_statuses
+    assert proxy.state.running is not None and proxy.ready and proxy.started
+    assert proxy.restart_count == 1
+    assert (setup.state.terminated.exit_code, setup.ready) == (0, False)
+    assert {c.type: c.status for c in running.status.conditions}["Initialized"] == "True"
+    done = wait_pod_phase(core, namespace, "sidecar", TERMINAL, timeout=30)
+    log = cluster.pod_log(namespace, "sidecar")
+    assert done.status.phase == "Succeeded", log
+    assert "main: the sidecar runs beside me" in log
+    stopped = done.status.init_container_statuses[0].state.terminated
+    assert stopped.exit_code == 128 + signal.SIGTERM, log  # its own exit code does not count

@@ -142,14 +142,16 @@ class Plan:
 
 
 def plan(spec: PretrainJobSpec, job: str, entries: Iterable[Evaluation],
-         seen: Mapping[int, ObservedEvaluation] | None, latest: int | None) -> Plan:
+         seen: Mapping[int, ObservedEvaluation] | None, latest: int | None,
+         from_start: bool = False) -> Plan:
     """Bring `entries` (status.evaluations) up to date with the Jobs `seen` (None: not read),
     and start one on each due checkpoint after the newest evaluated, up to the `latest`
     complete one (`job`: the PretrainJob's name). Checkpoints come faster than passes see them
     (a small model saves several a second); the trainer holds every due one until its Job
-    takes over (hlat_api.layout.hold_ahead), so none is skipped. The first evaluation of a
-    job (or of a spec that just gained spec.evaluation) is of the newest due checkpoint
-    alone."""
+    takes over (hlat_api.layout.hold_ahead), so none is skipped. The first evaluations of a
+    job are of every due checkpoint when it had spec.evaluation `from_start` (its trainers held
+    them all), else of the newest due checkpoint alone (a spec that gained spec.evaluation: the
+    older ones were not held)."""
     out = list(entries)
     finished: list[Evaluation] = []
     if seen is not None:
@@ -163,7 +165,8 @@ def plan(spec: PretrainJobSpec, job: str, entries: Iterable[Evaluation],
     if ev is not None and seen is not None and latest is not None:
         newest = max((e.step for e in out), default=0)
         period = ev.every * spec.checkpoint.interval
-        first = (newest // period + 1) * period if out else max(period, latest // period * period)
+        first = ((newest // period + 1) * period if out or from_start
+                 else max(period, latest // period * period))
         start = list(range(first, latest + 1, period))
         if due(spec, latest) and latest not in start and latest > newest:
             start.append(latest)  # the last checkpoint, whatever its step

@@ -29,7 +29,7 @@ from kubernetes import client
 from kubernetes import config as kube_config
 
 from hlat_api.apitimeouts import bound_requests
-from hlat_api.labels import COMPONENT, JOB, REPORTED, WORKER, Reason
+from hlat_api.labels import COMPONENT, EVALUATION, JOB, REPORTED, WORKER, Reason
 from hlat_api.manifest import API_GROUP, API_VERSION
 from hlat_api.status import PretrainJobStatus
 from hlat_operator import evaluations, heap, late_apis, observe, queueing
@@ -44,6 +44,8 @@ log = logging.getLogger("hlat_operator")
 
 POD_SELECTOR = f"{JOB},{COMPONENT}={WORKER}"
 """The pods the operator watches: workers of some PretrainJob."""
+EVALUATION_SELECTOR = f"{JOB},{COMPONENT}={EVALUATION}"
+"""The batch Jobs the operator watches: evaluation Jobs of some PretrainJob."""
 
 MAX_IDLE_SECONDS = 30.0
 """Longest sleep between passes of a job even when the Decision asks for none."""
@@ -302,6 +304,7 @@ def configure_kopf(settings: kopf.OperatorSettings, ours: OperatorSettings) -> N
     settings.watching.label_selectors["coordination.k8s.io", "v1", "leases"] = (
         f"{JOB},{REPORTED}")
     settings.watching.label_selectors[queueing.GROUP, queueing.VERSION, "workloads"] = JOB
+    settings.watching.label_selectors["batch", "v1", "jobs"] = EVALUATION_SELECTOR
 
 
 @kopf.on.startup()
@@ -396,6 +399,17 @@ async def on_workload(labels: kopf.Labels, namespace: str | None, **_: Any) -> N
     installed kopf logs once that it cannot serve this resource (`Unresolved resources`), and
     starts the watch if Kueue's CRDs appear later."""
     runtime().metrics.watch_events.labels("Workload").inc()
+    job = labels.get(JOB)
+    if job and namespace:
+        _poke(namespace, job)
+
+
+@kopf.on.event("batch", "v1", "jobs", labels={JOB: kopf.PRESENT})
+async def on_evaluation_job(labels: kopf.Labels, namespace: str | None, **_: Any) -> None:
+    """An evaluation Job changed (its pod started, the Job controller marked it Complete or
+    Failed): report it now, not at the next resync (a finished PretrainJob has no other
+    event to wake it)."""
+    runtime().metrics.watch_events.labels("Job").inc()
     job = labels.get(JOB)
     if job and namespace:
         _poke(namespace, job)

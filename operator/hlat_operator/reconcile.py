@@ -418,8 +418,9 @@ def _evaluate(p: _Pass, spec: Mapping[str, Any] | PretrainJobSpec) -> None:
             return
     latest = p.status.latest_checkpoint.step if p.status.latest_checkpoint else None
     job = p.observed.job
+    # a spec never edited had spec.evaluation from the start: every due checkpoint was held
     plan = evaluations.plan(spec, job.name, p.status.evaluations, p.observed.evaluations,
-                            latest)
+                            latest, from_start=p.observed.generation == 1)
     p.status.evaluations = plan.entries
     for done in plan.finished:
         if done.phase == "Succeeded":

@@ -137,6 +137,8 @@ class World:
         self.workload_writes: list[WriteWorkloadStatus] = []
         self.workload_active: list[bool] = []
         """The spec.active values the operator set on the Workload, in order."""
+        self.generation = 1
+        """metadata.generation: 1 until the spec is edited."""
         self.eval_jobs: dict[int, ObservedEvaluation] = {}
         """Evaluation Jobs by checkpoint step, as evaluations.observe_jobs reads them."""
         self.refuse_jobs = False
@@ -151,7 +153,7 @@ class World:
             nodes=dict(self.nodes),
             leases=dict(self.leases),
             state=self.state,
-            generation=1,
+            generation=self.generation,
             seeing_since=self.seeing_since,
             queueing=self.queueing,
             evaluations=dict(self.eval_jobs) if evaluations.watched(

@@ -205,7 +205,7 @@ def test_the_last_checkpoint_is_evaluated_after_the_training_ends() -> None:
     w.beat(120, phase="finished", checkpoint_step=120)
     w.succeed_all()
     w.step()
-    assert w.status.phase == "Succeeded" and list(w.eval_jobs) == [120]
+    assert w.status.phase == "Succeeded" and list(w.eval_jobs) == [20, 40, 60, 80, 100, 120]
     w.end_evaluation(120, "Succeeded", json.dumps({"validationLoss": 3.0}))
     w.step()
     assert w.status.evaluations[-1].phase == "Succeeded"
@@ -223,14 +223,28 @@ def test_status_keeps_the_newest_evaluations() -> None:
     assert list(w.eval_jobs) == [20, 40, 60]  # nothing made twice when 20 left the status
 
 
-def test_checkpoints_that_came_between_two_passes_each_get_one_the_first_only_the_newest(
-        ) -> None:
+def test_checkpoints_that_came_between_two_passes_each_get_one() -> None:
+    """The trainer held every due checkpoint since the start (the spec never edited: its
+    generation is 1), so the first pass to see checkpoint 50 evaluates 20 and 40; later, the
+    checkpoints that came between two passes each get their Job."""
     w = training()
-    w.beat(51, checkpoint_step=50)  # the job's first: the newest due checkpoint alone
+    w.beat(51, checkpoint_step=50)
     w.step()
-    assert list(w.eval_jobs) == [40]
+    assert list(w.eval_jobs) == [20, 40]
     w.beat(101, checkpoint_step=100)  # 60, 80 and 100 came before the next pass saw any
     w.step()
-    assert list(w.eval_jobs) == [40, 60, 80, 100]
-    assert [e.step for e in w.status.evaluations] == [40, 60, 80, 100]
-    assert w.reasons().count("Evaluating") == 4
+    assert list(w.eval_jobs) == [20, 40, 60, 80, 100]
+    assert [e.step for e in w.status.evaluations] == [20, 40, 60, 80, 100]
+    assert w.reasons().count("Evaluating") == 5
+
+
+def test_a_spec_that_gained_evaluation_evaluates_its_newest_due_checkpoint_first() -> None:
+    """Its trainers did not hold the older checkpoints: retention deleted them."""
+    w = training()
+    w.generation = 2  # spec.evaluation added by an edit
+    w.beat(51, checkpoint_step=50)
+    w.step()
+    assert list(w.eval_jobs) == [40]
+    w.beat(81, checkpoint_step=80)
+    w.step()
+    assert list(w.eval_jobs) == [40, 60, 80]

@@ -82,7 +82,7 @@ NEEDED = {
     ("kueue.x-k8s.io", "workloads"): {"get", "list", "watch", "create", "patch"},  # patch: spec.active
     ("kueue.x-k8s.io", "workloads/status"): {"update"},
     ("policy", "poddisruptionbudgets"): {"create", "delete"},
-    ("batch", "jobs"): {"list", "create"},  # evaluation Jobs (spec.evaluation)
+    ("batch", "jobs"): {"list", "watch", "create"},  # evaluation Jobs (spec.evaluation)
 }
 CLUSTER_READS = {("", "nodes"), ("apiextensions.k8s.io", "customresourcedefinitions"),
                  ("", "namespaces"), ("kueue.x-k8s.io", "resourceflavors"),

@@ -273,6 +273,11 @@ def test_the_operator_asks_the_api_server_for_worker_pods_only() -> None:
                       preferred=True, verbs=["list", "watch"])
     assert list(settings.watching.label_selectors.collect(leases)) == [
         "hlat.dev/job,hlat.dev/reported"]
+    # batch Jobs: only evaluation Jobs of some PretrainJob (spec.evaluation)
+    batch = Resource("batch", "v1", "jobs", kind="Job", namespaced=True, preferred=True,
+                     verbs=["list", "watch"])
+    assert list(settings.watching.label_selectors.collect(batch)) == [
+        "hlat.dev/job,app.kubernetes.io/component=evaluation"]
 
 
 @pytest.mark.parametrize(("chunk", "pages"), [(200, ["200", "200"]), (0, [None])])

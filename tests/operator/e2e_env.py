@@ -17,6 +17,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from hlat_api.labels import COMPONENT, WORKER
+from hlat_api.labels import JOB as JOB_LABEL
 from hlat_testbed import faults
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.demo import GROUP, PLURAL, VERSION, OperatorProcess
@@ -77,7 +79,7 @@ class Env:
     @property
     def _workers(self) -> str:
         """The job's worker pods (spares too), not its evaluation Jobs' pods."""
-        return f"hlat.dev/job={self.name},hlat.dev/component=worker"
+        return f"{JOB_LABEL}={self.name},{COMPONENT}={WORKER}"
 
     def pods(self) -> list[Any]:
         return list(self.core.list_namespaced_pod(

@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hlat_api import MODEL_PRESETS, ModelDims
+from hlat_trainer.export import hf_state_dict
 from hlat_trainer.model import build_model, count_params
 
 GQA = ModelDims(hidden_size=64, layers=2, heads=4, kv_heads=2, intermediate_size=96,
@@ -28,24 +29,8 @@ def hf_twin(dims: ModelDims) -> LlamaForCausalLM:
 
 
 def copy_into_hf(ours: torch.nn.Module, hf: LlamaForCausalLM, dims: ModelDims) -> None:
-    """Map our fused, grouped layouts onto HF's separate projections."""
-    d, g = dims.head_dim, dims.heads // dims.kv_heads
-    with torch.no_grad():
-        hf.model.embed_tokens.weight.copy_(ours.tok_embeddings.weight)
-        hf.model.norm.weight.copy_(ours.norm.weight)
-        hf.lm_head.weight.copy_(ours.output.weight)
-        for mine, theirs in zip(ours.layers, hf.model.layers, strict=True):
-            qkv = mine.attention.wqkv.weight.view(dims.kv_heads, g + 2, d, -1)
-            theirs.self_attn.q_proj.weight.copy_(qkv[:, :g].reshape(-1, dims.hidden_size))
-            theirs.self_attn.k_proj.weight.copy_(qkv[:, g].reshape(-1, dims.hidden_size))
-            theirs.self_attn.v_proj.weight.copy_(qkv[:, g + 1].reshape(-1, dims.hidden_size))
-            theirs.self_attn.o_proj.weight.copy_(mine.attention.wo.weight)
-            gu = mine.feed_forward.w_gate_up.weight
-            theirs.mlp.gate_proj.weight.copy_(gu[0::2])
-            theirs.mlp.up_proj.weight.copy_(gu[1::2])
-            theirs.mlp.down_proj.weight.copy_(mine.feed_forward.w_down.weight)
-            theirs.input_layernorm.weight.copy_(mine.attention_norm.weight)
-            theirs.post_attention_layernorm.weight.copy_(mine.ffn_norm.weight)
+    """Our fused, grouped layouts onto HF's separate projections: hlat-export's mapping."""
+    hf.load_state_dict(hf_state_dict(ours.state_dict(), dims), strict=True)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])

@@ -55,11 +55,13 @@ DCP_METADATA = ".metadata"
 """The file torch.distributed.checkpoint writes last in a checkpoint it saved."""
 
 
-def evaluation_spec(spec: PretrainJobSpec, backend: str = "cpu") -> PretrainJobSpec:
+def evaluation_spec(spec: PretrainJobSpec, backend: str = "cpu", held_out: bool = True
+                    ) -> PretrainJobSpec:
     """The run's spec for one process: one node of one rank, no tensor or sequence parallelism
     (the checkpoint is resharded as it loads), no snapshots. The held-out set is the same at
-    every data-parallel degree (`train.held_out_batches`): this process reads all of it."""
-    if spec.eval is None:
+    every data-parallel degree (`train.held_out_batches`): this process reads all of it
+    (`held_out`: the spec must name one)."""
+    if held_out and spec.eval is None:
         raise UserError("spec.eval is not set: hlat-eval takes the loss of its held-out set "
                         "(eval.path); add eval to the job's spec")
     raw: dict[str, Any] = spec.model_dump(by_alias=True, exclude_none=True)
@@ -117,32 +119,40 @@ def reading(path: Path, refresh: float = READER_REFRESH_SECONDS) -> Iterator[Pat
             mark.parent.rmdir()  # only when no other reader holds it
 
 
-def evaluate(spec: PretrainJobSpec, job: str, entry: CheckpointEntry,
-             backend_name: str = "cpu") -> dict[str, Any]:
-    """The held-out loss of the checkpoint at `entry` (see the module doc)."""
+def load(spec: PretrainJobSpec, job: str, entry: CheckpointEntry, backend_name: str = "cpu",
+         held_out: bool = True) -> tuple[Any, Any]:
+    """The model of the checkpoint at `entry` in this one process, held while read: (its
+    engine, the backend); `evaluation_spec` says how the run's spec is cut down for it."""
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     from hlat_trainer.backends import select_backend
-    from hlat_trainer.data import load_tokenizer
     from hlat_trainer.engine import build_engine
-    from hlat_trainer.train import held_out_batches
 
     if not (entry.path / DCP_METADATA).is_file():
         raise UserError(f"checkpoint {entry.path} has no {DCP_METADATA}: hlat-eval reads the "
                         "checkpoints of the torch-native backends (cpu, cuda, neuron-native); "
                         "the neuron-xla stack saves NxD's own format, not read here yet")
-    one = evaluation_spec(spec, backend_name)
+    one = evaluation_spec(spec, backend_name, held_out)
     backend = select_backend(one)
     world = backend.init_world()
-    device = backend.device(world.local_rank)
-    engine = build_engine(one, job, backend, world, device)
-    tokenizer = load_tokenizer(one.data.tokenizer)
-    batches = held_out_batches(one, tokenizer, world)
+    engine = build_engine(one, job, backend, world, backend.device(world.local_rank))
     with reading(entry.path):
         try:
             dcp_load({"model": engine.model.state_dict()}, checkpoint_id=entry.path)
         except Exception as err:
             raise UserError(f"checkpoint {entry.path} could not be read: {err}") from err
+    return engine, backend
+
+
+def evaluate(spec: PretrainJobSpec, job: str, entry: CheckpointEntry,
+             backend_name: str = "cpu") -> dict[str, Any]:
+    """The held-out loss of the checkpoint at `entry` (see the module doc)."""
+    from hlat_trainer.data import load_tokenizer
+    from hlat_trainer.train import held_out_batches
+
+    engine, backend = load(spec, job, entry, backend_name)
+    one = engine.spec
+    batches = held_out_batches(one, load_tokenizer(one.data.tokenizer), engine.world)
     (loss,) = backend.to_host([engine.eval_loss(batches)])
     value = float(loss)
     return {"step": entry.step, "tokens": entry.step * spec.tokens_per_step,

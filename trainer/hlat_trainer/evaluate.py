@@ -10,9 +10,9 @@ of the reduction.
 
 While it reads, it holds the checkpoint with a reader file (`hlat_api.layout.READERS`, refreshed
 every `READER_REFRESH_SECONDS`), which the trainer's retention respects: `checkpoint.keep` deletes
-no checkpoint being read. It writes one JSON object, `{"step", "tokens", "validationLoss",
-"validationPerplexity", "microBatches"}`, to `--output` (default `$HLAT_EVAL_RESULT`), else to
-stdout. Checkpoints of the torch-native engines (backends cpu, cuda, neuron-native) only: the
+no checkpoint being read. It writes one JSON object, `{"validationLoss": ...}`, to `--output`
+(default `$HLAT_EVAL_RESULT`), else to stdout, and logs the step, the perplexity and the
+micro-batches read. Checkpoints of the torch-native engines (backends cpu, cuda, neuron-native) only: the
 neuron-xla stack saves NxD's own format, which is refused, naming it. A bad config or checkpoint
 prints what to fix and exits with `ExitCode.CONFIG_ERROR`.
 
@@ -51,6 +51,9 @@ from hlat_trainer.errors import UserError
 
 log = logging.getLogger("hlat_trainer.evaluate")
 
+SCORES = ("validationLoss",)
+"""What the result file holds (`--output`, `$HLAT_EVAL_RESULT`): the perplexity, its exp, is
+left out (it would dwarf every other score on a dashboard panel of them)."""
 DCP_METADATA = ".metadata"
 """The file torch.distributed.checkpoint writes last in a checkpoint it saved."""
 
@@ -214,15 +217,18 @@ def main(argv: list[str] | None = None) -> int:
         from hlat_trainer.distributed import shutdown
 
         shutdown()
-    text = json.dumps(result)
+    # the scores alone: the operator publishes every number as a metric, and the checkpoint's
+    # step and tokens are in its status entry already
+    text = json.dumps({k: result[k] for k in SCORES})
     if args.output:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
     else:
         print(text)
-    log.info("step_%d: validation loss %.4f over %d micro-batches", result["step"],
-             result["validationLoss"], result["microBatches"])
+    log.info("step_%d: validation loss %.4f (perplexity %.4g) over %d micro-batches",
+             result["step"], result["validationLoss"], result["validationPerplexity"],
+             result["microBatches"])
     return 0
 
 

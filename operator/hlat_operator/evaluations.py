@@ -107,12 +107,6 @@ def observe_jobs(jobs: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, 
     return out
 
 
-def due(spec: PretrainJobSpec, step: int) -> bool:
-    """Whether the durable checkpoint of `step` gets an evaluation (the trainer holds those
-    for it: hlat_api.layout.hold_ahead)."""
-    return evaluation_due(spec, step)
-
-
 def parse_results(message: str | None) -> dict[str, float]:
     """The evaluator's numbers by name; ValueError saying what is wrong with it."""
     if not message:
@@ -168,7 +162,7 @@ def plan(spec: PretrainJobSpec, job: str, entries: Iterable[Evaluation],
         first = ((newest // period + 1) * period if out or from_start
                  else max(period, latest // period * period))
         start = list(range(first, latest + 1, period))
-        if due(spec, latest) and latest not in start and latest > newest:
+        if evaluation_due(spec, latest) and latest not in start and latest > newest:
             start.append(latest)  # the last checkpoint, whatever its step
         start = start[-ev.keep:]
     for step in start:

@@ -10,6 +10,7 @@ import pytest
 from opfakes import JOB, SETTINGS, World, raw_spec
 
 from hlat_api import InvalidSpecError, labels, parse_spec
+from hlat_api.spec import evaluation_due
 from hlat_api.status import Evaluation
 from hlat_operator import builders, evaluations
 from hlat_operator.evaluations import ObservedEvaluation
@@ -21,8 +22,11 @@ def spec_with(**evaluation: object) -> dict[str, object]:
 
 def test_every_nth_checkpoint_and_the_last_are_evaluated() -> None:
     spec = parse_spec(spec_with(every=2))  # checkpoints every 20 steps, 120 steps
-    assert [s for s in range(1, 121) if evaluations.due(spec, s)] == [40, 80, 120]
-    assert not evaluations.due(parse_spec(raw_spec()), 40)
+    assert [s for s in range(1, 121) if evaluation_due(spec, s)] == [40, 80, 120]
+    assert not evaluation_due(parse_spec(raw_spec()), 40)
+    short = parse_spec({**spec_with(every=2), "train": {"globalBatch": 8, "microBatch": 4,
+                                                       "steps": 100}})
+    assert [s for s in range(1, 101) if evaluation_due(short, s)] == [40, 80, 100]  # the last
 
 
 def test_the_default_evaluator_needs_the_held_out_set() -> None:

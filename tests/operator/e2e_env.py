@@ -165,6 +165,29 @@ class Env:
     def pod_log(self, attempt: int, rank: int) -> str:
         return self.cluster.pod_log(self.ns, f"{self.name}-a{attempt}-{rank}")
 
+    def wait_saved(self, step: int, attempt: int = 0, rank: int = 1, timeout: float = 180
+                   ) -> None:
+        """Until node rank `rank`'s trainer logged its save of step_`step` (polled every 20 ms):
+        the moment to fault a run mid-way. The status is no clock for that: written every 2 s,
+        it lags a tiny run by dozens of steps, and a fault timed by it landed after the last
+        step in CI runs. With sync saves, step_`step` logged means the checkpoint before it
+        is complete (rank 0 committed it before the collectives of the steps since)."""
+        line = f"checkpoint step_{step}:"
+
+        def logged() -> bool:
+            try:
+                return line in self.pod_log(attempt, rank)
+            except (PodNotFound, OSError):
+                return False
+
+        deadline = time.monotonic() + timeout
+        while not logged():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout}s waiting for '{line}' in "
+                                     f"{self.name}-a{attempt}-{rank}'s log; status: "
+                                     f"{json.dumps(self.status())[:1500]}")
+            time.sleep(0.02)
+
     def wait_process(self, pod: str, timeout: float = 60) -> None:
         """Until the kubelet has started the pod's container (its pid file exists)."""
         from hlat_testbed.podfiles import container_pid

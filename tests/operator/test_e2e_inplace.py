@@ -44,8 +44,7 @@ def run_fault(job_env: Env, inject: Callable[[], object], reason: str | set[str]
         spec["template"] = template
     job_env.create(spec)
     with TrainerCensus(job_env) as census:
-        job_env.wait("a checkpoint", lambda s: s.get("phase") == "Running"
-                     and (s.get("latestCheckpoint") or {}).get("step", 0) >= 2, 180)
+        job_env.wait_saved(4)  # step 2 complete (by the log: the status lags)
         before = {p.metadata.name: p.metadata.uid for p in job_env.pods()}
         fault_at = time.time()
         inject()
@@ -191,8 +190,7 @@ def test_in_place_attempts_that_keep_failing_fall_back_to_a_new_gang(job_env: En
     spec["template"] = {"spec": {"containers": [{"name": "trainer", "env": [
         {"name": "HLAT_FAULT_EXIT_WHILE_EXISTS", "value": "/fsx/break-starts"}]}]}}
     job_env.create(spec)
-    job_env.wait("a checkpoint", lambda s: s.get("phase") == "Running"
-                 and (s.get("latestCheckpoint") or {}).get("step", 0) >= 2, 180)
+    job_env.wait_saved(4)  # step 2 complete (by the log: the status lags)
     flag.write_text("x")
     faults.kill_trainer(job_env.cluster.config, job_env.ns, f"{JOB}-a0-1")
     third = job_env.wait("restart 3", lambda s: s.get("restarts", {}).get("total", 0) >= 3, 120)

@@ -12,7 +12,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from types import UnionType
+from typing import Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -142,12 +143,14 @@ def parse_spec(raw: Mapping[str, Any], source: str = "spec") -> PretrainJobSpec:
 
 
 def _field_aliases(model: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
-    """camelCase key -> nested model class (None for a leaf)."""
+    """camelCase key -> nested model class (None for a leaf); an optional section (`eval:
+    EvalSpec | None`) is its model's."""
     out: dict[str, type[BaseModel] | None] = {}
     for name, info in model.model_fields.items():
         ann = info.annotation
-        nested = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-        out[info.alias or name] = nested
+        options = get_args(ann) if get_origin(ann) in (Union, UnionType) else (ann,)
+        models = [a for a in options if isinstance(a, type) and issubclass(a, BaseModel)]
+        out[info.alias or name] = models[0] if len(models) == 1 else None
     return out
 
 

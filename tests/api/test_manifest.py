@@ -61,6 +61,16 @@ def test_override_creates_missing_sections() -> None:
     assert raw == {"faultTolerance": {"backoff": {"maxSeconds": 5}}}
 
 
+def test_override_reaches_into_an_optional_section() -> None:
+    """`eval` is optional (EvalSpec | None): its keys are set like any other section's (a
+    precompile runs the real spec with `--set eval.interval=...`), and checked as strictly."""
+    raw: dict[str, object] = {"eval": {"path": "/held-out"}}
+    apply_overrides(raw, ["eval.interval=100"])
+    assert raw == {"eval": {"path": "/held-out", "interval": 100}}
+    with pytest.raises(InvalidSpecError, match="unknown key 'intervall'; eval has: batches"):
+        apply_overrides(raw, ["eval.intervall=100"])
+
+
 def test_bad_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(InvalidSpecError, match=r"missing\.yaml: file not found"):
         load_job(tmp_path / "missing.yaml")

@@ -120,6 +120,21 @@ def test_nothing_is_read_back_to_the_host_except_on_logged_and_checkpointed_step
     assert quiet == [1, 2, 3, 6, 7, 9], reads  # 4, 8 saved; 5, 10 logged (10 also saved)
 
 
+def test_an_evaluation_reads_back_one_value(
+    make_job: Callable[..., Job], held_out_data: Path,
+) -> None:
+    """Logged every 3 steps, evaluated every 6 over 3 micro-batches: step 6's evaluation adds
+    one read to its report's (the mean loss over its micro-batches, not one per micro-batch),
+    and its graphs run 3 forwards and the mean, no update."""
+    job = make_job(train__steps=9, train__logInterval=3, checkpoint__interval=100,
+                   eval={"path": str(held_out_data), "interval": 6, "batches": 3})
+    _, probe, last = train(job)
+    reads = probe.between("TransferFromDeviceTime", last)
+    assert reads[5] == reads[2] + 1, reads  # step 6 (logged, evaluated) vs 3 (logged)
+    runs = probe.between("ExecuteTime", last)
+    assert runs[5] - runs[2] == 3 + 1, runs  # 3 micro-batch forwards, the mean
+
+
 def test_after_a_resume_the_steps_are_the_graphs_compiled_before_it(
     make_job: Callable[..., Job],
 ) -> None:

@@ -83,6 +83,27 @@ def test_a_real_run_that_logs_saves_and_resumes_compiles_no_graph_the_precompile
     assert (ck / "step_9" / "done").exists()
 
 
+def test_a_real_run_that_evaluates_compiles_no_graph_the_precompile_missed(
+    write_config: Callable[..., Path], held_out_data: Path, tmp_path: Path,
+) -> None:
+    """spec.eval every 2 steps: the precompile (4 steps of the same spec, evaluating only
+    after its last, as a short run of the real spec would) traces the evaluation's graphs, so
+    the real run's evaluations after steps 2, 4 and 6 compile nothing; each evaluation reads
+    back one value."""
+    config = write_config(train__steps=6, checkpoint__interval=3,
+                          eval={"path": str(held_out_data), "interval": 2, "batches": 3})
+    cache = tmp_path / "xla-cache"
+    pre = drive(config, cache, "train.steps=4", "eval.interval=100", extract=True)
+    assert pre["PersistentCacheMiss"] > 0
+    real = drive(config, cache)
+    evaluated = [json.loads(x) for x in real["stdout"].splitlines() if x[:1] == "{"]
+    assert [e["step"] for e in evaluated if "validationLoss" in e] == [2, 4, 6], evaluated
+    new = sorted(set(real["graphs"]) - set(pre["graphs"]))
+    assert real["PersistentCacheMiss"] == 0 and not new, (
+        f"the real run compiled {real['PersistentCacheMiss']} graphs the precompile did not "
+        f"trace (hashes {new})")
+
+
 def main(cache: str, out: str, argv: list[str]) -> int:
     """The driven process: the cache before anything compiles, then hlat-train."""
     import torch_xla.debug.metrics as met

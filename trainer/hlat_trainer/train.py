@@ -522,6 +522,16 @@ class Trainer:
             return self.engine.longest_write_seconds()
         return self.longest_save or None
 
+    def trace_evaluation(self) -> None:
+        """In the extraction run, after its first step: an evaluation's graphs (its
+        micro-batches' forwards, the mean over the ranks, the one value read back), which a
+        short precompile run would otherwise meet after its last step at most, if its
+        interval allowed. They are the same graphs after any step: parameters are device data
+        between steps, and the evaluation reads no optimizer or loop state."""
+        log.info("graph extraction (%s): tracing an evaluation's graphs", EXTRACT_GRAPHS_ONLY)
+        self.evaluate()  # dummy values: not reported
+        self.ledger.charge("compile")  # all it is for
+
     def trace_checkpoint_paths(self) -> None:
         """In the extraction run, before its first step: a save's and a resume's graphs (see
         the module docstring). Half-way: the steps before it are a fresh run's first steps,
@@ -581,9 +591,9 @@ class Trainer:
 
     def evaluate(self) -> float:
         """The held-out loss now (one value read back), the heartbeat kept alive meanwhile. On
-        a compiling backend an attempt's first evaluation compiles its graphs (the precompile
-        does not trace them yet): its workers report `compiling` meanwhile, so the operator
-        allows its startup bound, not the steady one."""
+        a compiling backend an attempt's first evaluation compiles its graphs (loads them, if
+        a precompile traced them: `trace_evaluation`): its workers report `compiling`
+        meanwhile, so the operator allows its startup bound, not the steady one."""
         phase = "compiling" if self.backend.compiles and not self._evaluated else "training"
         self._beat(phase=phase)
         loss = self.engine.eval_loss(self.eval_batches, each=lambda: self._beat(phase=phase))
@@ -652,6 +662,8 @@ class Trainer:
                              EXTRACT_GRAPHS_ONLY)
                     self.report(done)  # to no sink: dummy values
                     self.ledger.charge("compile")  # all it is for
+                    if self.spec.eval is not None:
+                        self.trace_evaluation()
                 if step == (first + total) // 2 and self.extracting_graphs and self.backend.compiles:
                     compiled = self._charge_step(step, wait, compiled, staged)
                     wait = staged = 0.0
@@ -677,21 +689,18 @@ class Trainer:
                     blocked = (blocked or 0.0) + held
                     if self.snapshot_every is None and self.snapshot_plan == "auto":
                         self._choose_interval(held, step)
-                validation = None
-                if self.evaluates(step, total) and not self.extracting_graphs:
-                    self.observe_norms()  # waits for the step: its time is the step's
-                    compiled = self._charge_step(step, wait, compiled, staged)
-                    wait = staged = 0.0
-                    validation, compiled = self._evaluate_after(step, compiled)
-                if (step % self.spec.train.log_interval == 0 or step == total
-                        or validation is not None):
+                evaluating = self.evaluates(step, total) and not self.extracting_graphs
+                if step % self.spec.train.log_interval == 0 or step == total or evaluating:
                     stats = self.report(done)
                     # the step ends where its line says (its `time`): writing the line is the
                     # next step's time, as in the next line's stepSeconds; a worker lost
                     # after this step's report has then lost only unreported time
                     compiled = self._charge_step(step, wait, compiled, staged)
                     wait = staged = 0.0
-                    if validation is not None:
+                    if evaluating:  # after the report, as the precompile traces it: the
+                        # report reads the step's values back, so no evaluation graph holds
+                        # a piece of the step's (`trace_evaluation`)
+                        validation, compiled = self._evaluate_after(step, compiled)
                         stats["validation_loss"] = validation
                         stats["validation_perplexity"] = math.exp(min(validation, 700.0))
                     if blocked is not None:

@@ -8,17 +8,21 @@ same batches in the same order; seeds change the initialisation and the rounding
 1. precision: fp32, mixed (fp32 master, bf16 autocast), bf16 (rounded to nearest) and bf16-sr,
    three seeds each. The paper: "training loss of pure BF16 diverges. BF16 with SR and mixed
    precision get similar training loss". Goal here: bf16-sr's final held-out loss within 1% of
-   mixed (mean of the seeds), bf16 behind mixed.
+   mixed (mean of the seeds), bf16 behind mixed by more than the seed-to-seed spread, or
+   shown not to be at this scale. At the paper's learning rates (3e-4 cosine to 3e-5) by
+   default: at 3e-3 the updates are large enough that round-to-nearest loses few of them.
 2. beta2 0.95 vs 0.99 under bf16-sr, three seeds each. The paper: 0.99 "causes training
    instability and slower convergence", 0.95 fixes it.
 3. gradient-spike lengths (the paper's monitor: 20-step window, +0.1) on a bf16-sr run with a
    learning rate high enough to spike; the paper: over 86% of spikes last a single step.
 
 On CPU "bf16" means bf16 storage and bf16 compute of the matmuls (no Trainium); the loss is fp32.
-The final loss is the mean cross-entropy on held-out batches (packed from documents the
-training batches never reach). Plots: docs/images/fidelity-*.png.
+The final loss is the trainer's validation loss (spec.eval): the mean token loss over the first
+`--eval-batches` micro-batches of the sample's held-out set (`hlat-data sample --docs N`
+writes it beside the training file), read by `train.held_out_batches` as a run with
+`eval: {path, batches}` reads it. Plots: docs/images/fidelity-*.png.
 
-    .venv/bin/python bench/bench_fidelity.py --data data/sample [--steps 1500] [--seeds 3]
+    .venv/bin/python bench/bench_fidelity.py [--data DIR] [--steps 3000] [--seeds 3] [--lr 3e-4]
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 import report
+from hlat_api import PretrainJobSpec
 from hlat_api.presets import MODEL_PRESETS
 from hlat_trainer.data import PackedLoader, load_tokenizer
 from hlat_trainer.data.sample import write_sample
@@ -46,6 +51,7 @@ from hlat_trainer.monitor import GradSpikeMonitor
 from hlat_trainer.optim import build_optimizer
 from hlat_trainer.precision import PRECISIONS, precision_policy
 from hlat_trainer.schedule import lr_at
+from hlat_trainer.train import held_out_batches
 
 IMAGES = Path(__file__).resolve().parents[1] / "docs" / "images"
 PAPER_ONE_STEP_SHARE = 0.86
@@ -56,8 +62,8 @@ class Run:
     precision: str
     seed: int
     beta2: float = 0.95
-    lr: float = 3e-3
-    min_lr: float = 3e-4
+    lr: float = 3e-4
+    min_lr: float = 3e-5
 
 
 @dataclass
@@ -80,6 +86,26 @@ def batches(data: Path, count: int, seq_len: int, micro_batch: int,
                       text_column="text", seq_len=seq_len, micro_batch=micro_batch, dp_rank=0,
                       dp_size=1, seed=0, prefetch=8) as loader:
         return [next(loader) for _ in range(count)]
+
+
+def validation_batches(data: Path, count: int, seq_len: int, micro_batch: int,
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The held-out set's first `count` micro-batches, as a one-process run with
+    `eval: {path: <data>/held-out, batches: count}` reads them (`train.held_out_batches`)."""
+    held = data / "held-out"
+    if not (held / "held_out.arrow").is_file():
+        raise SystemExit(f"--data {data}: no held-out set ({held}/held_out.arrow); write the "
+                         "sample with `hlat-data sample --docs N`, or leave --data out")
+    spec = PretrainJobSpec.model_validate({
+        "instanceType": "cpu", "model": {"preset": "tiny"},
+        "data": {"path": str(data / "train.arrow"), "tokenizer": str(data / "tokenizer.json"),
+                 "seqLen": seq_len},
+        "train": {"globalBatch": micro_batch, "microBatch": micro_batch, "steps": 1},
+        "optimizer": {"warmupSteps": 0},
+        "checkpoint": {"dir": "/unused"},
+        "eval": {"path": str(held), "batches": count},
+    }, by_alias=True)
+    return held_out_batches(spec, load_tokenizer(spec.data.tokenizer))
 
 
 def held_out_loss(model: torch.nn.Module, held: list[tuple[torch.Tensor, torch.Tensor]],
@@ -220,6 +246,7 @@ def section(a: argparse.Namespace, when: str, header: str, precision: dict[str, 
                      "-" if mode == "mixed" else f"{means[mode] / means['mixed'] - 1:+.2%}",
                      "-" if mode == "mixed" else ", ".join(f"{g:+.2%}" for g in per_seed),
                      f"{statistics.fmean(r.seconds for r in rs):.0f}"])
+    noise = statistics.fmean(stds.values()) / means["mixed"]
     b = {name: (statistics.fmean(r.final for r in rs), statistics.pstdev(r.final for r in rs))
          for name, rs in beta.items()}
     (b95, s95), (b99, s99) = b["beta2 0.95"], b["beta2 0.99"]
@@ -241,16 +268,17 @@ def section(a: argparse.Namespace, when: str, header: str, precision: dict[str, 
     goals = [
         report.verdict("bf16-SR final held-out loss within 1% of mixed precision (mean over "
                        "seeds)", {"mean over seeds": gap}, lambda g: abs(g) <= 0.01, "{:+.2%}"),
-        report.verdict("plain bf16 behind mixed precision (final held-out loss, mean over seeds)",
-                       {"bf16 vs mixed": behind}, lambda g: g > 0, "{:+.2%}"),
+        report.verdict("plain bf16 behind mixed precision by more than the seed-to-seed std "
+                       "(final held-out loss, mean over seeds)",
+                       {"bf16 vs mixed": behind}, lambda g: g > noise, "{:+.2%}"),
     ]
-    noise = statistics.fmean(stds.values()) / means["mixed"]
     body = f"""Run {when} ({seconds:,.0f} s): {header}. The trainer's own pieces
 (model, `precision_policy`, `build_optimizer`: AdamWSR for bf16-sr and torch's foreach AdamW
 otherwise, `lr_at`, clip 1.0, weight decay 0.1, `GradSpikeMonitor`), every run on the same
-batches in the same order, warmup {max(a.steps // 20, 1)} steps, lr 3e-3 cosine to 3e-4; seeds
-change the initialisation and the rounding noise. "Final loss" is the mean cross-entropy on
-{a.eval_batches} held-out batches. On CPU, bf16 is bf16 storage and bf16 matmuls (no
+batches in the same order, warmup {max(a.steps // 20, 1)} steps, lr {a.lr:g} cosine to
+{a.min_lr:g}; seeds change the initialisation and the rounding noise. "Final loss" is the
+trainer's validation loss (spec.eval: the mean token loss of the sample's held-out set, its
+first {a.eval_batches} micro-batches, read by `train.held_out_batches`). On CPU, bf16 is bf16 storage and bf16 matmuls (no
 Trainium); the loss is fp32.
 
 {report.table(["precision", f"final held-out loss (mean of {a.seeds} seeds)", "std over seeds",
@@ -283,23 +311,29 @@ Gradient-spike lengths (the paper's monitor: 20-step running mean, +0.1), bf16-S
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", type=Path, help="dir with train.arrow + tokenizer.json (sample)")
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs side by side")
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--lr", type=float, default=3e-4, help="peak (the paper's: 3e-4)")
+    p.add_argument("--min-lr", type=float, help="the cosine's floor (default: lr / 10)")
+    p.add_argument("--docs", type=int, default=1800,
+                   help="training documents of the sample written without --data (the rest, "
+                        "up to 200, held out)")
     p.add_argument("--spike-lr", type=float, default=2e-2)
     p.add_argument("--images", type=Path, default=IMAGES)
     a = p.parse_args()
+    a.min_lr = a.lr / 10 if a.min_lr is None else a.min_lr
     if a.data is None:
         a.data = Path(tempfile.mkdtemp(prefix="hlat-fidelity-"))
-        write_sample(a.data)
+        write_sample(a.data, num_docs=a.docs)
     torch.manual_seed(0)
     when, start = report.now(), time.perf_counter()
-    every = batches(a.data, a.steps + a.eval_batches, a.seq_len, a.micro_batch)
-    train_batches, held = every[:a.steps], every[a.steps:]
+    train_batches = batches(a.data, a.steps, a.seq_len, a.micro_batch)
+    held = validation_batches(a.data, a.eval_batches, a.seq_len, a.micro_batch)
     warmup = max(a.steps // 20, 1)
     seeds = range(1, a.seeds + 1)
     header = (f"model tiny ({MODEL_PRESETS['tiny'].param_count() / 1e6:.1f}M params), "
@@ -311,32 +345,37 @@ def main() -> None:
     pool = multiprocessing.get_context("fork").Pool(a.jobs, initializer=torch.set_num_threads,
                                                     initargs=(1,))
 
+    def run(precision: str, seed: int, beta2: float = 0.95) -> Run:
+        return Run(precision, seed, beta2=beta2, lr=a.lr, min_lr=a.min_lr)
+
     def group(runs: list[Run], eval_every: int = a.eval_every) -> list[Result]:
         """The runs side by side, one core and one torch thread each."""
         return pool.starmap(train, [(r, train_batches, held, eval_every, warmup) for r in runs])
 
-    print("\n1. precision (AdamW 0.9/0.95, lr 3e-3 -> 3e-4)")
+    print(f"\n1. precision (AdamW 0.9/0.95, lr {a.lr:g} -> {a.min_lr:g})")
     print(f"{'':<22}{'final':>10}{'std':>10}")
-    precision = {mode: group([Run(mode, s) for s in seeds]) for mode in PRECISIONS}
+    precision = {mode: group([run(mode, s) for s in seeds]) for mode in PRECISIONS}
     means = {mode: summary(mode, rs) for mode, rs in precision.items()}
     gap = means["bf16-sr"] / means["mixed"] - 1
     per_seed = [sr.final / mx.final - 1 for sr, mx in zip(precision["bf16-sr"],
                                                              precision["mixed"], strict=True)]
     behind = means["bf16"] / means["mixed"] - 1
-    # the goal on the means of the seeds; the seed-to-seed spread says what a gap is worth
-    met = abs(gap) <= 0.01 and behind > 0
     noise = statistics.fmean(statistics.pstdev(r.final for r in rs) for rs in precision.values())
+    # the goal on the means of the seeds; the seed-to-seed spread says what a gap is worth
+    met = abs(gap) <= 0.01 and behind > noise / means["mixed"]
     print(f"bf16-sr vs mixed: {gap:+.2%} (per seed {', '.join(f'{g:+.2%}' for g in per_seed)}); "
           f"bf16 vs mixed: {behind:+.2%}; fp32 vs mixed: {means['fp32'] / means['mixed'] - 1:+.2%}"
           f"; seed-to-seed std {noise / means['mixed']:.2%} of the loss")
-    print(f"goal (mean of the seeds: bf16-sr within 1% of mixed, bf16 behind mixed): "
+    print(f"goal (mean of the seeds: bf16-sr within 1% of mixed, bf16 behind mixed by more "
+          f"than the seed-to-seed std): "
           f"{'met' if met else 'NOT met'}")
     print("paper (7B): pure BF16 diverges, BF16-SR and mixed precision get similar loss")
     plot(precision, "precision", a.images / "fidelity-precision.png")
 
     print("\n2. beta2 under bf16-sr")
-    beta = {f"beta2 {b}": group([Run("bf16-sr", s, beta2=b) for s in seeds])
-            for b in (0.95, 0.99)}
+    # 0.95 is the precision runs' bf16-sr (the same runs: same seeds, batches and recipe)
+    beta = {"beta2 0.95": precision["bf16-sr"],
+            "beta2 0.99": group([run("bf16-sr", s, beta2=0.99) for s in seeds])}
     b95, b99 = (summary(name, rs) for name, rs in beta.items())
     print(f"beta2 0.99 vs 0.95: {b99 / b95 - 1:+.2%} held-out loss; paper: 0.99 unstable and "
           f"slower, 0.95 fixes it")

@@ -155,7 +155,8 @@ def evaluate(spec: PretrainJobSpec, job: str, entry: CheckpointEntry,
 
     engine, backend = load(spec, job, entry, backend_name)
     one = engine.spec
-    batches = held_out_batches(one, load_tokenizer(one.data.tokenizer), engine.world)
+    world = engine.world
+    batches = held_out_batches(one, load_tokenizer(one.data.tokenizer), world.dp, world.dp_rank)
     (loss,) = backend.to_host([engine.eval_loss(batches)])
     value = float(loss)
     return {"step": entry.step, "tokens": entry.step * spec.tokens_per_step,

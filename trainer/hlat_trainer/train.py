@@ -255,26 +255,26 @@ def known_peak_flops(device: torch.device, dtype: torch.dtype, path: str | None)
     return peak
 
 
-def held_out_batches(spec: PretrainJobSpec, tokenizer: Tokenizer, world: World
+def held_out_batches(spec: PretrainJobSpec, tokenizer: Tokenizer, dp: int = 1, dp_rank: int = 0
                      ) -> list[tuple[Tensor, Tensor]]:
-    """This rank's share of the held-out set (spec.eval), read once and kept on the host: the
-    set's first `eval.batches` micro-batches, read as a step's global batch is (one lane per
-    sequence) and dealt as one (`micro_batch_share`), so that the set is the same at every
-    data-parallel degree: an elastic job's evaluations compare across sizes, and `hlat-eval`
-    reads all of it in one process. With fewer micro-batches than ranks the last ranks get
+    """Data-parallel rank `dp_rank`'s share (of `dp`) of the held-out set (spec.eval), read
+    once and kept on the host: the set's first `eval.batches` micro-batches, read as a step's
+    global batch is (one lane per sequence) and dealt as one (`micro_batch_share`), so that
+    the set is the same at every data-parallel degree: an elastic job's evaluations compare
+    across sizes, and `hlat-eval` and bench_fidelity read all of it in one process. With fewer micro-batches than ranks the last ranks get
     none. None without spec.eval."""
     ev = spec.eval
     if ev is None:
         return []
-    readers = min(world.dp, ev.batches)
-    if world.dp_rank >= readers:
+    readers = min(dp, ev.batches)
+    if dp_rank >= readers:
         return []
     sequences = ev.batches * spec.train.micro_batch
-    mine = len(micro_batch_share(ev.batches, readers, world.dp_rank))
+    mine = len(micro_batch_share(ev.batches, readers, dp_rank))
     try:
         with PackedLoader(ev.path, tokenizer, text_column=spec.data.text_column,
                           seq_len=spec.data.seq_len, micro_batch=spec.train.micro_batch,
-                          dp_rank=world.dp_rank, dp_size=readers,
+                          dp_rank=dp_rank, dp_size=readers,
                           seed=spec.data.shuffle_seed, global_batch=sequences,
                           lanes=sequences) as loader:
             return [next(loader) for _ in range(mine)]
@@ -312,7 +312,8 @@ class Trainer:
             # one lane per sequence: a step's global batch is the same at every dp degree
             global_batch=spec.train.global_batch, lanes=spec.train.global_batch,
         )
-        self.eval_batches = held_out_batches(spec, self.tokenizer, self.world)
+        self.eval_batches = held_out_batches(spec, self.tokenizer, self.world.dp,
+                                             self.world.dp_rank)
         self._evaluated = False  # this attempt has not evaluated yet
         self.state = TrainState()
         self._digest = 0  # of this rank's sequences since the last report (data.digest)

@@ -118,11 +118,21 @@ def held_out_loss(model: torch.nn.Module, held: list[tuple[torch.Tensor, torch.T
     return total / len(held)
 
 
-def train(run: Run, train_batches: list[tuple[torch.Tensor, torch.Tensor]],
-          held: list[tuple[torch.Tensor, torch.Tensor]], eval_every: int,
+Stacked = tuple[torch.Tensor, torch.Tensor]
+"""Micro-batches stacked into one inputs and one targets tensor: what goes to a worker of the
+pool (a tensor crosses as one file descriptor; thousands of batches ran out of them)."""
+
+
+def stack(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Stacked:
+    return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+
+
+def train(run: Run, stacked: Stacked, held_stacked: Stacked, eval_every: int,
           warmup: int) -> Result:
     """The trainer's recipe (AdamW 0.9/beta2, eps 1e-8, weight decay 0.1 on every parameter,
-    clip 1.0, warmup then cosine) for len(train_batches) steps."""
+    clip 1.0, warmup then cosine) for one step per stacked micro-batch."""
+    train_batches = list(zip(*stacked, strict=True))
+    held = list(zip(*held_stacked, strict=True))
     policy = precision_policy(run.precision)
     model = policy.apply(build_model(MODEL_PRESETS["tiny"], seed=run.seed).train())
     opt = build_optimizer(model.parameters(), precision=run.precision, lr=run.lr,
@@ -334,6 +344,7 @@ def main() -> None:
     when, start = report.now(), time.perf_counter()
     train_batches = batches(a.data, a.steps, a.seq_len, a.micro_batch)
     held = validation_batches(a.data, a.eval_batches, a.seq_len, a.micro_batch)
+    stacked, held_stacked = stack(train_batches), stack(held)
     warmup = max(a.steps // 20, 1)
     seeds = range(1, a.seeds + 1)
     header = (f"model tiny ({MODEL_PRESETS['tiny'].param_count() / 1e6:.1f}M params), "
@@ -350,7 +361,8 @@ def main() -> None:
 
     def group(runs: list[Run], eval_every: int = a.eval_every) -> list[Result]:
         """The runs side by side, one core and one torch thread each."""
-        return pool.starmap(train, [(r, train_batches, held, eval_every, warmup) for r in runs])
+        return pool.starmap(train, [(r, stacked, held_stacked, eval_every, warmup)
+                                    for r in runs])
 
     print(f"\n1. precision (AdamW 0.9/0.95, lr {a.lr:g} -> {a.min_lr:g})")
     print(f"{'':<22}{'final':>10}{'std':>10}")

@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import bench_fidelity as fid
 import pytest
+
+import bench_fidelity as fid
 
 HLAT_DATA = [sys.executable, "-m", "hlat_trainer.data.cli"]
 
@@ -53,5 +54,5 @@ def test_the_held_out_batches_are_the_trainer_s_and_never_trained_on(tmp_path: P
 def test_a_sample_without_a_held_out_set_is_refused_with_the_fix(tmp_path: Path) -> None:
     subprocess.run([*HLAT_DATA, "sample", "--out", str(tmp_path), "--docs", "2000"], check=True,
                    capture_output=True)
-    with pytest.raises(SystemExit, match="no held-out set .*hlat-data sample --docs N"):
+    with pytest.raises(SystemExit, match=r"no held-out set .*hlat-data sample --docs N"):
         fid.validation_batches(tmp_path, 4, 64, 2)

@@ -261,8 +261,8 @@ def held_out_batches(spec: PretrainJobSpec, tokenizer: Tokenizer, dp: int = 1, d
     once and kept on the host: the set's first `eval.batches` micro-batches, read as a step's
     global batch is (one lane per sequence) and dealt as one (`micro_batch_share`), so that
     the set is the same at every data-parallel degree: an elastic job's evaluations compare
-    across sizes, and `hlat-eval` and bench_fidelity read all of it in one process. With fewer micro-batches than ranks the last ranks get
-    none. None without spec.eval."""
+    across sizes, and `hlat-eval` and bench_fidelity read all of it in one process. With
+    fewer micro-batches than ranks the last ranks get none. None without spec.eval."""
     ev = spec.eval
     if ev is None:
         return []

@@ -23,6 +23,7 @@ from hlat_testbed import faults
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.demo import GROUP, PLURAL, VERSION, OperatorProcess
 from hlat_testbed.podfiles import PodNotFound
+from hlat_testbed.testing import WaitTimeout, wait_for
 
 JOB = "tiny"
 
@@ -180,13 +181,11 @@ class Env:
             except (PodNotFound, OSError):
                 return False
 
-        deadline = time.monotonic() + timeout
-        while not logged():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout}s waiting for '{line}' in "
-                                     f"{self.name}-a{attempt}-{rank}'s log; status: "
-                                     f"{json.dumps(self.status())[:1500]}")
-            time.sleep(0.02)
+        try:
+            wait_for(logged, timeout, f"'{line}' in {self.name}-a{attempt}-{rank}'s log",
+                     interval=0.02)
+        except WaitTimeout as err:
+            raise AssertionError(f"{err}; status: {json.dumps(self.status())[:1500]}") from err
 
     def wait_process(self, pod: str, timeout: float = 60) -> None:
         """Until the kubelet has started the pod's container (its pid file exists)."""

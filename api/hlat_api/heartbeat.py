@@ -41,6 +41,13 @@ PEER_LOST_SECONDS = 2.0
 REPLICA_PORT = 29491
 """Each worker's launcher (in-place restarts, in-memory snapshots) serves its peers' snapshot
 replicas here (`hlat_trainer.replica`)."""
+CHECKPOINT_REQUEST = PREFIX + "checkpoint-request"
+"""The one annotation the operator writes on a worker's Lease while the worker runs: a
+checkpoint asked for now (a Kueue preemption; `spec.suspend` of a running gang), its value a
+positive integer that grows with each new request (the job's step when it asked, plus one).
+Node local rank 0's heartbeat reads it from each renewal's answer; every rank agrees on it at
+the same step (`hlat_trainer.requests`) and saves that step once, then trains on until its pods
+are stopped. Not a `Heartbeat` field: the worker never writes it."""
 
 
 def lease_name(pod_name: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import re
 import statistics
 import sys
 import threading
@@ -17,6 +18,7 @@ import pytest
 from kubernetes import client, watch
 
 from hlat_api import ExitCode, Heartbeat
+from hlat_api.heartbeat import CHECKPOINT_REQUEST
 from hlat_testbed.cluster import Cluster
 from hlat_testbed.testing import WaitTimeout, python_pod, terminated, wait_for, wait_pod_phase
 from hlat_trainer.heartbeat import LeaseHeartbeat
@@ -219,3 +221,38 @@ def test_a_worker_that_starts_training_says_so_at_once_not_a_period_later(
         assert held is not None and held.phase == "training"
     finally:
         beat.stop()
+
+
+def test_a_checkpoint_the_operator_asks_for_on_the_lease_is_saved_once(
+    cluster: Cluster, namespace: str, write_config: Callable[..., Path]
+) -> None:
+    """The operator's request (hlat.dev/checkpoint-request on the worker's Lease, as a
+    preemption writes it) reaches a real trainer through its renewals' answers: it saves the
+    step it agreed on, once, between its periodic checkpoints, and reports it complete."""
+    grant_own_lease(cluster, namespace, "w-0")
+    config = write_config(train__steps=5000, checkpoint__interval=1000)
+    start_trainer(cluster, namespace, config)
+    coord = client.CoordinationV1Api(cluster.admin_api())
+
+    def training() -> Heartbeat | None:
+        beat, _ = read_beat(cluster, namespace, "w-0")
+        return beat if beat and beat.phase == "training" and beat.step >= 3 else None
+
+    wait_for(training, 240, "a training heartbeat past step 3", interval=0.2)
+    coord.patch_namespaced_lease("w-0", namespace, {"metadata": {"annotations": {
+        CHECKPOINT_REQUEST: "4"}}})
+
+    def saved() -> int | None:
+        found = re.findall(r"checkpoint step_(\d+): asked for by the operator \(request 4\)",
+                           cluster.pod_log(namespace, "w-0"))
+        return int(found[0]) if found else None
+
+    step = wait_for(saved, 30, "the checkpoint asked for", interval=0.2)
+    assert 3 < step < 1000
+    wait_for(lambda: (beat := read_beat(cluster, namespace, "w-0")[0]) is not None
+             and beat.checkpoint_step == step, 30, f"step_{step} reported complete")
+    time.sleep(1.5)  # three more renewals answered with the same request
+    log = cluster.pod_log(namespace, "w-0")
+    assert len(re.findall(r"asked for by the operator", log)) == 1, log[-3000:]
+    client.CoreV1Api(cluster.admin_api()).delete_namespaced_pod("w-0", namespace,
+                                                                grace_period_seconds=0)

@@ -163,6 +163,11 @@ class Engine(ABC):
         assert isinstance(host, dist.ProcessGroup)
         self._host_group = host
 
+    @property
+    def host_group(self) -> dist.ProcessGroup:
+        """The gloo group for the host's own collectives (beside the device's)."""
+        return self._host_group
+
     def snapshot(self, step: int, loop_state: bytes) -> float:
         """Keep this rank's state in memory as of `step` (checkpoint.memoryInterval); returns
         the seconds it held the loop. Engines that take none return 0."""

@@ -37,7 +37,12 @@ import time
 from typing import Any
 
 from hlat_api import Env, ExitCode, Heartbeat
-from hlat_api.heartbeat import DEFAULT_PERIOD_SECONDS, EXPIRY_PERIODS, STARTING_PHASES
+from hlat_api.heartbeat import (
+    CHECKPOINT_REQUEST,
+    DEFAULT_PERIOD_SECONDS,
+    EXPIRY_PERIODS,
+    STARTING_PHASES,
+)
 from hlat_trainer.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -65,6 +70,9 @@ class LeaseHeartbeat:
         attempt's Lease and started it)."""
         self.fenced = False
         """A renewal was refused for good: this trainer's attempt is over."""
+        self.checkpoint_request = 0
+        """The newest checkpoint the operator asked for on this Lease (`CHECKPOINT_REQUEST`),
+        read from the renewals' answers; 0: none."""
         self._thread = threading.Thread(target=self._loop, name="hlat-heartbeat", daemon=True)
 
     @classmethod
@@ -126,7 +134,7 @@ class LeaseHeartbeat:
                      "leaseDurationSeconds": self.lease_seconds},
         }
         try:
-            self.api.patch_namespaced_lease(self.lease, self.namespace, body)
+            answer = self.api.patch_namespaced_lease(self.lease, self.namespace, body)
         except Exception as err:  # the API server's trouble must never stop training
             if getattr(err, "status", None) in (403, 404):
                 self._refused()
@@ -139,7 +147,31 @@ class LeaseHeartbeat:
         with self._lock:
             self._refused_since = None
             self._accepted_at = time.monotonic()
+        self._read_request(answer)
         return True
+
+    def _read_request(self, lease: Any) -> None:
+        """The operator's checkpoint request on the Lease as the renewal left it (the patch
+        answers with the whole object); a value that is not a positive integer is ignored,
+        and said once."""
+        annotations = getattr(getattr(lease, "metadata", None), "annotations", None) or {}
+        raw = annotations.get(CHECKPOINT_REQUEST)
+        if raw is None:
+            return
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            if "request" not in self._errors:
+                self._errors.add("request")
+                log.warning("Lease %s/%s: %s=%r is not a positive integer; ignored",
+                            self.namespace, self.lease, CHECKPOINT_REQUEST, raw)
+            return
+        if value > self.checkpoint_request:
+            log.info("Lease %s/%s: the operator asks for a checkpoint now (request %d)",
+                     self.namespace, self.lease, value)
+            self.checkpoint_request = value
 
     def _refused(self) -> None:
         now = time.monotonic()

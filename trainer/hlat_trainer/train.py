@@ -58,6 +58,7 @@ from hlat_trainer.distributed import World
 from hlat_trainer.engine import Engine, StepResult, build_engine, pack, unpack
 from hlat_trainer.errors import UserError
 from hlat_trainer.heartbeat import LeaseHeartbeat
+from hlat_trainer.ondemand import CheckpointRequests
 from hlat_trainer.ledger import Ledger
 from hlat_trainer.model import count_params
 from hlat_trainer.monitor import GradSpikeMonitor
@@ -339,6 +340,12 @@ class Trainer:
         self.resumed_from = "checkpoint"
         """What the attempt resumed from (`maybe_resume`): a durable `checkpoint` or a `snapshot`."""
         self.heartbeat = LeaseHeartbeat.from_environment(self.world.local_rank)
+        beat = self.heartbeat
+        self.requests = CheckpointRequests(
+            (lambda: beat.checkpoint_request if beat is not None else 0)
+            if os.environ.get(Env.HEARTBEAT_LEASE) else None,
+            self.engine.host_group if self.world.size > 1 else None)
+        """Checkpoints the operator asks for now (a preemption, a suspend): `ondemand`."""
         self.ledger.charge("startup")
         if self.heartbeat is not None:
             self.engine.fence(self.heartbeat.fenced_now, self.heartbeat.fenced_lately)
@@ -672,10 +679,14 @@ class Trainer:
                 if staged:  # the update waited for the last save's copy: that save's time
                     self._off_step_time(staged)
                 blocked = None
-                if step % self.spec.checkpoint.interval == 0 or step == total:
+                asked = self.requests.due()  # every rank, every step: the same answer
+                if step % self.spec.checkpoint.interval == 0 or step == total or asked:
                     self.observe_norms()  # waits for the step: its time is the step's
                     compiled = self._charge_step(step, wait, compiled, staged)
                     wait = staged = 0.0
+                    if asked:
+                        log.info("checkpoint step_%d: asked for by the operator (request %d)",
+                                 step, asked)
                     self.save(step)
                     # all the save held the loop (building the state included), not only the
                     # checkpointer's part: what the log, the step time and goodput all use
@@ -713,6 +724,7 @@ class Trainer:
                     compiled = self._charge_step(step, wait, compiled, staged)
                 self._beat(phase="training")
                 _leak_for_drills(self.leak_path)
+            self.requests.close()
             # the final asynchronous write: say so, or a long one looks like a hang and gets a
             # finished job restarted; the operator allows the longest write seen x its safety
             # factor (none seen yet: its startup bound)

@@ -58,11 +58,11 @@ from hlat_trainer.distributed import World
 from hlat_trainer.engine import Engine, StepResult, build_engine, pack, unpack
 from hlat_trainer.errors import UserError
 from hlat_trainer.heartbeat import LeaseHeartbeat
-from hlat_trainer.ondemand import CheckpointRequests
 from hlat_trainer.ledger import Ledger
 from hlat_trainer.model import count_params
 from hlat_trainer.monitor import GradSpikeMonitor
 from hlat_trainer.neuron_env import EXTRACT_GRAPHS_ONLY, extracting_graphs_only
+from hlat_trainer.ondemand import CheckpointRequests
 from hlat_trainer.precision import precision_policy
 from hlat_trainer.schedule import lr_at
 

@@ -94,11 +94,11 @@ class OperatorSettings(BaseModel):
     renew during the outage, and the kubelets renew within their lease period (10 s on EKS;
     40 s is the node lease's duration). A worker's own fresh heartbeat clears it sooner."""
     eviction_checkpoint_seconds: float = 300.0
-    """When Kueue evicts a training job (a preemption), its workers keep training until their
-    next checkpoint is complete, then stop, if that checkpoint is due within this many seconds
-    (steps to it x the recent step time); else, or once this long has passed, they stop at
-    once and resume from the latest checkpoint. 0: always stop at once. The preempting job
-    waits that much longer for the quota."""
+    """When a Ready gang is told to stop (Kueue evicts it; spec.suspend), the operator asks its
+    workers for a checkpoint now (hlat_api.heartbeat.CHECKPOINT_REQUEST) and stops them once
+    it is complete, or once this many seconds have passed without it (a trainer that does not
+    answer): then they stop and resume from the latest checkpoint. 0: always stop at once. A
+    preempting job waits for the quota until the stop."""
     termination_grace_seconds: int = 60
     """terminationGracePeriodSeconds of worker pods: time to finish an async checkpoint write."""
     scheduler_name: str | None = None

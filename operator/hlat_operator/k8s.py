@@ -12,6 +12,8 @@ decides again from what it then observes):
   (an RBAC 403 only once it has lasted `FORBIDDEN_RETRIES` retries);
 - DeletePod: delete (grace None: the pod's own grace period; 0: force); NotFound is fine;
 - PatchPod: merge patch of a pod's labels and annotations (an in-place restart's kept pods);
+- PatchLease: merge patch of a worker Lease's annotations (a checkpoint asked for); NotFound is
+  fine;
 - DeleteObject("Lease" | "PodDisruptionBudget"): delete; NotFound is fine;
 - PatchStatus: JSON merge patch of the status subresource carrying the resourceVersion read, so
   a stale pass loses with 409 (`Conflict`: the caller simply runs the next pass);
@@ -51,6 +53,7 @@ from hlat_operator.reconcile import (
     DeleteObject,
     DeletePod,
     EmitEvent,
+    PatchLease,
     PatchPod,
     PatchState,
     PatchStatus,
@@ -437,6 +440,8 @@ class Kube:
             self._delete_pod(job, action)
         elif isinstance(action, PatchPod):
             self._patch_pod(job, action)
+        elif isinstance(action, PatchLease):
+            self._patch_lease(job, action)
         elif isinstance(action, DeleteObject) and action.kind == "PodDisruptionBudget":
             self._delete_budget(job, action.name)
         elif isinstance(action, DeleteObject):
@@ -591,6 +596,18 @@ class Kube:
                                                     _preload_content=False))
         except _API_ERRORS as err:
             raise _wrap(f"patch pod {job.namespace}/{action.name}", err) from err
+
+    def _patch_lease(self, job: JobRef, action: PatchLease) -> None:
+        """Merge-patch the annotations alone: the worker's heartbeat owns the rest (a patch
+        that changes nothing is not a write: no watch event, no new resourceVersion)."""
+        body = {"metadata": {"annotations": action.annotations}}
+        try:
+            _discard(self.coordination.patch_namespaced_lease(action.name, job.namespace, body,
+                                                              _preload_content=False))
+        except _API_ERRORS as err:
+            wrapped = _wrap(f"patch lease {job.namespace}/{action.name}", err)
+            if not isinstance(wrapped, NotFound):
+                raise wrapped from err
 
     def _delete_lease(self, job: JobRef, name: str) -> None:
         try:

@@ -171,12 +171,12 @@ class OperatorState(BaseModel):
     """The next spare pod's number (spare pod names are never reused)."""
     slow_since: dict[str, str] = Field(default_factory=dict)
     """Nodes of the attempt computing over the straggler threshold, each since when (RFC 3339)."""
-    evicted_since: str | None = None
-    """When the operator first saw Kueue's eviction of the running attempt, while it lets the
-    workers finish their next checkpoint (RFC 3339)."""
-    evicted_until_checkpoint: int | None = None
-    """The step of the periodic checkpoint the workers train on to (the next after the step
-    they were at): once it is complete, they stop."""
+    stop_asked_since: str | None = None
+    """When the running attempt was asked to stop (Kueue evicted it, or spec.suspend), while
+    its workers write the checkpoint the operator asked for before they stop (RFC 3339)."""
+    stop_after_checkpoint: int | None = None
+    """The step the checkpoint asked for is at or after (the step the workers had reported,
+    plus one): once a checkpoint at or after it is complete, they stop."""
     deactivated_workload: bool = False
     """The operator set the job's Kueue Workload inactive for spec.suspend (so that a suspended
     job holds no quota); it activates it again when the job resumes. A Workload someone else

@@ -20,7 +20,8 @@ exited 0). A fault makes it Restarting: every pod of the attempt is deleted, the
 waits until they are gone (force-deleting pods stuck on a dead node after a bound), backs
 off exponentially, and creates attempt+1 (phase Pending, the Restarting condition stays True
 until the new gang runs). Suspended deletes the pods and keeps progress; resuming creates a
-new attempt. Failed and Succeeded are terminal.
+new attempt. A Ready gang told to stop (spec.suspend, a Kueue eviction) is first asked for a
+checkpoint, and stopped once it is complete (bounded). Failed and Succeeded are terminal.
 
 Progress, checkpoints, uptime, goodput and lost steps are computed by
 `hlat_operator.accounting`.
@@ -34,7 +35,7 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from hlat_api import labels
-from hlat_api.heartbeat import EXPIRY_PERIODS, STARTING_PHASES, Heartbeat
+from hlat_api.heartbeat import CHECKPOINT_REQUEST, EXPIRY_PERIODS, STARTING_PHASES, Heartbeat
 from hlat_api.labels import Reason
 from hlat_api.manifest import InvalidSpecError, parse_spec
 from hlat_api.spec import PretrainJobSpec
@@ -151,6 +152,15 @@ class PatchPod:
 
 
 @dataclass(frozen=True)
+class PatchLease:
+    """Merge-patch a worker Lease's annotations (the operator's checkpoint request); a Lease
+    that is gone needs nothing."""
+
+    name: str
+    annotations: dict[str, str]
+
+
+@dataclass(frozen=True)
 class DeleteObject:
     kind: Literal["Lease", "PodDisruptionBudget"]
     name: str
@@ -169,8 +179,8 @@ class SetWorkloadActive:
     active: bool
 
 
-Action = (PatchState | PatchStatus | EmitEvent | CreateObject | DeletePod | PatchPod | DeleteObject
-          | DeleteJob | WriteWorkloadStatus | SetWorkloadActive)
+Action = (PatchState | PatchStatus | EmitEvent | CreateObject | DeletePod | PatchPod | PatchLease
+          | DeleteObject | DeleteJob | WriteWorkloadStatus | SetWorkloadActive)
 
 
 @dataclass(frozen=True)
@@ -384,7 +394,8 @@ def decide(
         return p.finish(None)
     _update_progress(p, parsed)
     _expire_avoided(p, parsed)
-    if parsed.suspend:
+    if parsed.suspend and not _checkpoint_before_stop(p, parsed, Reason.SUSPENDED,
+                                                      "spec.suspend is true"):
         _suspend(p)
         _suspend_workload(p)
         return p.finish(parsed)
@@ -545,6 +556,7 @@ def _admission(p: _Pass, spec: PretrainJobSpec) -> PretrainJobSpec | None:
     Suspended, no pods, nothing counted). Not in a queue: the spec as it is."""
     q = p.observed.queueing
     if q is None:
+        _stop_no_longer_asked(p, spec)
         return spec
     if p.state.deactivated_workload:  # resumed: back into the queue
         p.state = p.state.model_copy(update={"deactivated_workload": False})
@@ -555,11 +567,10 @@ def _admission(p: _Pass, spec: PretrainJobSpec) -> PretrainJobSpec | None:
             return None
     match queueing.state(q):
         case "admitted":
-            if p.state.evicted_since is not None:
-                p.state = p.state.model_copy(update={"evicted_since": None,
-                                                     "evicted_until_checkpoint": None})
+            _stop_no_longer_asked(p, spec)
             return queueing.admitted_spec(spec, q)
-        case "evicted" if _checkpoint_before_eviction(p, spec, q):
+        case "evicted" if _checkpoint_before_stop(p, spec, Reason.EVICTED_BY_KUEUE,
+                                                  queueing.eviction(q)):
             return queueing.admitted_spec(spec, q)
         case "absent" if q.priority_class and q.priority is None:
             _hold(p, Reason.QUEUED, f"WorkloadPriorityClass {q.priority_class} (the label "
@@ -704,47 +715,56 @@ def _suspend_workload(p: _Pass) -> None:
         p.after(queueing.POLL_SECONDS)
 
 
-def _checkpoint_before_eviction(p: _Pass, spec: PretrainJobSpec, q: queueing.Queueing) -> bool:
-    """Whether an evicted job trains on to its next checkpoint before it stops: only a Ready
-    gang whose next periodic checkpoint is due within settings.eviction_checkpoint_seconds
-    (steps to it x the recent step time), and only until that checkpoint is complete or the
-    bound has passed. The preempted job then resumes where it stopped, not a checkpoint
-    interval back."""
+def _checkpoint_before_stop(p: _Pass, spec: PretrainJobSpec, reason: Reason, why: str) -> bool:
+    """Whether a running attempt told to stop (Kueue evicted it; spec.suspend) trains on until
+    a checkpoint it was asked for is complete (meanwhile the pass goes on as for a running
+    job: a fault ends the wait): only a Ready gang with steps left, asked once
+    (`CHECKPOINT_REQUEST` on its Leases: the step it has reported, plus one; its workers agree
+    on a step at or after it and save it), and only until a checkpoint at or after that step
+    is complete or settings.eviction_checkpoint_seconds have passed (a trainer that does not
+    answer). The job then resumes where it stopped, not a checkpoint interval back."""
     latest = p.status.latest_checkpoint.step if p.status.latest_checkpoint else -1
     bound = p.settings.eviction_checkpoint_seconds
-    since = parse_time(p.state.evicted_since)
+    since = parse_time(p.state.stop_asked_since)
     if since is not None:
-        until = p.state.evicted_until_checkpoint
+        until = p.state.stop_after_checkpoint
         waited = (p.now - since).total_seconds()
-        if until is None or latest >= until or waited >= bound:
+        if (until is None or latest >= until or waited >= bound
+                or p.status.phase != "Running"):  # a fault meanwhile: nothing to wait for
             return False
-        p.after(min(queueing.POLL_SECONDS, bound - waited))
+        _ask_checkpoint(p, until)  # again: a write lost is retried, an unchanged one
+        p.after(min(queueing.POLL_SECONDS, bound - waited))  # changes nothing
         return True
     ready = _has_condition(p, "Ready", "True") and p.status.phase == "Running"
-    due = _next_checkpoint_seconds(p, spec)
-    if not ready or due is None or due > bound:
+    step = p.status.progress.step
+    if not ready or bound <= 0 or step >= spec.total_steps:
         return False
-    step, interval = p.status.progress.step, spec.checkpoint.interval
-    until = min(step + interval - step % interval, spec.total_steps)
-    p.state = p.state.model_copy(update={"evicted_since": p.stamp,
-                                         "evicted_until_checkpoint": until})
-    p.event(Reason.EVICTED_BY_KUEUE,
-            f"{queueing.eviction(q)}; the workers stop after their next checkpoint (step "
-            f"{until}, due in about {due:.0f}s)")
+    until = step + 1
+    p.state = p.state.model_copy(update={"stop_asked_since": p.stamp,
+                                         "stop_after_checkpoint": until})
+    _ask_checkpoint(p, until)
+    p.event(reason, f"{why}; the workers write a checkpoint now (step {until} or later) and "
+            f"stop once it is complete, within {bound:g}s")
     p.after(queueing.POLL_SECONDS)
     return True
 
 
-def _next_checkpoint_seconds(p: _Pass, spec: PretrainJobSpec) -> float | None:
-    """Steps to the next periodic checkpoint x the recent step time (from the status's ETA);
-    None when unknown."""
-    progress = p.status.progress
-    total, eta = progress.total_steps, progress.eta_seconds
-    if total is None or eta is None or progress.step >= total:
-        return None
-    per_step = eta / (total - progress.step)
-    interval = spec.checkpoint.interval
-    return (interval - progress.step % interval) * per_step
+def _ask_checkpoint(p: _Pass, request: int) -> None:
+    """Ask the attempt's workers for a checkpoint now: `request` on the Lease of each node rank
+    that has a pod (node local rank 0's heartbeat reads it from its next renewal's answer)."""
+    job, attempt = p.observed.job, p.status.attempt
+    ranks = sorted({pod.rank for pod in p.observed.pods
+                    if pod.attempt == attempt and pod.rank is not None and not pod.spare})
+    for rank in ranks:
+        p.actions.append(PatchLease(labels.worker_lease_name(job.name, attempt, rank),
+                                    {CHECKPOINT_REQUEST: str(request)}))
+
+
+def _stop_no_longer_asked(p: _Pass, spec: PretrainJobSpec) -> None:
+    """The job runs on (admitted again; spec.suspend false again): a stop asked for is over."""
+    if p.state.stop_asked_since is not None and not spec.suspend:
+        p.state = p.state.model_copy(update={"stop_asked_since": None,
+                                             "stop_after_checkpoint": None})
 
 
 def _hold(p: _Pass, reason: Reason, message: str) -> bool:

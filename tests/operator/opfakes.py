@@ -36,6 +36,7 @@ from hlat_operator.reconcile import (
     DeleteObject,
     DeletePod,
     EmitEvent,
+    PatchLease,
     PatchPod,
     PatchState,
     PatchStatus,
@@ -127,6 +128,8 @@ class World:
         """Preferred node-affinity terms per pod (kube-scheduler's NodeAffinity score)."""
         self.nodes = {n: ObservedNode(n) for n in nodes}
         self.leases: dict[str, ObservedLease] = {}
+        self.lease_patches: list[PatchLease] = []
+        """The operator's writes to worker Leases (checkpoint requests), in order."""
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}
         self.events: list[EmitEvent] = []
         self.deleted = False
@@ -193,6 +196,8 @@ class World:
                 rank=int(rank) if rank is not None else pod.rank,
                 spare=pod.spare and action.labels.get(labels.SPARE, "") is not None,
                 started_at=self.now if moved else pod.started_at)
+        elif isinstance(action, PatchLease):
+            self.lease_patches.append(action)
         elif isinstance(action, DeleteObject) and action.kind != "Lease":
             self.objects.pop((action.kind, action.name), None)
         elif isinstance(action, DeleteObject):

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from opfakes import JOB, SETTINGS, World, raw_spec
 
+from hlat_api.heartbeat import CHECKPOINT_REQUEST
 from hlat_api.labels import Reason
 from hlat_api.manifest import parse_spec
 from hlat_operator import builders, queueing
@@ -128,20 +129,26 @@ def _training_world(settings: OperatorSettings = SETTINGS) -> World:
     return w
 
 
-def test_an_eviction_lets_the_next_checkpoint_finish_then_stops_and_releases_the_quota() -> None:
+def _requests(w: World) -> set[tuple[str, str]]:
+    return {(a.name, a.annotations[CHECKPOINT_REQUEST]) for a in w.lease_patches}
+
+
+def test_an_eviction_asks_for_a_checkpoint_now_then_stops_and_releases_the_quota() -> None:
     w = _training_world()
     w.queueing = replace(w.queueing, workload=_admitted(Evicted=PREEMPTED))  # type: ignore[arg-type]
     w.step()
-    # step 25, next checkpoint 40: 15 steps of 0.5 s, within the bound: the gang trains on
+    # at step 25 (20 the latest checkpoint): both workers' Leases ask for one at 26 or later,
+    # and the gang trains on meanwhile
     assert w.status.phase == "Running" and len(w.live()) == 2
+    assert _requests(w) == {("tiny-a0-0", "26"), ("tiny-a0-1", "26")}
     said = [e.message for e in w.events if e.reason == Reason.EVICTED_BY_KUEUE]
-    assert said and "next checkpoint (step 40" in said[-1], said
-    w.advance(5)
-    w.beat(35, checkpoint_step=20)
+    assert said and "Preempted" in said[-1] and "checkpoint now (step 26" in said[-1], said
+    w.advance(2)
+    w.beat(29, checkpoint_step=20)
     w.step()
     assert w.status.phase == "Running" and not w.workload_writes
-    w.advance(3)
-    w.beat(41, checkpoint_step=40)  # the checkpoint after the eviction is complete: stop
+    w.advance(1)
+    w.beat(30, checkpoint_step=27)  # the checkpoint asked for is complete: stop
     w.step()
     assert w.status.phase == "Suspended" and w.reasons()[-1] == Reason.EVICTED_BY_KUEUE
     assert w.status.reason == Reason.EVICTED_BY_KUEUE
@@ -159,34 +166,59 @@ def test_an_eviction_lets_the_next_checkpoint_finish_then_stops_and_releases_the
 
     # Kueue admits it again: a new attempt, from the checkpoint at the stop, no restart counted
     w.queueing = replace(w.queueing, workload=_admitted())  # type: ignore[arg-type]
-    w.until("Running", step=41)
+    w.until("Running", step=28)
     assert w.status.attempt == 1 and w.status.restarts.total == 0
-    assert w.state.evicted_since is None
+    assert w.state.stop_asked_since is None
+    w.lease_patches.clear()
+    w.run(3, step=29)
+    assert not w.lease_patches, "the new attempt is not asked for anything"
 
 
-def test_an_eviction_stops_at_once_when_the_next_checkpoint_is_too_far() -> None:
-    for settings, why in ((SETTINGS.model_copy(update={"eviction_checkpoint_seconds": 0}), "off"),
-                          (SETTINGS.model_copy(update={"eviction_checkpoint_seconds": 5}),
-                           "7.5 s away")):
-        w = _training_world(settings)
-        w.queueing = replace(w.queueing, workload=_admitted(Evicted=PREEMPTED))  # type: ignore[arg-type]
-        w.step()
-        assert w.status.phase == "Suspended", why
+def test_an_eviction_stops_at_once_when_asking_is_off_or_the_gang_is_not_ready() -> None:
+    off = _training_world(SETTINGS.model_copy(update={"eviction_checkpoint_seconds": 0}))
+    off.queueing = replace(off.queueing, workload=_admitted(Evicted=PREEMPTED))  # type: ignore[arg-type]
+    off.step()
+    assert off.status.phase == "Suspended" and not off.lease_patches
+    starting = _queued_world()
+    starting.step()
+    starting.queueing = replace(starting.queueing, workload=_admitted(),  # type: ignore[arg-type]
+                                flavors={"trn1": FLAVOR})
+    starting.step()
+    assert starting.status.phase == "Pending"
+    starting.queueing = replace(starting.queueing, workload=_admitted(Evicted=PREEMPTED))  # type: ignore[arg-type]
+    starting.step()
+    assert starting.status.phase == "Suspended" and not starting.lease_patches
 
 
 def test_an_eviction_waits_no_longer_than_its_bound() -> None:
+    """A trainer that does not answer (an image without checkpoint requests; stuck): stopped
+    once settings.eviction_checkpoint_seconds have passed, asked again on every pass till
+    then."""
     w = _training_world(SETTINGS.model_copy(update={"eviction_checkpoint_seconds": 10}))
     w.queueing = replace(w.queueing, workload=_admitted(Evicted=PREEMPTED))  # type: ignore[arg-type]
     w.step()
     assert w.status.phase == "Running"
     w.advance(9)
-    w.beat(30, checkpoint_step=20)  # slower than it said: the checkpoint is not there yet
+    w.beat(30, checkpoint_step=20)  # no checkpoint yet
     w.step()
-    assert w.status.phase == "Running"
+    assert w.status.phase == "Running" and len(w.lease_patches) == 4
     w.advance(2)
     w.beat(32, checkpoint_step=20)
     w.step()
     assert w.status.phase == "Suspended"
+
+
+def test_a_fault_while_the_checkpoint_is_awaited_ends_the_wait() -> None:
+    w = _training_world()
+    w.queueing = replace(w.queueing, workload=_admitted(Evicted=PREEMPTED))  # type: ignore[arg-type]
+    w.step()
+    assert w.status.phase == "Running"
+    w.advance(1)
+    w.fail(1, exit_code=137)
+    w.run(3)
+    assert w.status.phase == "Suspended" and w.reasons()[-1] == Reason.EVICTED_BY_KUEUE
+    w.run(3)
+    assert not w.pods
 
 
 def test_an_ended_job_finishes_its_workload_once() -> None:
@@ -212,6 +244,9 @@ def test_suspend_wins_over_an_admission() -> None:
     w.queueing = replace(w.queueing, workload=_admitted(), flavors={"trn1": FLAVOR})  # type: ignore[arg-type]
     w.until("Running", step=5)
     w.spec["suspend"] = True
+    w.step()
+    assert _requests(w) == {("tiny-a0-0", "6"), ("tiny-a0-1", "6")} and not w.workload_active
+    w.beat(6, checkpoint_step=6)  # the checkpoint asked for is complete
     w.run(3)
     assert w.status.phase == "Suspended" and not w.pods
     assert w.reasons()[-1] == Reason.SUSPENDED
@@ -226,6 +261,8 @@ def test_a_suspended_job_gives_its_quota_back_and_queues_again_when_resumed() ->
     w.queueing = replace(w.queueing, workload=_admitted(), flavors={"trn1": FLAVOR})  # type: ignore[arg-type]
     w.until("Running", step=5)
     w.spec["suspend"] = True
+    w.step()
+    w.beat(6, checkpoint_step=6)  # the checkpoint asked for at the suspension
     w.step()
     assert w.workload_active == [False] and w.state.deactivated_workload
     assert any("quota in LocalQueue team released" in e.message for e in w.events)
@@ -321,22 +358,21 @@ def test_an_admission_by_topology_gates_the_pods_for_kueue_s_ungater() -> None:
 
 
 def test_a_checkpoint_in_flight_at_the_eviction_is_not_the_one_waited_for() -> None:
-    """At step 45 with checkpoint 40 still being written (20 the latest complete), the workers
-    train on to 60: 40 completing is not the checkpoint after the eviction."""
+    """At step 45 with checkpoint 40 still being written (20 the latest complete), the one
+    asked for is at 46 or later: 40 completing is not it."""
     w = _training_world()
     w.advance(1)
     w.beat(45, checkpoint_step=20)
     w.step()
     w.queueing = replace(w.queueing, workload=_admitted(Evicted=PREEMPTED))  # type: ignore[arg-type]
     w.step()
-    said = [e.message for e in w.events if e.reason == Reason.EVICTED_BY_KUEUE]
-    assert said and "next checkpoint (step 60" in said[-1], said
+    assert _requests(w) == {("tiny-a0-0", "46"), ("tiny-a0-1", "46")}
     w.advance(1)
     w.beat(47, checkpoint_step=40)
     w.step()
     assert w.status.phase == "Running"
-    w.advance(6)
-    w.beat(61, checkpoint_step=60)
+    w.advance(1)
+    w.beat(48, checkpoint_step=47)
     w.step()
     assert w.status.phase == "Suspended"
 

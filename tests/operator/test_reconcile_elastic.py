@@ -301,7 +301,11 @@ def test_a_suspended_shrunk_job_resumes_at_its_size_and_grows_when_it_can() -> N
     assert w.status.goodput.capacity == 1.0  # on all its nodes so far
     w.until("Running", step=3, limit=WAIT + 120)
     w.spec["suspend"] = True
-    w.until("Suspended", step=3)
+    w.step()
+    w.beat(4, checkpoint_step=4)  # the checkpoint asked for at the suspension
+    w.step()
+    assert {a.name for a in w.lease_patches} == {"tiny-a2-0", "tiny-a2-1"}  # 2 of 3 nodes
+    w.until("Suspended", step=4)
     assert not w.live()
     w.spec["suspend"] = False
     w.until("Running", step=4, limit=60)

@@ -9,7 +9,7 @@ import pytest
 from opfakes import JOB, SETTINGS, World, at, raw_spec, stamp
 
 from hlat_api import labels
-from hlat_api.heartbeat import lease_name
+from hlat_api.heartbeat import CHECKPOINT_REQUEST, lease_name
 from hlat_api.labels import Reason
 from hlat_api.status import PretrainJobStatus
 from hlat_operator.observe import Observed
@@ -150,8 +150,23 @@ def test_suspend_deletes_the_pods_keeps_progress_and_resume_starts_a_new_attempt
     w.step()
     w.spec["suspend"] = True
     w.step()
-    assert w.status.phase == "Suspended" and not w.pods
-    assert w.status.progress.step == 30
+    # a Ready gang is asked for a checkpoint now (step 31 or later: ten steps since 20 kept)
+    # and runs on until it is complete
+    assert w.status.phase == "Running" and len(w.pods) == 2
+    assert {(a.name, a.annotations[CHECKPOINT_REQUEST]) for a in w.lease_patches} == {
+        ("tiny-a0-0", "31"), ("tiny-a0-1", "31")}
+    said = [e.message for e in w.events if e.reason == Reason.SUSPENDED]
+    assert said and "checkpoint now (step 31 or later)" in said[-1], said
+    w.advance(1)
+    w.beat(32, checkpoint_step=20)
+    w.step()
+    assert w.status.phase == "Running"
+    w.beat(33, checkpoint_step=32)
+    w.step()
+    assert w.status.phase == "Suspended"
+    w.run(3)
+    assert not w.pods
+    assert w.status.progress.step == 33 and w.status.latest_checkpoint.step == 32  # type: ignore[union-attr]
     w.run(50)
     assert w.status.phase == "Suspended" and w.status.restarts.total == 0
     w.spec["suspend"] = False
@@ -162,7 +177,7 @@ def test_suspend_deletes_the_pods_keeps_progress_and_resume_starts_a_new_attempt
     # the steps trained before the suspension are the new gang's recomputed work (the
     # highest step is written by the suspending pass: no fault moved the state)
     env = {e["name"]: e.get("value") for e in created[0]["spec"]["containers"][0]["env"]}
-    assert env["HLAT_STEPS_DONE"] == "30"
+    assert env["HLAT_STEPS_DONE"] == "33"
     assert w.status.restarts.total == 0
     assert Reason.RESUMED in w.reasons()
 
@@ -203,6 +218,9 @@ def test_suspended_time_counts_neither_up_nor_down() -> None:
     w.run(20, step=5)
     w.spec["suspend"] = True
     w.step()
+    w.beat(6, checkpoint_step=6)  # the checkpoint asked for at the suspension
+    w.step()
+    assert w.status.phase == "Suspended"
     up = w.status.uptime
     w.advance(1000)
     w.step()

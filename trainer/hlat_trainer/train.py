@@ -346,6 +346,8 @@ class Trainer:
             if os.environ.get(Env.HEARTBEAT_LEASE) else None,
             self.engine.host_group if self.world.size > 1 else None)
         """Checkpoints the operator asks for now (a preemption, a suspend): `ondemand`."""
+        self._asked_save: int | None = None
+        """The step of a checkpoint saved on request, until it is complete and published."""
         self.ledger.charge("startup")
         if self.heartbeat is not None:
             self.engine.fence(self.heartbeat.fenced_now, self.heartbeat.fenced_lately)
@@ -467,9 +469,14 @@ class Trainer:
         if self.heartbeat is not None:
             fields.setdefault("step", self.state.step)
             fields.setdefault("tokens", self.state.tokens)
-            self.heartbeat.update(checkpoint_step=self.engine.committed,
+            committed = self.engine.committed
+            self.heartbeat.update(checkpoint_step=committed,
                                   snapshot_step=self.engine.snapshot_step,
                                   activity=self.ledger.snapshot(), **fields)
+            asked = self._asked_save
+            if asked is not None and committed is not None and committed >= asked:
+                self._asked_save = None  # the operator waits for this news: told at once
+                self.heartbeat.renew_soon()
 
     def _charge_step(self, step: int, data_wait: float, compiled_since: float,
                      staged: float = 0.0) -> float:
@@ -687,6 +694,7 @@ class Trainer:
                     if asked:
                         log.info("checkpoint step_%d: asked for by the operator (request %d)",
                                  step, asked)
+                        self._asked_save = step
                     self.save(step)
                     # all the save held the loop (building the state included), not only the
                     # checkpointer's part: what the log, the step time and goodput all use

@@ -82,6 +82,9 @@ def benches(data: str | None) -> list[Bench]:
         # a sample of its own (training documents and a held-out set, which make's has not)
         Bench("fidelity", "The paper's precision findings at small scale",
               ("bench_fidelity.py",)),
+        # torchrun, 2 ranks: the agreement on a checkpoint asked for, on vs off
+        Bench("ondemand", "Checkpoints asked for at a stop: the per-step agreement's cost",
+              ("bench_ondemand.py",)),
     ]
 
 

@@ -269,6 +269,86 @@ def test_a_higher_priority_job_preempts_a_running_one_which_checkpoints_and_resu
     assert trained - stopped_at < INTERVAL, (trained, stopped_at)
 
 
+# --- a ResourceFlavor per instance type --------------------------------------------------------
+
+TRN2 = "trn2.48xlarge"
+TRN2_FIRST_INDEX = 60
+"""Pod ranges of the trn2 pool: clear of the session's node-<i>, test_e2e_eks_nodes' pools (40..)
+and e2e_network's (50..)."""
+
+
+@pytest.fixture
+def types_queue(kueue_up: None, job_env: Env) -> Iterator[str]:
+    """Two trn2.48xlarge nodes beside the session's trn1.32xlarge ones (untainted: the CPU jobs
+    here request no Neuron device), a ResourceFlavor per instance type, and a ClusterQueue
+    with quota for two worker pods of each."""
+    cluster = job_env.cluster
+    added = cluster.add_node_pool("kq-trn2", 2, TRN2, "managed", TRN2_FIRST_INDEX, taint=False)
+    api = cluster.admin_api()
+    kueue.apply(api, {"apiVersion": kueue.API, "kind": "ResourceFlavor",
+                      "metadata": {"name": "trn2"},
+                      "spec": {"nodeLabels": {INSTANCE_LABEL: TRN2}}})
+    kueue.apply(api, {"apiVersion": kueue.API, "kind": "ClusterQueue",
+                      "metadata": {"name": "hlat-e2e-types"},
+                      "spec": {"namespaceSelector": {},
+                               "resourceGroups": [{
+                                   "coveredResources": ["pods"],
+                                   "flavors": [
+                                       {"name": FLAVOR, "resources": [
+                                           {"name": "pods", "nominalQuota": 2}]},
+                                       {"name": "trn2", "resources": [
+                                           {"name": "pods", "nominalQuota": 2}]}]}]}})
+    kueue.apply(api, {"apiVersion": kueue.API, "kind": "LocalQueue",
+                      "metadata": {"name": "types", "namespace": job_env.ns},
+                      "spec": {"clusterQueue": "hlat-e2e-types"}})
+    try:
+        yield "types"
+    finally:
+        cluster.remove_nodes(added)
+
+
+def _on(instance: str, steps: int, **fault_tolerance: Any) -> dict[str, Any]:
+    """A tiny job pinned to an instance type, as a trn job's own node selector pins it (the CPU
+    jobs here carry it in spec.scheduling)."""
+    spec = tiny_spec(steps=steps, **fault_tolerance)
+    spec["scheduling"] = {"nodeSelector": {INSTANCE_LABEL: instance}}
+    return spec
+
+
+def test_each_instance_type_is_a_flavor_with_its_own_quota(job_env: Env, types_queue: str
+                                                             ) -> None:
+    """Kueue admits a job only into the flavor of its instance type: with the trn1 quota held,
+    a trn2 job is admitted into the trn2 flavor and trains on the trn2 nodes, while another
+    trn1 job waits in the same queue, its message naming the trn1 flavor."""
+    holder, other, waiter = (job_env.other(n) for n in ("holder", "other", "waiter"))
+    labels = {"kueue.x-k8s.io/queue-name": types_queue}
+    holder.create(_on("trn1.32xlarge", 60, **FROZEN_OK), labels=labels)
+    holder.wait("holder Running", lambda s: s.get("phase") == "Running", 120)
+    frozen = _frozen(holder)
+    try:
+        other.create(_on(TRN2, 6), labels=labels)
+        waiter.create(_on("trn1.32xlarge", 6), labels=labels)
+        done = other.wait("the trn2 job Succeeded", lambda s: s.get("phase") == "Succeeded",
+                          240)
+        assert done["restarts"]["total"] == 0
+        nodes = {p.spec.node_name for p in _pods(other)}
+        assert nodes == {"kq-trn2-0", "kq-trn2-1"}, nodes
+        admission = (_workload(other).get("status") or {}).get("admission") or {}
+        flavors = {f for ps in admission.get("podSetAssignments") or []
+                   for f in (ps.get("flavors") or {}).values()}
+        assert flavors == {"trn2"}, admission
+        waiting = waiter.wait("the second trn1 job waiting", lambda s: _condition(
+            s, "Suspended").get("reason") == "Queued", 60)
+        message = _condition(waiting, "Suspended")["message"]
+        assert f"flavor {FLAVOR}" in message and not _pods(waiter), message
+    finally:
+        _thawed(holder, frozen)
+    holder.wait("holder Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    waiter.wait("the second trn1 job Succeeded", lambda s: s.get("phase") == "Succeeded", 300)
+    assert {p.spec.node_name for p in _pods(waiter)} <= {"node-0", "node-1", "node-2",
+                                                        "net-0", "net-1"}
+
+
 # --- topology through Kueue's topology-aware scheduling ----------------------------------------
 
 HOSTNAME = "kubernetes.io/hostname"

@@ -58,17 +58,27 @@ def fail_slow(runs: int, seed: int, intervals: dict[str, float]) -> tuple[list[l
         alone = fs.fail_slow_lost(nodes, days * fs.DAY, slow, runs, seed)
         rows.append([name, f"{mtbs / fs.HOUR:,.0f} h", "left alone",
                      report.pct(float(alone.mean()), 2), f"{1 / (1 - alone.mean()):.3f}x", "-"])
-        for label, interval in intervals.items():
-            policy = fs.Replace(detect_s, interval, move_s)
+        period = OperatorSettings().heartbeat_period_seconds
+        policies = {f"Replace at the next periodic checkpoint, checkpoints {label} "
+                    f"({interval:,.0f} s)": fs.Replace(detect_s, interval, move_s)
+                    for label, interval in intervals.items()}
+        # the checkpoint asked for at the flag: seen within a heartbeat period, then written
+        # whole (a 7B write, as long as a synchronous save) before the move
+        policies[f"Replace at a checkpoint asked for at the flag (a heartbeat period + a "
+                 f"{fs.SYNC_SAVE_7B_S:.0f} s write)"] = fs.Replace(
+                     detect_s + fs.SYNC_SAVE_7B_S, period, move_s)
+        for label, policy in policies.items():
             moved = fs.fail_slow_lost(nodes, days * fs.DAY, slow, runs, seed, policy)
-            rows.append([name, "", f"Replace, checkpoints {label} ({interval:,.0f} s)",
+            rows.append([name, "", label,
                          report.pct(float(moved.mean()), 2), f"{1 / (1 - moved.mean()):.3f}x",
                          report.pct(1 - float(moved.mean() / alone.mean()), 1)])
     notes = [
         "fail-slows: exponential durations, mean 72 min at scale (Falcon section 3.4) or 24 "
         f"min in the probe jobs (section 3.3); the gang's step time x{fs.FailSlow(1.0).factor:g} while one "
         "lasts (assumed); flagged after the straggler window + a heartbeat period "
-        f"({detect_s:.0f} s), moved at the next checkpoint (uniform wait) by an in-place "
+        f"({detect_s:.0f} s), moved at the next periodic checkpoint (uniform wait) or at a "
+        "checkpoint asked for at the flag (what the operator does since session 31: seen "
+        "within a heartbeat period, uniform, then written whole) by an in-place "
         f"restart of {move_s:.0f} s, when a fail-slow's mean loss is above that cost",
         f"Falcon removed {report.pct(fs.FALCON_MITIGATED, 1)} of the slowdown of injected "
         "fail-slows with its multi-level mitigation (micro-batch and topology changes first); "

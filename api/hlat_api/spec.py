@@ -350,13 +350,14 @@ class StragglerSpec(_Model):
 
     action: Literal["Report", "Replace"] = "Report"
     """Report: condition `Straggler` naming the node, its slowdown and since when, a Warning
-    event, and `hlat_node_step_slowdown_ratio` per node. Replace: the same, then, at the first
-    checkpoint completed after the flag (nothing trained is lost), the node's rank moves to a
-    ready spare (restartStrategy InPlace, spareNodes >= 1) in an in-place restart, and the node
-    goes on the avoid list; the move uses no restart budget. With no ready spare the job
-    restarts off the node (its pod recreated on another) once the time the node has cost
-    exceeds what a restart costs this job (its attempts' measured starts plus the backoff),
-    at a checkpoint; until then it stays, reported."""
+    event, and `hlat_node_step_slowdown_ratio` per node. Replace: the same, then the node's
+    rank moves to a ready spare (restartStrategy InPlace, spareNodes >= 1) in an in-place
+    restart, and the node goes on the avoid list; the move uses no restart budget. With no
+    ready spare the job restarts off the node (its pod recreated on another) once the time the
+    node has cost exceeds what a restart costs this job (its attempts' measured starts plus
+    the backoff); until then it stays, reported. Either move waits for a checkpoint completed
+    after the flag (nothing trained is lost), which the operator asks the workers for as soon
+    as the move is due, not an interval later."""
     threshold: Annotated[float, Field(gt=0, le=10)] = 0.2
     """Flag a node whose compute time is more than (1 + threshold) x the median of the other
     nodes' (0.2: 20% slower)."""

@@ -1345,33 +1345,38 @@ def _judge_stragglers(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) 
 
 def _move_off_straggler(p: _Pass, spec: PretrainJobSpec, slow: stragglers.Slow,
                         pods: list[ObservedPod], window: float) -> None:
-    """stragglers.action Replace, at the first checkpoint completed after the flag (the move
-    loses no step): with a ready spare, restart in place with the slow node's pod deleted (the
-    spare takes its rank); with none, restart off the node (its pod recreated elsewhere) once
-    the time it has cost exceeds what a restart costs this job (`stragglers.restart_pays`).
-    Either way the node is avoided and no budget used. Until then, nothing (the condition
-    says it is slow)."""
+    """stragglers.action Replace: with a ready spare, restart in place with the slow node's
+    pod deleted (the spare takes its rank); with none, restart off the node (its pod recreated
+    elsewhere) once the time it has cost exceeds what a restart costs this job
+    (`stragglers.restart_pays`). Either way the node is avoided and no budget used. The move
+    waits for a checkpoint completed after the flag (it loses no step), asked for as soon as
+    the move is due (`CHECKPOINT_REQUEST`: the newest checkpoint's step + 1, the same value on
+    every pass until one completes), not an interval later. Until the move is due, nothing
+    (the condition says it is slow)."""
     if p.fault is not None:
         return
-    flagged_at = slow.since + timedelta(seconds=window)
-    checkpoint = p.status.latest_checkpoint
-    saved = parse_time(checkpoint.time if checkpoint else None)
-    spare = next((pod for pod in p.observed.spare_pods() if _ready_spare(p, pod)), None)
     victim = next((pod for pod in pods if pod.node == slow.node), None)
-    if victim is None or checkpoint is None or saved is None or saved < flagged_at:
-        p.after(p.settings.resync_seconds)  # a checkpoint is awaited
+    if victim is None:
         return
     head = f"node {slow.node} took {slow.ratio:.2f}x the median of the other nodes' time a step"
+    spare = next((pod for pod in p.observed.spare_pods() if _ready_spare(p, pod)), None)
     if spare is not None:
-        why = f"{head}: its rank moves to spare {spare.name} at checkpoint step_{checkpoint.step}"
+        how = f"its rank moves to spare {spare.name}"
     else:
         lost = p.straggler_share * (p.now - slow.since).total_seconds()
         cost = _restart_cost(p, spec)
         if not stragglers.restart_pays(lost, cost):
             p.after(p.settings.resync_seconds)  # a spare, or enough loss, is awaited
             return
-        why = (f"{head} and has cost {lost:.0f}s, more than a restart ({cost:.0f}s measured): "
-               f"restarting off it at checkpoint step_{checkpoint.step} (no ready spare)")
+        how = (f"it has cost {lost:.0f}s, more than a restart ({cost:.0f}s measured): "
+               f"restarting off it (no ready spare)")
+    checkpoint = p.status.latest_checkpoint
+    saved = parse_time(checkpoint.time if checkpoint else None)
+    if checkpoint is None or saved is None or saved < slow.since + timedelta(seconds=window):
+        _ask_checkpoint(p, (checkpoint.step if checkpoint else 0) + 1)
+        p.after(queueing.POLL_SECONDS)  # the checkpoint asked for is awaited
+        return
+    why = f"{head}: {how} at checkpoint step_{checkpoint.step}"
     p.leaving.add(victim.name)  # not kept in place: a spare or a new node takes its rank
     _on_fault(p, spec, Fault(Reason.STRAGGLER, why, victim.name, slow.node))
 

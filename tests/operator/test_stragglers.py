@@ -11,7 +11,7 @@ import pytest
 from opfakes import World, raw_spec
 
 from hlat_api import labels
-from hlat_api.heartbeat import Activity, Heartbeat
+from hlat_api.heartbeat import CHECKPOINT_REQUEST, Activity, Heartbeat
 from hlat_operator import stragglers
 from hlat_operator.metrics import OperatorMetrics
 from hlat_operator.observe import ObservedLease, parse_time
@@ -158,8 +158,8 @@ def test_a_node_held_back_by_its_data_path_is_flagged_as_a_slow_chip_is() -> Non
 
 
 def test_replace_moves_the_slow_node_s_rank_to_a_spare_at_the_next_checkpoint() -> None:
-    """action Replace with a ready spare: nothing moves before a checkpoint completed after the
-    flag; then an in-place restart (no budget used) deletes the slow node's pod, avoids the
+    """action Replace with a ready spare: a checkpoint is asked for at the flag, and nothing
+    moves before a checkpoint completed after the flag; then an in-place restart (no budget used) deletes the slow node's pod, avoids the
     node, and the spare takes its rank."""
     w = World(raw_spec(**{"faultTolerance.restartStrategy": "InPlace",
                           "faultTolerance.spareNodes": 1,
@@ -176,8 +176,13 @@ def test_replace_moves_the_slow_node_s_rank_to_a_spare_at_the_next_checkpoint() 
         _beat_compute(w, {0: 0.10, 1: 0.15}, 10 + t, checkpoint=4)
         w.step()
         w.advance(2)
+        if t < 30:
+            assert not w.lease_patches, t
     assert _condition(w)["status"] == "True" and w.status.phase == "Running"
     assert w.status.restarts.total == 0 and "tiny-a0-1" in w.pods
+    # so a checkpoint is asked for now (one value, however many passes ask), not an interval on
+    assert {(a.name, a.annotations[CHECKPOINT_REQUEST]) for a in w.lease_patches} == {
+        ("tiny-a0-0", "5"), ("tiny-a0-1", "5")}
     _beat_compute(w, {0: 0.10, 1: 0.15}, 62, checkpoint=60)  # the next checkpoint completes
     w.step()
     w.advance(1)
@@ -219,6 +224,7 @@ def test_replace_without_a_spare_restarts_off_the_node_once_it_cost_more_than_a_
         w.step()
         if t == 60:  # flagged, 6 s lost (0.05 of every 0.5 s step): under a restart's cost
             assert _condition(w)["status"] == "True" and w.status.restarts.total == 0
+            assert not w.lease_patches  # no checkpoint asked for a move not due
         w.advance(2)
         step, t = step + 1, t + 2
     failure = w.status.last_failure

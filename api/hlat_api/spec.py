@@ -572,7 +572,7 @@ class PretrainJobSpec(_Model):
     """Restart policy."""
     elastic: ElasticSpec | None = None
     """Shrink to a smaller size that keeps the global batch when nodes are missing for
-    elastic.waitSeconds, grow back at the first checkpoint after they return. Unset: the job
+    elastic.waitSeconds, grow back at a checkpoint asked for once they return. Unset: the job
     waits for all its nodes. Not applied to a job in a Kueue queue."""
     suspend: bool = False
     """Delete the pods but keep progress (Kueue-compatible); false resumes."""

@@ -648,7 +648,8 @@ def _since_node_fault(p: _Pass) -> float:
 
 def _grow(p: _Pass, spec: PretrainJobSpec) -> bool:
     """An elastic job below spec.nodes whose usable nodes hold a larger size restarts on it
-    once a checkpoint newer than the latest when it saw them is complete (no work lost)."""
+    once a checkpoint newer than the latest when it saw them is complete (no work lost),
+    asked for from the workers at once (`_ask_checkpoint`)."""
     d = p.desired
     if (d is None or d.elastic is None or not _elastic(p, d) or spec.nodes >= d.nodes
             or not p.observed.nodes_known):
@@ -666,9 +667,12 @@ def _grow(p: _Pass, spec: PretrainJobSpec) -> bool:
         after = (f"a checkpoint newer than step_{latest}" if latest >= 0
                  else "its first checkpoint")
         p.event(Reason.GROWN, f"{count} usable nodes: growing to {target} of {d.nodes} nodes "
-                f"once {after} is complete")
-        return False
-    if latest <= p.state.grow_after:
+                f"once {after} is complete (asked for now)")
+    seen = p.state.grow_after
+    if seen is not None and latest <= seen:
+        # asked for now, not an interval on: one request value until it completes
+        _ask_checkpoint(p, max(seen, 0) + 1)
+        p.after(queueing.POLL_SECONDS)
         return False
     _resize(p, d, target, Reason.GROWN,
             f"{count} usable nodes and checkpoint step_{latest} complete: restarting on "

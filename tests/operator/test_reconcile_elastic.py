@@ -11,6 +11,7 @@ import pytest
 from opfakes import World, raw_spec
 
 from hlat_api import InvalidSpecError, parse_spec
+from hlat_api.heartbeat import CHECKPOINT_REQUEST
 from hlat_api.labels import Reason
 from hlat_operator.metrics import OperatorMetrics
 from hlat_operator.observe import ObservedNode
@@ -288,7 +289,11 @@ def test_with_a_spare_a_lost_node_moves_to_it_and_only_a_loss_with_none_left_shr
     assert spare.node == first and spare.phase == "Running"
     assert w.status.size.nodes == 2, "grew before a new checkpoint"
     (waits,) = [e.message for e in w.events if e.reason == Reason.GROWN]
-    assert waits.endswith("growing to 3 of 3 nodes once its first checkpoint is complete")
+    assert waits.endswith("growing to 3 of 3 nodes once its first checkpoint is complete "
+                          "(asked for now)")
+    # asked of the two workers at their size, one value however many passes ask
+    assert {(a.name, a.annotations[CHECKPOINT_REQUEST]) for a in w.lease_patches} == {
+        (f"tiny-a{w.status.attempt}-0", "1"), (f"tiny-a{w.status.attempt}-1", "1")}
     _checkpoint(w, 40, 30)
     assert w.status.size.nodes == 3 and _config_nodes(w) == 3
     assert first in {p.node for p in w.live() if not p.spare}

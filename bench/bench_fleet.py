@@ -111,19 +111,25 @@ def node_losses(runs: int, seed: int) -> tuple[list[str], list[list[str]], list[
             cells = [name if hours == 1 else "", f"{mtbf / fs.HOUR:,.0f} h", f"{hours} h",
                      report.pct(float(rigid.mean()), 2)]
             for size in (even, below):
-                shrunk = fs.node_loss_capacity(nodes, days * fs.DAY, loss, runs, seed,
-                                               fs.Elastic(size, 60.0, spec.speed_at(size)))
-                cells.append(report.pct(float(shrunk.mean()), 2))
+                shrunk = fs.node_loss_runs(nodes, days * fs.DAY, loss, runs, seed, fs.Elastic(
+                    size, 60.0, spec.speed_at(size), asked_write_s=fs.SYNC_SAVE_7B_S,
+                    heartbeat_s=OperatorSettings().heartbeat_period_seconds))
+                cells.append(f"{report.pct(float(shrunk.capacity.mean()), 2)} / "
+                             f"{report.pct(float(shrunk.goodput.mean()), 2)}")
             rows.append(cells)
     loss = fs.NodeLoss(1.0, 0.0)
     notes = [
-        f"capacity: node-seconds of training that count over node-seconds asked for "
-        f"({nodes} nodes x {days} days); each loss is detected in {loss.detection_s:.0f} s "
+        "capacity / goodput: capacity is node-seconds of training that count over "
+        "node-seconds asked for; goodput, the job's ratio, is the share of the time it trained "
+        "work that counts at whatever size (status.goodput counts time at a reduced size as "
+        "productive); for a rigid job, which trains on all its nodes or none, the two are the "
+        f"same ({nodes} nodes x {days} days); each loss is detected in {loss.detection_s:.0f} s "
         f"(node_lost's detection), a restart takes {loss.restart_s:.0f} s (a cold gang "
         f"start: process, compile cache, checkpoint load), and recomputes half a checkpoint "
         f"interval ({loss.checkpoint_interval_s:,.0f} s) on average",
         "elastic: waits 60 s for a spare or replacement, then restarts at the smaller size; "
-        "grows back at the first checkpoint after the replacement (a planned restart, no "
+        "grows back at a checkpoint asked for once the replacement is there (a heartbeat "
+        f"period, uniform, and a {fs.SYNC_SAVE_7B_S:.0f} s write; then a planned restart, no "
         "work lost); a step at the smaller size takes as long as its busiest rank's "
         "micro-batches (`PretrainJobSpec.speed_at`)",
         f"the paper's 7B layout ({PAPER_7B.name}: global batch {spec.train.global_batch}, "
@@ -135,7 +141,8 @@ def node_losses(runs: int, seed: int) -> tuple[list[str], list[list[str]], list[
         f"{even} nodes, runs at {spec.speed_at(even):.0%}",
     ]
     header = ["losses that need a node replaced", "node MTBF", "replacement", "rigid",
-              f"elastic to {even} (even split)", f"elastic to {below} (uneven)"]
+              f"elastic to {even} (even split): capacity / goodput",
+              f"elastic to {below} (uneven): capacity / goodput"]
     return header, rows, notes
 
 

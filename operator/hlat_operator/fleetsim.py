@@ -906,40 +906,72 @@ class Elastic:
     """Its steps per second at `size`, relative to the whole gang's (`PretrainJobSpec.speed_at`:
     where the data-parallel degree does not divide the micro-batches, a step waits for the
     ranks that train one more); None: size / nodes, as when it divides them."""
+    asked_write_s: float | None = None
+    """Growing back waits for a checkpoint asked for once the replacement is there (what the
+    operator does): seen within a heartbeat period (`heartbeat_s`, uniform), then written whole
+    in this many seconds. None: it waits for the next periodic checkpoint (uniform over the
+    interval, in steps at the smaller size)."""
+    heartbeat_s: float = 10.0
 
     def __post_init__(self) -> None:
         _check(self.size > 0, "size", "must be > 0")
         _check(self.wait_s >= 0, "wait_s", "must be >= 0")
         _check(self.speed is None or 0 < self.speed <= 1, "speed", "must be in (0, 1]")
+        _check(self.asked_write_s is None or self.asked_write_s >= 0, "asked_write_s",
+               "must be >= 0")
 
 
-def node_loss_capacity(nodes: int, duration_s: float, loss: NodeLoss, runs: int, seed: int,
-                       elastic: Elastic | None = None) -> Floats:
-    """Per run: the capacity fraction, node-seconds of training that count over node-seconds
-    asked for (nodes x duration). Per loss, without elasticity: the gang is down from the loss
-    until the replacement and a restart, and recomputes the work since the last checkpoint.
-    Elastic, when the replacement takes longer than detection + wait: down for detection, wait
-    and a restart; then short by (nodes - size) nodes until the replacement is there and the
-    next checkpoint is complete; then a planned restart (the whole gang, no work lost). Seeded;
+@dataclass(frozen=True)
+class NodeLossRuns:
+    """Per run, two figures of the same losses."""
+
+    capacity: Floats
+    """Node-seconds of training that count over node-seconds asked for (nodes x duration)."""
+    goodput: Floats
+    """The share of the duration the job trained work that counts, at whatever size (the
+    job's goodput ratio: time at a reduced size is productive, as status.goodput counts it;
+    time down and work recomputed are not)."""
+
+
+def node_loss_runs(nodes: int, duration_s: float, loss: NodeLoss, runs: int, seed: int,
+                   elastic: Elastic | None = None) -> NodeLossRuns:
+    """Per run, capacity and goodput. Per loss, without elasticity: the gang is down from the
+    loss until the replacement and a restart, and recomputes the work since the last
+    checkpoint. Elastic, when the replacement takes longer than detection + wait: down for
+    detection, wait and a restart; then short by (nodes - size) nodes until the replacement
+    is there and a checkpoint is complete (the next periodic one, or one asked for:
+    `Elastic.asked_write_s`); then a planned restart (the whole gang, no work lost). Seeded;
     both policies meet the same losses."""
     _check(runs > 0, "runs", "must be > 0")
     _check(nodes > 0 and duration_s > 0, "nodes/duration_s", "must be > 0")
     if elastic is not None:
         _check(elastic.size < nodes, "size", f"must be below nodes ({nodes})")
-    out = np.zeros(runs)
+    capacity, goodput = np.zeros(runs), np.zeros(runs)
     for run in range(runs):
         rng = np.random.default_rng([seed, run, 3])
         count = rng.poisson(nodes * duration_s / loss.node_mtbf_s)
         recomputed = rng.uniform(0, loss.checkpoint_interval_s, count)
-        to_checkpoint = rng.uniform(0, loss.checkpoint_interval_s, count)
+        drawn = rng.uniform(0, 1, count)
         whole = max(loss.detection_s, loss.replacement_s) + loss.restart_s  # gang seconds down
-        lost = nodes * (recomputed + whole)  # node-seconds
+        down = recomputed + whole  # seconds the gang trains nothing that counts
+        lost = nodes * down  # node-seconds
         if elastic is not None and loss.replacement_s > loss.detection_s + elastic.wait_s:
             shrunk_at = loss.detection_s + elastic.wait_s + loss.restart_s
-            # while short, a step takes 1/speed as long: the next checkpoint is that much
-            # further away in wall time, and the gang does `speed` of its work
+            # while short, a step takes 1/speed as long: the next periodic checkpoint is that
+            # much further away in wall time, and the gang does `speed` of its work
             speed = elastic.speed if elastic.speed is not None else elastic.size / nodes
-            short = max(loss.replacement_s - shrunk_at, 0.0) + to_checkpoint / speed
-            lost = nodes * (recomputed + shrunk_at + loss.restart_s + (1 - speed) * short)
-        out[run] = max(0.0, 1 - float(lost.sum()) / (nodes * duration_s))
-    return out
+            to_checkpoint = (drawn * loss.checkpoint_interval_s / speed
+                             if elastic.asked_write_s is None
+                             else drawn * elastic.heartbeat_s + elastic.asked_write_s)
+            short = max(loss.replacement_s - shrunk_at, 0.0) + to_checkpoint
+            down = recomputed + shrunk_at + loss.restart_s
+            lost = nodes * (down + (1 - speed) * short)
+        capacity[run] = max(0.0, 1 - float(lost.sum()) / (nodes * duration_s))
+        goodput[run] = max(0.0, 1 - float(down.sum()) / duration_s)
+    return NodeLossRuns(capacity, goodput)
+
+
+def node_loss_capacity(nodes: int, duration_s: float, loss: NodeLoss, runs: int, seed: int,
+                       elastic: Elastic | None = None) -> Floats:
+    """Per run: the capacity fraction (`node_loss_runs`)."""
+    return node_loss_runs(nodes, duration_s, loss, runs, seed, elastic).capacity

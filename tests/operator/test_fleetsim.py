@@ -235,6 +235,27 @@ def test_shrinking_keeps_capacity_a_rigid_job_loses_and_more_so_the_longer_the_w
     assert to_32.mean() < uneven.mean() < to_63.mean()
 
 
+def test_goodput_counts_the_time_at_the_smaller_size_and_a_checkpoint_asked_for_grows_back_sooner(
+) -> None:
+    """The job's goodput (time training, at any size) beside its capacity (node-seconds): equal
+    for a rigid job, which trains on all its nodes or none; above it for an elastic one, whose
+    time short of nodes is productive but not at full capacity. Growing back at a checkpoint
+    asked for (a heartbeat period and a write) leaves it short for less than waiting for the
+    next periodic one (half a 1,800 s interval at half speed), so more capacity, the same
+    goodput (the time down is the same)."""
+    loss = _loss(24)
+    rigid = fs.node_loss_runs(64, 28 * DAY, loss, 200, 1)
+    assert np.allclose(rigid.goodput, rigid.capacity)
+    periodic = fs.node_loss_runs(64, 28 * DAY, loss, 200, 1, fs.Elastic(32, 60))
+    asked = fs.node_loss_runs(64, 28 * DAY, loss, 200, 1, fs.Elastic(32, 60, asked_write_s=150))
+    assert (periodic.goodput > periodic.capacity).all()
+    assert rigid.goodput.mean() < periodic.goodput.mean()
+    assert np.allclose(asked.goodput, periodic.goodput)
+    # per loss about (900 x 2 - 155) x 1/2 node-seconds a node saved: 14 losses of 28 days
+    saved = asked.capacity.mean() - periodic.capacity.mean()
+    assert saved == pytest.approx(14 * (1800 - 155) / 2 / (28 * DAY), rel=0.2)
+
+
 def test_a_size_s_speed_defaults_to_its_share_of_the_nodes() -> None:
     loss = _loss(4)
     assert fs.node_loss_capacity(64, 28 * DAY, loss, 50, 3, fs.Elastic(32, 60)).tolist() == \

@@ -114,6 +114,11 @@ class Heartbeat(BaseModel):
     loader: a node whose data path is slow (a failing disk, a saturated link to the data) keeps
     its gang waiting as a slow chip does, with its compute time normal. The operator scores a
     node on `compute_seconds` plus this (`hlat_operator.stragglers`)."""
+    host_seconds: float | None = None
+    """Median, over the same steps, of the rest of a step's time on this worker: the
+    optimizer update, clipping, moving batches to the device (the step less compute, sync,
+    data wait and a save's staging). With the three above, where the step goes; a slow host
+    (a noisy neighbour, a throttled CPU) shows here. None where not measured (XLA, CUDA)."""
     validation_loss: float | None = None
     """The latest held-out validation loss (spec.eval), taken after step `validation_step`."""
     validation_step: int | None = None

@@ -132,15 +132,34 @@ def test_prometheus_endpoint_serves_training_metrics(make_job: Callable[..., Job
     # and its wait for its own data loader, the straggler score's other part
     waited = last["data_wait_median_seconds"]
     assert 0 < waited == values["hlat_train_data_wait_median_seconds"]
+    # and the rest of its step: the host's own work (the update, clipping, moving batches)
+    assert 0 < last["host_seconds"] == values["hlat_train_host_seconds"]
     for name in ("grad_norm", "param_norm", "lr", "tokens_per_second", "mfu", "step_seconds",
                  "data_wait_seconds", "checkpoint_blocking_seconds", "compute_seconds",
-                 "sync_seconds", "data_wait_median_seconds"):
+                 "sync_seconds", "data_wait_median_seconds", "host_seconds"):
         assert f"hlat_train_{name}" in values, name
-    # the heartbeat carries the medians the operator scores nodes on
+    # the heartbeat carries the medians the operator scores nodes on, and where the rest goes
     beat = LeaseHeartbeat(None, "default", "w-0", "w-0", 1.0, attempt=0)
     beat(last)
-    assert (beat.beat.compute_seconds, beat.beat.data_wait_seconds) == (
-        last["compute_seconds"], waited)
+    assert (beat.beat.compute_seconds, beat.beat.data_wait_seconds, beat.beat.host_seconds) == (
+        last["compute_seconds"], waited, last["host_seconds"])
+
+
+def test_a_slow_host_side_update_shows_as_host_overhead_not_as_compute(
+        make_job: Callable[..., Job]) -> None:
+    """An optimizer step that takes 50 ms longer (a host slowed by a noisy neighbour, a
+    throttled CPU): the step's host overhead grows by it, its compute time does not."""
+    job = make_job(train__steps=6, checkpoint__interval=100)
+    trainer = Trainer(job)
+    update = trainer.engine.optimizer.step
+
+    def slow_update(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.05)
+        return update(*args, **kwargs)
+
+    trainer.engine.optimizer.step = slow_update  # type: ignore[method-assign]
+    last = trainer.run()
+    assert last["host_seconds"] >= 0.05 > last["compute_seconds"], last
 
 
 def test_graph_extraction_runs_save_no_checkpoint(

@@ -110,6 +110,11 @@ class StepResult:
     """Host time of the step's gradient synchronisation over data parallel: mostly waiting for
     the slowest peer's gradients (None where not host-timed, or where the backend's optimizer
     synchronises inside its step)."""
+    host_seconds: float | None = None
+    """The rest of the step's time in the engine: the optimizer update, clipping, the loss's
+    reduction, moving batches to the device (the step's wall time less compute, sync, data
+    wait and a save's staging wait; None where not host-timed). A node whose host is slow (a
+    noisy neighbour, a throttled CPU) shows here with its compute time normal."""
 
 
 @dataclass
@@ -263,7 +268,11 @@ class Engine(ABC):
             dist.all_reduce(loss_sum, group=self.world.dp_group)
             loss_sum /= self.world.dp
         backend.step_end()
-        return StepResult(loss_sum, grad_norm, data_wait, staging_wait, compute, sync)
+        host = None
+        if compute is not None:
+            host = max(0.0, time.perf_counter() - began - data_wait - compute - (sync or 0.0)
+                       - staging_wait)
+        return StepResult(loss_sum, grad_norm, data_wait, staging_wait, compute, sync, host)
 
     def _divisor(self, share: float, like: Tensor) -> Tensor:
         """`share` as a 0-d view of a 1-element device tensor uploaded once per value. Neither a

@@ -126,7 +126,8 @@ class LeaseHeartbeat:
                     step_seconds=stats["step_seconds"],
                     compute_seconds=stats.get("compute_seconds"),
                     sync_seconds=stats.get("sync_seconds"),
-                    data_wait_seconds=stats.get("data_wait_median_seconds"))
+                    data_wait_seconds=stats.get("data_wait_median_seconds"),
+                    host_seconds=stats.get("host_seconds"))
 
     def renew(self) -> bool:
         """Patch the Lease now; False (and a log line) on an API error."""

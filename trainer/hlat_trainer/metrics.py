@@ -27,6 +27,9 @@ _GAUGES = {
     "data_wait_median_seconds": "Median time this rank's recent steps waited for the data "
                                 "loader (a slow data path holds back the gang as a slow chip "
                                 "does)",
+    "host_seconds": "Median host overhead (the optimizer update, clipping, moving batches: a "
+                    "step less compute, sync, data wait and staging) of this rank's recent "
+                    "steps; eager CPU only",
     "checkpoint_blocking_seconds": "Time the last checkpoint blocked training",
     "validation_loss": "Held-out validation loss of the latest evaluation (spec.eval), mean "
                        "per token over data-parallel ranks",

@@ -324,6 +324,7 @@ class Trainer:
         self._computed: deque[float] = deque(maxlen=COMPUTE_WINDOW_STEPS)
         self._synced: deque[float] = deque(maxlen=COMPUTE_WINDOW_STEPS)
         self._waited: deque[float] = deque(maxlen=COMPUTE_WINDOW_STEPS)
+        self._hosted: deque[float] = deque(maxlen=COMPUTE_WINDOW_STEPS)
         self.extracting_graphs = extracting_graphs_only(os.environ)
         self.longest_save = 0.0
         self.leak_path = os.environ.get(LEAK_ENV)
@@ -418,6 +419,8 @@ class Trainer:
         if result.sync_seconds is not None:
             self._synced.append(result.sync_seconds)
         self._waited.append(result.data_wait_seconds)
+        if result.host_seconds is not None:
+            self._hosted.append(result.host_seconds)
         self.state.step, self.state.tokens = step, self.state.tokens + spec.tokens_per_step
         self._unobserved.append(result.grad_norm)
         return StepStats(step, lr, result)
@@ -455,6 +458,7 @@ class Trainer:
             "compute_seconds": statistics.median(self._computed) if self._computed else None,
             "sync_seconds": statistics.median(self._synced) if self._synced else None,
             "data_wait_median_seconds": statistics.median(self._waited) if self._waited else None,
+            "host_seconds": statistics.median(self._hosted) if self._hosted else None,
             # the sequences trained since the last line (recomputed ones included), summed
             # over the ranks: the same at every data-parallel degree for the same data
             "batch_digest": digest_text(digest),

@@ -465,14 +465,17 @@ class Kube:
         obj: Mapping[str, Any] = action.obj
         kind, name = str(obj["kind"]), str(obj["metadata"]["name"])
         what = f"create {kind} {job.namespace}/{name}"
-        for retry in range(FORBIDDEN_RETRIES + 1):
+        # an object the job can do without is not worth holding the pass: its next pass tries
+        # again, and its refusal is told (CreateObject.refused)
+        retries = 0 if action.refused is not None else FORBIDDEN_RETRIES
+        for retry in range(retries + 1):
             try:
                 self._create_call(kind, job.namespace, obj)
                 log.debug("%s", what)
                 return
             except _API_ERRORS as err:
                 wrapped = _wrap(what, err)
-                if (permanent(wrapped, kind) and retry < FORBIDDEN_RETRIES
+                if (permanent(wrapped, kind) and retry < retries
                         and _RBAC_REFUSAL.search(str(wrapped))):
                     log.warning("%s refused (%s): trying again in %.0fs", what, wrapped,
                                 FORBIDDEN_RETRY_SECONDS)

@@ -223,6 +223,8 @@ def test_a_create_refused_for_good_is_rejected_and_a_passing_refusal_retried(
     (422, 'Job.batch "tiny-eval-10" is invalid: spec.template.spec.containers[0].image: '
           "Required value"),
     (403, 'jobs.batch "tiny-eval-10" is forbidden: exceeded quota: compute'),
+    (403, 'jobs.batch is forbidden: User "system:serviceaccount:hlat:hlat-operator" cannot '
+          'create resource "jobs" in API group "batch" in the namespace "team"'),
     (500, "etcdserver: request timed out"),
 ])
 def test_an_evaluation_job_that_cannot_be_created_is_told_and_the_pass_goes_on(
@@ -232,9 +234,12 @@ def test_an_evaluation_job_that_cannot_be_created_is_told_and_the_pass_goes_on(
     (Rejected) nor stops the pass (the status patch after it is still made)."""
     obj = {"kind": "Job", "apiVersion": "batch/v1", "metadata": {"name": "tiny-eval-10"}}
     k = kube(batch={"create_namespaced_job": api_error(status, message)})
+    slept: list[float] = []
+    k.sleep = slept.append
     done = k.execute(JOB, decision(CreateObject(obj, refused="EvaluationFailed"),
                                    PatchStatus({"phase": "Running"})))
     assert done == 2 and k.batch.names() == ["create_namespaced_job"]  # type: ignore[attr-defined]
+    assert not slept  # not even an RBAC refusal holds the pass: its next pass tries again
     events = [c for c in k.core.calls if c[0] == "create_namespaced_event"]  # type: ignore[attr-defined]
     assert len(events) == 1
     body = events[0][1][1]

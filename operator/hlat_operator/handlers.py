@@ -125,11 +125,19 @@ def api_client() -> client.ApiClient:
 # --- one pass ------------------------------------------------------------------------------
 
 
+def _component(pod: Mapping[str, Any]) -> str | None:
+    component: str | None = ((pod.get("metadata") or {}).get("labels") or {}).get(
+        COMPONENT)
+    return component
+
+
 def _observe(rt: Runtime, namespace: str, name: str) -> tuple[Any, observe.Observed]:
     body = rt.kube.get_job(namespace, name)
     if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
         raise JobGone(f"{namespace}/{name}")
-    pods = rt.kube.job_pods(namespace, name)
+    watched = evaluations.watched(body)
+    listed = rt.kube.job_pods(namespace, name, evaluations=watched)
+    pods = [p for p in listed if _component(p) == WORKER]
     leases = rt.kube.job_leases(namespace, name)
     nodes = rt.kube.nodes(wanted={str((p.get("spec") or {}).get("nodeName"))
                                   for p in pods if (p.get("spec") or {}).get("nodeName")})
@@ -140,8 +148,10 @@ def _observe(rt: Runtime, namespace: str, name: str) -> tuple[Any, observe.Obser
     observed = observe.observe(body, pods, nodes, leases)
     queued = rt.kube.queueing(observed.job, (body.get("metadata") or {}).get("labels") or {})
     evaluated = None
-    if evaluations.watched(body):
-        evaluated = evaluations.observe_jobs(*rt.kube.evaluation_jobs(namespace, name))
+    if watched:
+        evaluated = evaluations.observe_jobs(
+            rt.kube.evaluation_jobs(namespace, name),
+            [p for p in listed if _component(p) == EVALUATION])
     return body, replace(observed, seeing_since=rt.api_back_at, queueing=queued,
                          evaluations=evaluated)
 

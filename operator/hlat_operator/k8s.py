@@ -319,8 +319,11 @@ class Kube:
         self._flavors[name] = (now, flavor)
         return flavor
 
-    def job_pods(self, namespace: str, job: str) -> Items:
-        selector = f"{labels.JOB}={job},{labels.COMPONENT}={labels.WORKER}"
+    def job_pods(self, namespace: str, job: str, evaluations: bool = False) -> Items:
+        """The job's worker pods; with `evaluations`, its evaluation Jobs' pods too, in the
+        same list call (tell them apart by their component label)."""
+        components = (labels.WORKER, labels.EVALUATION) if evaluations else (labels.WORKER,)
+        selector = f"{labels.JOB}={job},{labels.COMPONENT} in ({','.join(components)})"
         try:
             resp = self.core.list_namespaced_pod(
                 namespace, label_selector=selector, _preload_content=False
@@ -330,17 +333,16 @@ class Kube:
         items: Items = _json(resp).get("items") or []
         return items
 
-    def evaluation_jobs(self, namespace: str, job: str) -> tuple[Items, Items]:
-        """The job's evaluation Jobs (spec.evaluation) and their pods."""
+    def evaluation_jobs(self, namespace: str, job: str) -> Items:
+        """The job's evaluation Jobs (spec.evaluation); their pods come with `job_pods`."""
         selector = f"{labels.JOB}={job},{labels.COMPONENT}={labels.EVALUATION}"
         try:
             jobs = self.batch.list_namespaced_job(
                 namespace, label_selector=selector, _preload_content=False)
-            pods = self.core.list_namespaced_pod(
-                namespace, label_selector=selector, _preload_content=False)
         except _API_ERRORS as err:
             raise _wrap(f"list evaluation jobs of {namespace}/{job}", err) from err
-        return _json(jobs).get("items") or [], _json(pods).get("items") or []
+        items: Items = _json(jobs).get("items") or []
+        return items
 
     def job_leases(self, namespace: str, job: str) -> Items:
         try:

@@ -348,7 +348,7 @@ class FakeKube:
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.job
 
-    def job_pods(self, namespace: str, job: str) -> list[Any]:
+    def job_pods(self, namespace: str, job: str, evaluations: bool = False) -> list[Any]:
         return []
 
     def job_leases(self, namespace: str, job: str) -> list[Any]:

@@ -210,15 +210,18 @@ def trainer_pids(config: ClusterConfig, namespace: str, pod: str) -> list[int]:
     """The trainer processes an in-place launcher (the pod's main process) runs now: its
     children named `hlat-trainer` (a warm standby waiting is named `hlat-standby`). Read from
     the launcher's own `children` lists (one file per thread), not a scan of all of /proc:
-    the census of test_e2e_inplace asks ten times a second."""
+    the census of test_e2e_inplace asks ten times a second. A child is listed by the thread
+    that started it; when that thread ends, the child moves to another thread's list, and a
+    read of both lists meanwhile sees it twice (seen: one promoted standby counted as two
+    trainers): a process counts once, by its pid."""
     launcher = container_pid(config, namespace, pod)
-    out = []
+    out: set[int] = set()
     for listing in Path(f"/proc/{launcher}/task").glob("*/children"):
         with contextlib.suppress(OSError):
             for child in listing.read_text().split():
                 with contextlib.suppress(OSError):
                     if Path(f"/proc/{child}/comm").read_text().strip() == TRAINER_PROCESS_NAME:
-                        out.append(int(child))
+                        out.add(int(child))
     return sorted(out)
 
 

@@ -104,3 +104,34 @@ def test_requests_are_off_without_an_operator() -> None:
     """No Lease in the environment: no collective is ever started, nothing is due."""
     requests = CheckpointRequests(None, None)
     assert [requests.due() for _ in range(3)] == [None, None, None]
+
+
+class _Lease:
+    """The heartbeat's place in the loop (update, stop), counting `renew_soon`."""
+
+    def __init__(self) -> None:
+        self.soon: list[int | None] = []
+        self.last: dict[str, Any] = {}
+
+    def update(self, **fields: Any) -> None:
+        self.last = fields
+
+    def renew_soon(self) -> None:
+        self.soon.append(self.last.get("checkpoint_step"))
+
+    def stop(self, phase: str | None = None) -> None:
+        pass
+
+
+def test_the_checkpoint_asked_for_is_published_at_once_when_complete(
+        make_job: Callable[..., Job]) -> None:
+    """The operator stops the pods (and the preempting job gets its quota) once it sees the
+    checkpoint complete: the heartbeat publishes it then, once, not a period later."""
+    job = make_job(train__steps=8, checkpoint__interval=100)
+    seen = [0]
+    trainer = Trainer(job, sinks=[lambda s: seen.__setitem__(0, 7 if s["step"] >= 3 else 0)])
+    lease = _Lease()
+    trainer.heartbeat = lease  # type: ignore[assignment]
+    trainer.requests = CheckpointRequests(lambda: seen[0], None)
+    trainer.run()
+    assert lease.soon == [4]  # step_4 saved on request, told once as it completed

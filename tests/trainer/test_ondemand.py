@@ -71,7 +71,9 @@ def _rank(rank: int, port: int, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     seen = [0]
-    requests = CheckpointRequests(lambda: seen[0], dist.new_group(backend="gloo"))
+    group = dist.new_group(backend="gloo")
+    assert isinstance(group, dist.ProcessGroup)
+    requests = CheckpointRequests(lambda: seen[0], group)
     due = []
     for step in range(1, 13):
         found = requests.due()  # after the step, as the loop asks

@@ -125,7 +125,9 @@ def test_without_copies_a_deleted_pod_takes_its_memory_and_every_rank_resumes_fr
     assert resumed and "in-memory snapshot" not in later, later[-3000:]
     step = int(resumed.group(1))
     assert step % durable == 0 and step >= durable, step
-    trained = max(losses(log[:log.index(later)]))
+    # the checkpoint proves its step trained: that step's line comes after its save, and a
+    # CI run deleted the pod between the two (step_50 resumed, step 49 the last line)
+    trained = max(max(losses(log[:log.index(later)])), step)
     assert 0 <= done["lostSteps"] <= trained - step, (done["lostSteps"], trained, step)
     badput = done["goodput"]["badputSeconds"]
     assert badput["memoryRestore"] == 0 and badput["restore"] > 0, badput

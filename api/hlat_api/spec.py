@@ -363,7 +363,9 @@ class StragglerSpec(_Model):
     nodes' (0.2: 20% slower)."""
     window_seconds: Annotated[float, Field(ge=0)] = 30
     """How long a node must stay over the threshold before it is flagged (noise, a garbage
-    collection or a checkpoint's copy on one node, is not a straggler)."""
+    collection or a checkpoint's copy on one node, is not a straggler). A dip back under it
+    for no more than two heartbeat periods does not start the window over (each report is a
+    median of a few steps, and one slow step of a healthy node moves the baseline)."""
 
 
 RestartStrategy = Literal["InPlace", "RecreateGang"]

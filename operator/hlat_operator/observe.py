@@ -171,6 +171,9 @@ class OperatorState(BaseModel):
     """The next spare pod's number (spare pod names are never reused)."""
     slow_since: dict[str, str] = Field(default_factory=dict)
     """Nodes of the attempt computing over the straggler threshold, each since when (RFC 3339)."""
+    slow_under_since: dict[str, str] = Field(default_factory=dict)
+    """Those of them back under it for now (a dip shorter than the grace keeps their since),
+    each since when (RFC 3339)."""
     stop_asked_since: str | None = None
     """When the running attempt was asked to stop (Kueue evicted it, or spec.suspend), while
     its workers write the checkpoint the operator asked for before they stop (RFC 3339)."""

@@ -72,6 +72,7 @@ from hlat_operator.observe import (
     Observed,
     ObservedNode,
     ObservedPod,
+    OperatorState,
     format_micro_time,
     format_time,
     parse_time,
@@ -686,7 +687,7 @@ def _resize(p: _Pass, desired: PretrainJobSpec, target: int, reason: Reason,
     (every rank's world changes)."""
     p.state = p.state.model_copy(update={
         "size": None if target == desired.nodes else target, "grow_after": None,
-        "in_place_next": None})
+        "in_place_next": None, **_NO_SPELLS})
     old = p.status.size.resizes if p.status.size is not None else []
     p.status.size = _size(target, desired.nodes, p.stamp,
                           [*old, Resize(nodes=target, at=p.stamp, reason=str(reason))])
@@ -1315,19 +1316,22 @@ def _judge_stragglers(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) 
                 and beat.compute_seconds):
             own[pod.node] = beat.compute_seconds + (beat.data_wait_seconds or 0.0)
     p.slowdowns = stragglers.slowdowns(own)
-    before = {node: t for node, at in p.state.slow_since.items() if (t := parse_time(at))}
+    before = _spells(p.state)
     flagged, over = stragglers.judge(p.slowdowns, before, p.now, rule.threshold,
-                                     rule.window_seconds)
+                                     rule.window_seconds,
+                                     stragglers.GRACE_PERIODS * p.settings.heartbeat_period_seconds)
     p.flagged = [slow.node for slow in flagged]
     if flagged:  # goodput's straggler cause once flagged (a noisy step is no straggler)
         step = p.lead.step_seconds if p.lead is not None else None
         p.straggler_share = stragglers.share_lost(own, p.slowdowns, rule.threshold, step)
     if over != before:
-        p.state = p.state.model_copy(
-            update={"slow_since": {node: format_time(t) for node, t in over.items()}})
-    for since in over.values():  # judged when its window ends, not a resync later
-        left = rule.window_seconds - (p.now - since).total_seconds()
-        if left > 0:
+        p.state = p.state.model_copy(update={
+            "slow_since": {node: format_time(s.since) for node, s in over.items()},
+            "slow_under_since": {node: format_time(s.under) for node, s in over.items()
+                                 if s.under is not None}})
+    for spell in over.values():  # judged when its window ends, not a resync later
+        left = rule.window_seconds - (p.now - spell.since).total_seconds()
+        if left > 0 and spell.under is None:
             p.after(left)
     shown = next((c for c in p.status.conditions if c.type == "Straggler"), None)
     if flagged:
@@ -1345,6 +1349,20 @@ def _judge_stragglers(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) 
     elif shown is not None and shown.status == "True" and own:
         p.condition("Straggler", False, Reason.NO_STRAGGLER,
                     f"every node is within {1 + rule.threshold:.2f}x of the others")
+
+
+_NO_SPELLS: dict[str, Any] = {"slow_since": {}, "slow_under_since": {}}
+"""A new gang's nodes start with no time over the straggler threshold."""
+
+
+def _spells(state: OperatorState) -> dict[str, stragglers.Spell]:
+    """The nodes' spells over the straggler threshold, as the state keeps them."""
+    out = {}
+    for node, at in state.slow_since.items():
+        since = parse_time(at)
+        if since is not None:
+            out[node] = stragglers.Spell(since, parse_time(state.slow_under_since.get(node)))
+    return out
 
 
 def _move_off_straggler(p: _Pass, spec: PretrainJobSpec, slow: stragglers.Slow,
@@ -1518,7 +1536,8 @@ def _restart(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> None:
     p.restarted = True
     in_place = (builders.in_place(spec)
                 and p.state.in_place_failures < IN_PLACE_FAILURES_BEFORE_RECREATE)
-    p.state = p.state.model_copy(update={"in_place_next": s.attempt + 1 if in_place else None})
+    p.state = p.state.model_copy(update={"in_place_next": s.attempt + 1 if in_place else None,
+                                         **_NO_SPELLS})
     if in_place:
         how = "restarting in place: the pods stay, their trainers restart"
     elif builders.in_place(spec):

@@ -8,7 +8,11 @@ computes longer, a slow data path (a failing disk) waits longer for its batches;
 nodes wait for it in the gradient sync. A node is scored against the median of the
 *other* nodes (relative to its gang, not to an absolute figure: a bigger model or a busier host
 moves every node alike), and flagged only once it has stayed over the threshold for the window
-(a garbage collection, a save's copy on one node, is not a straggler). Pure: no I/O, no clock.
+(a garbage collection, a save's copy on one node, is not a straggler). A dip back under the
+threshold no longer than `grace` (the operator passes two heartbeat periods: one renewal's
+medians) does not start the window over: each median is over a few steps, and one of a
+healthy node's slow steps moving the baseline for one renewal hid a 30%-slow node for 64 s
+where the window is 30. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from datetime import datetime
 
 from hlat_operator.observe import format_time
 
+GRACE_PERIODS = 2
+"""A dip under the threshold seen in no more than this many heartbeat periods keeps a node's
+spell over it (one renewal's medians, and the next renewal's arriving a pass late)."""
+
 
 @dataclass(frozen=True)
 class Slow:
@@ -27,7 +35,16 @@ class Slow:
     ratio: float
     """Its own time a step (compute and data wait) over the median of the other nodes'."""
     since: datetime
-    """Since when it has been over the threshold without a break."""
+    """Since when it has been over the threshold without a break (longer than the grace)."""
+
+
+@dataclass(frozen=True)
+class Spell:
+    """A node's time over the threshold: since when, and, while it dips back under, since
+    when it has been under (None while over)."""
+
+    since: datetime
+    under: datetime | None = None
 
 
 def slowdowns(compute: Mapping[str, float]) -> dict[str, float]:
@@ -66,16 +83,25 @@ def restart_pays(lost_seconds: float, restart_seconds: float) -> bool:
     return restart_seconds >= 0 and lost_seconds > restart_seconds
 
 
-def judge(ratios: Mapping[str, float], over_since: Mapping[str, datetime], now: datetime,
-          threshold: float, window: float) -> tuple[list[Slow], dict[str, datetime]]:
-    """The nodes flagged now (slowest first) and, for every node over `1 + threshold`, since
-    when it has been (a node seen over for the first time starts now; one back under leaves the
-    map, so its next time over starts afresh)."""
-    over = {node: over_since.get(node, now) for node, ratio in ratios.items()
-            if ratio > 1 + threshold}
-    flagged = [Slow(node, ratios[node], since) for node, since in over.items()
-               if (now - since).total_seconds() >= window]
-    return sorted(flagged, key=lambda s: (-s.ratio, s.node)), over
+def judge(ratios: Mapping[str, float], spells: Mapping[str, Spell], now: datetime,
+          threshold: float, window: float, grace: float) -> tuple[list[Slow], dict[str, Spell]]:
+    """The nodes flagged now (slowest first: over `1 + threshold` now, and for the window) and
+    each node's spell over it. A node seen over for the first time starts one now; one back
+    under (or not reporting) keeps its spell, marked under, for `grace` seconds, and is
+    flagged again as soon as it is back over; under for longer, it leaves the map and its next
+    time over starts afresh."""
+    out = {}
+    for node in sorted(set(ratios) | set(spells)):
+        spell, ratio = spells.get(node), ratios.get(node)
+        if ratio is not None and ratio > 1 + threshold:
+            out[node] = Spell(spell.since if spell is not None else now)
+        elif spell is not None:
+            under = spell.under or now
+            if (now - under).total_seconds() <= grace:
+                out[node] = Spell(spell.since, under)
+    flagged = [Slow(node, ratios[node], spell.since) for node, spell in out.items()
+               if spell.under is None and (now - spell.since).total_seconds() >= window]
+    return sorted(flagged, key=lambda s: (-s.ratio, s.node)), out
 
 
 def describe(flagged: list[Slow], threshold: float) -> str:

@@ -30,14 +30,39 @@ def test_a_node_is_scored_against_the_median_of_the_others_not_an_absolute_figur
 def test_a_node_is_flagged_only_after_the_window_and_starts_over_when_back_under() -> None:
     now = World().now
     ratios = {"a": 1.4, "b": 0.7}
-    flagged, over = stragglers.judge(ratios, {}, now, 0.2, 30)
-    assert flagged == [] and over == {"a": now}
+    flagged, over = stragglers.judge(ratios, {}, now, 0.2, 30, 20)
+    assert flagged == [] and over == {"a": stragglers.Spell(now)}
     later = now + timedelta(seconds=29)
-    assert stragglers.judge(ratios, over, later, 0.2, 30)[0] == []
-    flagged, _ = stragglers.judge(ratios, over, now + timedelta(seconds=30), 0.2, 30)
+    assert stragglers.judge(ratios, over, later, 0.2, 30, 20)[0] == []
+    flagged, _ = stragglers.judge(ratios, over, now + timedelta(seconds=30), 0.2, 30, 20)
     assert [(s.node, s.since) for s in flagged] == [("a", now)]
-    _, over = stragglers.judge({"a": 1.1, "b": 0.9}, over, later, 0.2, 30)
-    assert over == {}  # back under the threshold: its next time over starts afresh
+    _, over = stragglers.judge({"a": 1.1, "b": 0.9}, over, later, 0.2, 30, 20)
+    _, over = stragglers.judge({"a": 1.1, "b": 0.9}, over, later + timedelta(seconds=21), 0.2,
+                               30, 20)
+    assert over == {}  # back under the threshold for longer than the grace: starts afresh
+
+
+def test_a_dip_under_the_threshold_shorter_than_the_grace_does_not_restart_the_window() -> None:
+    """What a CI run saw: a 30%-slow node's ratio dipped under 1.2 for one heartbeat renewal
+    at 30 s (a healthy node's median compute rose), and the window began again: flagged after
+    64 s where the window is 30. Within the grace the node keeps its since, is not flagged
+    while under, and is flagged as soon as it is back over."""
+    now = World().now
+    at = [now + timedelta(seconds=t) for t in range(0, 60)]
+    _, over = stragglers.judge({"a": 1.4, "b": 1.0}, {}, at[0], 0.2, 30, 20)
+    _, over = stragglers.judge({"a": 1.4, "b": 1.0}, over, at[20], 0.2, 30, 20)
+    flagged, over = stragglers.judge({"a": 1.15, "b": 1.0}, over, at[29], 0.2, 30, 20)
+    assert flagged == [] and over == {"a": stragglers.Spell(now, at[29])}
+    flagged, over = stragglers.judge({"a": 1.15, "b": 1.0}, over, at[35], 0.2, 30, 20)
+    assert flagged == [] and over == {"a": stragglers.Spell(now, at[29])}  # under since 29
+    flagged, over = stragglers.judge({"a": 1.4, "b": 1.0}, over, at[39], 0.2, 30, 20)
+    assert [(s.node, s.since) for s in flagged] == [("a", now)]
+    assert over == {"a": stragglers.Spell(now)}
+    # a node that stops reporting is under, too: its spell is kept for the grace, then dropped
+    _, over = stragglers.judge({"b": 1.0}, over, at[40], 0.2, 30, 20)
+    assert over == {"a": stragglers.Spell(now, at[40])}
+    assert stragglers.judge({"b": 1.0}, over, at[59], 0.2, 30, 20)[1] == {"a": stragglers.Spell(now, at[40])}
+    assert stragglers.judge({"b": 1.0}, over, at[40] + timedelta(seconds=21), 0.2, 30, 20)[1] == {}
 
 
 def test_healthy_nodes_with_noisy_step_times_raise_no_flag() -> None:

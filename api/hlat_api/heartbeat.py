@@ -106,19 +106,21 @@ class Heartbeat(BaseModel):
     than its gang's (`spec.faultTolerance.stragglers`). None where the host cannot time the
     device without a sync (XLA, CUDA: not measured yet)."""
     sync_seconds: float | None = None
-    """Median, over the same steps, of the seconds its gradient synchronisation took: on a
-    healthy node mostly waiting for a slow one (a slow node's is the gang's shortest). With
+    """Median, over the same steps, of the seconds its collectives over data parallel took (the
+    gradients' all-reduce, ZeRO-1's broadcast of the updated shards, the loss's all-reduce): on
+    a healthy node mostly waiting for a slow one (a slow node's is the gang's shortest). With
     `compute_seconds`, `step_seconds` and the data wait, where a node's step time goes."""
     data_wait_seconds: float | None = None
     """Median, over the same steps, of the seconds the loop waited for this worker's data
     loader: a node whose data path is slow (a failing disk, a saturated link to the data) keeps
     its gang waiting as a slow chip does, with its compute time normal. The operator scores a
-    node on `compute_seconds` plus this (`hlat_operator.stragglers`)."""
+    node on `compute_seconds` plus this plus `host_seconds` (`hlat_operator.stragglers`)."""
     host_seconds: float | None = None
     """Median, over the same steps, of the rest of a step's time on this worker: the
     optimizer update, clipping, moving batches to the device (the step less compute, sync,
-    data wait and a save's staging). With the three above, where the step goes; a slow host
-    (a noisy neighbour, a throttled CPU) shows here. None where not measured (XLA, CUDA)."""
+    data wait and a save's staging), none of it a wait on a peer. With the three above, where
+    the step goes; a slow host (a noisy neighbour, a throttled CPU) shows here, and the
+    operator's straggler score counts it. None where not measured (XLA, CUDA)."""
     validation_loss: float | None = None
     """The latest held-out validation loss (spec.eval), taken after step `validation_step`."""
     validation_step: int | None = None

@@ -341,12 +341,13 @@ class HeartbeatSpec(_Model):
 
 
 class StragglerSpec(_Model):
-    """Fail-slow nodes: a node whose workers compute slower than the rest of the gang holds
-    every step back (synchronous data parallel runs at its slowest rank's pace) without
-    failing anything. Each worker reports the median of its recent steps' compute time (its
-    forward and backward, less data wait: not the time it waited for its peers, which is
-    where a healthy rank spends a straggler's extra time); the operator compares every node
-    with the median of the others."""
+    """Fail-slow nodes: a node whose workers compute, load data or update slower than the rest
+    of the gang holds every step back (synchronous data parallel runs at its slowest rank's
+    pace) without failing anything. Each worker reports the medians of its recent steps' own
+    time: compute (forward and backward), the wait for its data loader, and host work (the
+    optimizer update, clipping); not the time it waited for its peers, which is where a
+    healthy rank spends a straggler's extra time. The operator compares each node's sum with
+    the median of the other nodes'."""
 
     action: Literal["Report", "Replace"] = "Report"
     """Report: condition `Straggler` naming the node, its slowdown and since when, a Warning
@@ -359,8 +360,8 @@ class StragglerSpec(_Model):
     after the flag (nothing trained is lost), which the operator asks the workers for as soon
     as the move is due, not an interval later."""
     threshold: Annotated[float, Field(gt=0, le=10)] = 0.2
-    """Flag a node whose compute time is more than (1 + threshold) x the median of the other
-    nodes' (0.2: 20% slower)."""
+    """Flag a node whose own time a step is more than (1 + threshold) x the median of the
+    other nodes' (0.2: 20% slower)."""
     window_seconds: Annotated[float, Field(ge=0)] = 30
     """How long a node must stay over the threshold before it is flagged (noise, a garbage
     collection or a checkpoint's copy on one node, is not a straggler). A dip back under it

@@ -140,7 +140,8 @@ class OperatorMetrics:
         )
         self.node_slowdown = Gauge(
             "hlat_node_step_slowdown_ratio",
-            "Each node's compute time per step over the median of the other nodes' of its gang "
+            "Each node's own time per step (compute, data wait, host work) over the median "
+            "of the other nodes' of its gang "
             "(1: as fast; above 1 + faultTolerance.stragglers.threshold for its window: a "
             "straggler). Eager CPU workers only so far.",
             (*JOB_LABELS, "node"),

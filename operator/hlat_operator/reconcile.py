@@ -1305,16 +1305,17 @@ def _update_ready(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) -> N
 
 
 def _judge_stragglers(p: _Pass, spec: PretrainJobSpec, pods: list[ObservedPod]) -> None:
-    """Score each node's own time a step (compute and data wait) against its gang's; condition
-    Straggler, an event when a node is flagged, and the per-node ratios for the metrics (see
-    `stragglers`)."""
+    """Score each node's own time a step (compute, data wait, host work) against its gang's;
+    condition Straggler, an event when a node is flagged, and the per-node ratios for the
+    metrics (see `stragglers`)."""
     rule = spec.fault_tolerance.stragglers
-    own = {}  # seconds a step outside the waits on peers: compute and data wait
+    own = {}  # seconds a step outside the waits on peers: compute, data wait, host work
     for pod in pods:
         beat = _beat_of(p, pod)
         if (pod.node and beat is not None and beat.phase in ("training", "checkpointing")
                 and beat.compute_seconds):
-            own[pod.node] = beat.compute_seconds + (beat.data_wait_seconds or 0.0)
+            own[pod.node] = (beat.compute_seconds + (beat.data_wait_seconds or 0.0)
+                             + (beat.host_seconds or 0.0))
     p.slowdowns = stragglers.slowdowns(own)
     before = _spells(p.state)
     flagged, over = stragglers.judge(p.slowdowns, before, p.now, rule.threshold,

@@ -2,10 +2,13 @@
 
 Synchronous data parallel runs at the pace of its slowest rank, so a slow node shows in every
 rank's step time alike; what tells it apart is each rank's own time a step, outside its waits on
-the others: its compute (`Heartbeat.compute_seconds`) and its wait for its own data loader
-(`Heartbeat.data_wait_seconds`), each the median of the worker's recent steps. A slow chip
-computes longer, a slow data path (a failing disk) waits longer for its batches; the healthy
-nodes wait for it in the gradient sync. A node is scored against the median of the
+the others: its compute (`Heartbeat.compute_seconds`), its wait for its own data loader
+(`Heartbeat.data_wait_seconds`) and its host work (`Heartbeat.host_seconds`: the optimizer
+update, clipping, moving batches), each the median of the worker's recent steps. A slow chip
+computes longer, a slow data path (a failing disk) waits longer for its batches, a slow host (a
+noisy neighbour, a throttled CPU) updates longer; the healthy nodes wait for it in the
+collectives (the gradient sync, ZeRO-1's broadcast of the updated shards, the loss's
+all-reduce), which the trainer counts as sync, never as their own time. A node is scored against the median of the
 *other* nodes (relative to its gang, not to an absolute figure: a bigger model or a busier host
 moves every node alike), and flagged only once it has stayed over the threshold for the window
 (a garbage collection, a save's copy on one node, is not a straggler). A dip back under the
@@ -33,7 +36,8 @@ spell over it (one renewal's medians, and the next renewal's arriving a pass lat
 class Slow:
     node: str
     ratio: float
-    """Its own time a step (compute and data wait) over the median of the other nodes'."""
+    """Its own time a step (compute, data wait, host work) over the median of the other
+    nodes'."""
     since: datetime
     """Since when it has been over the threshold without a break (longer than the grace)."""
 
@@ -48,9 +52,8 @@ class Spell:
 
 
 def slowdowns(compute: Mapping[str, float]) -> dict[str, float]:
-    """Each node's own seconds a step (compute and data wait) over the median of the other
-    nodes' (1: as fast as its
-    gang; 1.4: 40% slower). Empty when fewer than two nodes report: a single node has nothing
+    """Each node's own seconds a step (compute, data wait, host work) over the median of the
+    other nodes' (1: as fast as its gang; 1.4: 40% slower). Empty when fewer than two nodes report: a single node has nothing
     to be compared with."""
     if len(compute) < 2:
         return {}
@@ -109,5 +112,5 @@ def describe(flagged: list[Slow], threshold: float) -> str:
     slow, rest = flagged[0], flagged[1:]
     others = "".join(f"; node {s.node} {s.ratio:.2f}x" for s in rest)
     return (f"node {slow.node} takes {slow.ratio:.2f}x the median of the other nodes' time a "
-            f"step, compute and data wait (threshold {1 + threshold:.2f}x) since "
+            f"step, compute, data wait and host work (threshold {1 + threshold:.2f}x) since "
             f"{format_time(slow.since)}{others}; it holds back every step")

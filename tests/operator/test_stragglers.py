@@ -87,10 +87,10 @@ def test_healthy_nodes_with_noisy_step_times_raise_no_flag() -> None:
 
 
 def _beat_compute(w: World, compute: dict[int, float], step: int,
-                  checkpoint: int | None = None, data_wait: dict[int, float] | None = None
-                  ) -> None:
+                  checkpoint: int | None = None, data_wait: dict[int, float] | None = None,
+                  host: dict[int, float] | None = None) -> None:
     """Every running worker renews, node rank r reporting compute time `compute[r]` (and a
-    data wait of `data_wait[r]`, none by default)."""
+    data wait of `data_wait[r]` and host work of `host[r]`, none by default)."""
     for pod in w.pods.values():
         if pod.phase != "Running" or pod.attempt is None or pod.rank is None or pod.spare:
             continue
@@ -98,6 +98,7 @@ def _beat_compute(w: World, compute: dict[int, float], step: int,
         hb = Heartbeat(phase="training", step=step, attempt=pod.attempt, step_seconds=0.5,
                        compute_seconds=compute[pod.rank], checkpoint_step=checkpoint,
                        data_wait_seconds=(data_wait or {}).get(pod.rank),
+                       host_seconds=(host or {}).get(pod.rank),
                        activity=Activity(productive=step * 0.5), progress_time=w.now)
         w.leases[name] = ObservedLease(name, w.now, hb)
 
@@ -163,16 +164,20 @@ def test_the_job_names_the_slow_node_after_the_window_then_clears_it() -> None:
     assert flag("hlat_node_straggler", {**job, "node": slow_node}) is None
 
 
-def test_a_node_held_back_by_its_data_path_is_flagged_as_a_slow_chip_is() -> None:
-    """A failing disk under one node's data: its compute is its gang's, its wait for its own
-    batches is 45 ms a step more (the others wait for it in the gradient sync). Flagged after
-    the window, with the ratio of its own time (compute and data wait) to the others'."""
+@pytest.mark.parametrize("held_back_by", ["data_wait", "host"])
+def test_a_node_held_back_by_its_data_path_or_its_host_is_flagged_as_a_slow_chip_is(
+        held_back_by: str) -> None:
+    """A failing disk under one node's data (its wait for its own batches), or a noisy
+    neighbour on its host (its optimizer update): its compute is its gang's, its own time is 45
+    ms a step more (the others wait for it in their collectives, counted as sync). Flagged after
+    the window, with the ratio of its own time (compute, data wait, host work) to the
+    others'."""
     w = World(raw_spec(faultTolerance={"stragglers": {"threshold": 0.2, "windowSeconds": 30}}))
     w.until("Running")
     slow_node = next(p.node for p in w.pods.values() if p.rank == 1)
     step = 10
     for _ in range(40):
-        _beat_compute(w, {0: 0.10, 1: 0.10}, step, data_wait={0: 0.001, 1: 0.046})
+        _beat_compute(w, {0: 0.10, 1: 0.10}, step, **{held_back_by: {0: 0.001, 1: 0.046}})
         w.step()
         w.advance(2)
         step += 3

@@ -262,3 +262,42 @@ def test_a_backend_that_manages_itself_resumes_exactly_after_a_crash(
     assert json.loads(resumed.stdout.splitlines()[0])["step"] == 3
     assert losses("".join(lines))[:2] + losses(resumed.stdout) == straight
     assert (ck / "step_6" / "done").exists(), "the last save is finalised before exit"
+
+
+SLOW_UPDATE_S = 2.0
+SLOWED = '''"""hlat-train with rank 1's optimizer update {delay} s slower (a host slowed by a noisy
+neighbour, a throttled CPU): the test's fail-slow host."""
+import os
+import sys
+import time
+
+import torch
+
+from hlat_trainer import optim
+from hlat_trainer.cli import main
+
+if os.environ["RANK"] == "1":
+    for cls in (torch.optim.AdamW, optim.AdamWSR):
+        def slow(self, *args, _step=cls.step, **kwargs):
+            time.sleep({delay})
+            return _step(self, *args, **kwargs)
+        cls.step = slow
+sys.exit(main())
+'''
+
+
+@pytest.mark.parametrize("zero1", [True, False])
+def test_a_rank_waiting_for_a_slow_peer_s_update_counts_it_as_sync_not_as_its_own_host_work(
+        write_config: Callable[..., Path], zero1: bool) -> None:
+    """Rank 1's optimizer update takes 2 s longer. Rank 0 waits for it after its own update:
+    in ZeRO-1's broadcast of the updated shards, or (without ZeRO-1) in the loss's all-reduce.
+    That wait is the gradient sync's kind (`sync_seconds`, waiting on peers), not rank 0's host
+    overhead (`host_seconds`, the node's own work the straggler score counts): counted as host,
+    every healthy node would look as slow as the slow one."""
+    config = write_config(train__steps=5, checkpoint__interval=100)
+    script = config.parent / "slowed.py"
+    script.write_text(SLOWED.format(delay=SLOW_UPDATE_S))
+    out = run(torchrun(config, 2, *layout(2, 1, **{"parallelism.zero1": str(zero1).lower()}),
+                       "checkpoint.dir=" + str(config.parent / "ck"), entry=(str(script),)))
+    last = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")][-1]
+    assert last["syncSeconds"] >= SLOW_UPDATE_S / 2 > last["hostSeconds"], last

@@ -107,9 +107,10 @@ class StepResult:
     gradients are synchronised (no wait on peers in it); None where the backend's host time is
     not its device's (`Backend.host_timed`)."""
     sync_seconds: float | None = None
-    """Host time of the step's gradient synchronisation over data parallel: mostly waiting for
-    the slowest peer's gradients (None where not host-timed, or where the backend's optimizer
-    synchronises inside its step)."""
+    """Host time of the step's collectives over data parallel, each mostly a wait for the
+    slowest peer: the gradients' all-reduce, ZeRO-1's broadcast of the updated shards (a peer
+    slow to update), the loss's all-reduce (None where not host-timed, or where the backend's
+    optimizer synchronises inside its step)."""
     host_seconds: float | None = None
     """The rest of the step's time in the engine: the optimizer update, clipping, the loss's
     reduction, moving batches to the device (the step's wall time less compute, sync, data
@@ -265,7 +266,10 @@ class Engine(ABC):
         grad_norm = self._update(self.spec.optimizer.grad_clip)
         sync = self.sync_seconds if backend.host_timed else None
         if self.world.dp > 1:
+            start = time.perf_counter()
             dist.all_reduce(loss_sum, group=self.world.dp_group)
+            if sync is not None:  # a wait for a peer slower to update: not this host's work
+                sync += time.perf_counter() - start
             loss_sum /= self.world.dp
         backend.step_end()
         host = None
@@ -428,9 +432,9 @@ class TorchEngine(Engine):
     def _update(self, max_norm: float) -> Tensor:
         began = time.perf_counter()
         self.dp.sync_grads()
-        self.sync_seconds = time.perf_counter() - began
+        synced = time.perf_counter() - began
         norm = self.dp.clip(max_norm)
-        self.dp.step()
+        self.sync_seconds = synced + self.dp.step()
         return norm
 
     def param_norm(self) -> Tensor:

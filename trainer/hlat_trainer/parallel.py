@@ -30,6 +30,7 @@ Design choices:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -358,14 +359,20 @@ class DataParallel:
             torch._foreach_mul_(grads, coef.to(grads[0].dtype) if grads else coef)
         return norm
 
-    def step(self) -> None:
+    def step(self) -> float:
+        """Update this rank's shards (with ZeRO-1, then share them over dp) and clear the
+        gradients; the seconds spent sharing (each owner's broadcast waits for its update)."""
         self.optimizer.step()
+        shared = 0.0
         if self.zero1:
+            began = time.perf_counter()
             self._broadcast_updates()
+            shared = time.perf_counter() - began
         for p in self.params.params:
             p.grad = None
         for s in self.params.shards:
             s.grad = None
+        return shared
 
     def _broadcast_updates(self) -> None:
         dp_ranks = dist.get_process_group_ranks(self.world.dp_group)

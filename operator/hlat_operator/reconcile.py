@@ -984,10 +984,7 @@ def _topology(p: _Pass, spec: PretrainJobSpec, ranks: Iterable[int]
     ranks = sorted(ranks)
     if topo is None or not ranks:
         return {}
-    avoid = set(_avoided_nodes(p, spec))
-    selector = builders.node_selector(spec)
-    usable = [n for n in p.observed.nodes.values()
-              if elastic.can_host(n, selector) and n.healthy and n.name not in avoid]
+    usable = _usable_nodes(p, spec)
     live = [pod for pod in p.observed.pods
             if pod.node and not pod.terminating and not pod.finished]
     gang = {pod.rank: p.observed.nodes[pod.node] for pod in live
@@ -1010,6 +1007,41 @@ def _topology(p: _Pass, spec: PretrainJobSpec, ranks: Iterable[int]
         return None
     planned = topology.placements(ranked, topo)
     return {rank: planned[rank] for rank in ranks}
+
+
+def _usable_nodes(p: _Pass, spec: PretrainJobSpec) -> list[ObservedNode]:
+    """The nodes a worker of this job may run on now: of its instance type, healthy, not
+    avoided."""
+    avoid = set(_avoided_nodes(p, spec))
+    selector = builders.node_selector(spec)
+    return [n for n in p.observed.nodes.values()
+            if elastic.can_host(n, selector) and n.healthy and n.name not in avoid]
+
+
+def _domain_lost(p: _Pass, spec: PretrainJobSpec) -> str | None:
+    """Under a required topology level, whether the gang must move: its domain (that of its
+    pods' nodes) no longer has `spec.nodes` usable nodes (one lost, unhealthy or avoided)
+    while another domain has. Then an in-place restart would leave the lost ranks' pods
+    unschedulable for good, and the gang is recreated and planned afresh; says where to. None
+    otherwise (where no domain holds the gang, it waits in its own for the node to return)."""
+    topo = spec.scheduling.topology
+    if topo is None or topo.required is None or not p.observed.nodes_known:
+        return None
+    level, nodes = topo.required, p.observed.nodes
+    values = {nodes[pod.node].labels.get(level, "") for pod in p.observed.pods
+              if pod.node in nodes and not pod.spare and pod.rank is not None} - {""}
+    if len(values) != 1:
+        return None
+    value = values.pop()
+    usable = _usable_nodes(p, spec)
+    left = sum(n.labels.get(level) == value for n in usable)
+    if left >= spec.nodes:
+        return None
+    ranked = topology.plan(usable, spec.nodes, topo)
+    if ranked is None:
+        return None
+    return (f"its domain {level}={value} has {left} usable nodes of the {spec.nodes} it needs, "
+            f"so it moves to {level}={ranked[0].labels.get(level, '')}")
 
 
 def _topology_waits(p: _Pass, spec: PretrainJobSpec, usable: list[ObservedNode]) -> None:
@@ -1535,12 +1567,15 @@ def _restart(p: _Pass, spec: PretrainJobSpec, fault: Fault) -> None:
     else:
         p.lost_work += lost * step_seconds
     p.restarted = True
-    in_place = (builders.in_place(spec)
+    moves = _domain_lost(p, spec)
+    in_place = (builders.in_place(spec) and moves is None
                 and p.state.in_place_failures < IN_PLACE_FAILURES_BEFORE_RECREATE)
     p.state = p.state.model_copy(update={"in_place_next": s.attempt + 1 if in_place else None,
                                          **_NO_SPELLS})
     if in_place:
         how = "restarting in place: the pods stay, their trainers restart"
+    elif moves is not None:
+        how = f"restarting the gang: {moves}"
     elif builders.in_place(spec):
         how = (f"restarting the gang: {p.state.in_place_failures} in-place attempts in a row "
                "failed before training")

@@ -190,6 +190,36 @@ def test_a_rank_whose_node_was_lost_comes_back_in_the_block_next_to_its_neighbou
     assert after == {0: "n5", 1: "n8", 2: "n7"}
 
 
+def test_a_gang_whose_block_lost_a_node_it_needs_moves_whole_to_a_block_that_holds_it(
+        ) -> None:
+    """A 2-node gang requiring one block gets block a (2 nodes, the tightest); n3 goes down.
+    Block a can no longer hold the gang, so an in-place restart would leave rank 1's pod
+    unschedulable for good: the gang is recreated and planned afresh, in block b, its ranks in
+    topology order, and the restart says why."""
+    w = _world(2, {"required": L3}, **{"faultTolerance.restartStrategy": "InPlace"})
+    w.until("Running", step=1)
+    assert {p.rank: p.node for p in w.live()} == {0: "n0", 1: "n3"}
+    w.node_down("n3")
+    w.run(90, step=2)
+    assert w.status.phase == "Running" and w.status.attempt == 1
+    assert not w.status.restarts.in_place
+    assert {p.rank: p.node for p in w.live()} == {0: "n1", 1: "n2"}  # block b, in order
+    said = " ".join(e.message for e in w.events if e.reason == Reason.NODE_LOST)
+    assert f"its domain {L3}=a has 1 usable nodes of the 2 it needs, so it moves to {L3}=b" in said
+
+
+def test_a_gang_no_other_block_holds_restarts_in_place_and_waits_in_its_own() -> None:
+    """Block c (4 nodes) holds a 4-node gang; one goes down and no other block has 4: the gang
+    restarts in place and its lost rank waits in block c (the node may come back) rather
+    than being torn down for nothing."""
+    w = _world(4, {"required": L3}, **{"faultTolerance.restartStrategy": "InPlace"})
+    w.until("Running", step=1)
+    w.node_down("n6")
+    w.run(60, step=2)
+    assert w.status.restarts.in_place == 1
+    assert {p.node for p in w.live() if p.node} <= {"n5", "n7", "n8"}
+
+
 def test_without_topology_pods_carry_no_topology_affinity() -> None:
     w = World(raw_spec())
     w.until("Running", step=1)

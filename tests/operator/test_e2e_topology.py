@@ -2,7 +2,7 @@
 the real kube-scheduler, no Kueue: a job that requires one layer-3 block gets all its nodes in
 one block and its node ranks follow the topology; a gang too big for any block waits with the
 reason and no pods; a gang that prefers blocks spans as few as hold it, its ranks contiguous
-per block.
+per block; a gang whose block loses a node it needs moves whole to the block that holds it.
 
 The rig's nodes carry EKS's labels `topology.k8s.aws/network-node-layer-1..3`, each node its
 own layer-3 block (eksnodes.py). This module adds two nodes and labels the five as a network of
@@ -19,6 +19,8 @@ import pytest
 from e2e_env import Env
 from e2e_network import L3
 from e2e_spec import tiny_spec
+
+from hlat_testbed import faults
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -78,3 +80,35 @@ def test_a_gang_preferring_blocks_spans_as_few_as_hold_it_its_ranks_contiguous(
     placed = _placed(job_env, 4)
     assert [network[placed[r]] for r in range(4)] == ["nn-blk-a"] + ["nn-blk-b"] * 3, placed
     assert placed == {0: "net-1", 1: "net-0", 2: "node-1", 3: "node-2"}
+
+
+def test_a_gang_whose_block_loses_a_node_moves_whole_to_the_block_that_holds_it(
+        job_env: Env, network: dict[str, str]) -> None:
+    """Two ranks requiring one block get block a (2 nodes, the tightest); rank 1's node goes
+    down (kubelet and processes stopped). Block a cannot hold the gang any more: the restart
+    recreates it in block b, its ranks in topology order, instead of restarting in place and
+    leaving rank 1's pod Pending for good; the job then finishes there."""
+    spec = _spec(2, {"required": L3}, steps=40)
+    spec["faultTolerance"] = {"restartStrategy": "InPlace"}
+    job_env.create(spec)
+    placed = _placed(job_env, 2)
+    assert {network[n] for n in placed.values()} == {"nn-blk-a"}, placed
+    job_env.wait("training", lambda s: s.get("phase") == "Running"
+                 and s.get("progress", {}).get("step", 0) >= 1, 180)
+    node = placed[1]
+    faults.node_down(job_env.cluster.config, node)
+    try:
+        restarting = job_env.wait_phase("Restarting", 90)
+        assert restarting["lastFailure"]["node"] == node, restarting
+        job_env.wait("attempt 1 running", lambda s: s.get("attempt", 0) >= 1
+                     and s.get("phase") == "Running", 180)
+        said = [m for _, m in job_env.event_messages() if "restarting the gang" in m]
+        assert said and f"so it moves to {L3}=nn-blk-b" in said[0], said
+        moved = {int(p.metadata.labels["hlat.dev/node-rank"]): p.spec.node_name
+                 for p in job_env.pods() if p.metadata.labels.get("hlat.dev/attempt") == "1"}
+        assert moved == {0: "net-0", 1: "node-1"}, moved  # block b, in the plan's order
+        done = job_env.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", 240)
+        assert done["progress"]["step"] == 40 and not done["restarts"].get("inPlace"), done
+    finally:
+        faults.node_up(job_env.cluster.config, node)
+        job_env.cluster.wait_nodes_ready([node], timeout=60)

@@ -103,8 +103,9 @@ class Heartbeat(BaseModel):
     compute_seconds: float | None = None
     """Median, over this worker's recent steps, of the seconds it computed in a step (forward
     and backward, less data wait), not counting its waits on its peers: a slow node's is higher
-    than its gang's (`spec.faultTolerance.stragglers`). None where the host cannot time the
-    device without a sync (XLA, CUDA: not measured yet)."""
+    than its gang's (`spec.faultTolerance.stragglers`). On XLA, the device time of the
+    micro-batch graphs, from the runtime's buffer-ready callbacks (no host sync); None where
+    nothing times the device (CUDA: not measured yet)."""
     sync_seconds: float | None = None
     """Median, over the same steps, of the seconds its collectives over data parallel took (the
     gradients' all-reduce, ZeRO-1's broadcast of the updated shards, the loss's all-reduce): on
@@ -120,7 +121,8 @@ class Heartbeat(BaseModel):
     optimizer update, clipping, moving batches to the device (the step less compute, sync,
     data wait and a save's staging), none of it a wait on a peer. With the three above, where
     the step goes; a slow host (a noisy neighbour, a throttled CPU) shows here, and the
-    operator's straggler score counts it. None where not measured (XLA, CUDA)."""
+    operator's straggler score counts it. None where not measured (XLA: the update's device
+    time is in `sync_seconds`; CUDA)."""
     validation_loss: float | None = None
     """The latest held-out validation loss (spec.eval), taken after step `validation_step`."""
     validation_step: int | None = None

@@ -197,3 +197,44 @@ def test_compilation_is_charged_to_compile_and_the_first_step_reports_compiling(
     assert spent.compile == pytest.approx(compiled, abs=0.01)
     assert spent.productive > 0 and spent.compile < spent.total()
     assert phases[0] == "compiling" and phases[1] == "training"
+
+
+def test_each_step_s_device_time_is_measured_without_a_host_sync_its_update_apart(
+    make_job: Callable[..., Job],
+) -> None:
+    """The host cannot time an XLA device without waiting for it; the runtime's buffer-ready
+    callbacks give each graph's end (`devicetime`). A step's compute is its micro-batch graphs'
+    device time, its update graph's is apart (as sync): here the update is made heavy (a chain
+    of 768x768 matmuls kept as an output of the optimizer's step), so a compute that counted it
+    would exceed it. No host read comes with it (the test above counts them)."""
+    job = make_job(name="devtime", train__steps=8, train__logInterval=8,
+                   checkpoint__interval=100)
+    gc.collect()
+    trainer = Trainer(job, backend=CpuXlaBackend(job.spec))
+    engine = trainer.engine
+    heavy = torch.randn(768, 768).to(engine.device) / 32
+    kept: list[Tensor] = []
+    update, step = engine.optimizer.step, engine.train_step
+
+    def burdened(*args: Any, **kwargs: Any) -> Any:
+        out = update(*args, **kwargs)
+        x = heavy
+        for _ in range(8):
+            x = torch.tanh(x @ heavy)
+        kept[:] = [x.sum()]  # alive at the step's sync: an output of the update graph
+        return out
+
+    results = []
+
+    def recording(batches: Iterator[tuple[Tensor, Tensor]], lr: float) -> Any:
+        results.append(step(batches, lr))
+        return results[-1]
+
+    engine.optimizer.step = burdened  # type: ignore[method-assign]
+    engine.train_step = recording  # type: ignore[method-assign]
+    trainer.run()
+    timed = [r for r in results if r.compute_seconds is not None]
+    assert len(timed) >= 4, [r.compute_seconds for r in results]
+    for r in timed:
+        assert r.sync_seconds is not None and 0 < r.compute_seconds < r.sync_seconds, r
+        assert r.host_seconds is None  # the update's device time is the sync's

@@ -104,17 +104,19 @@ class StepResult:
     """Time the update waited for an asynchronous save's copy of the state (checkpoint time)."""
     compute_seconds: float | None = None
     """Host time of the step's forward and backward passes, less data wait, before the
-    gradients are synchronised (no wait on peers in it); None where the backend's host time is
-    not its device's (`Backend.host_timed`)."""
+    gradients are synchronised (no wait on peers in it). Where the backend's host time is not
+    its device's (`Backend.host_timed`), the device time of the micro-batch graphs of the
+    newest step whose graphs have all run (`Backend.device_clock`: XLA), or None."""
     sync_seconds: float | None = None
     """Host time of the step's collectives over data parallel, each mostly a wait for the
     slowest peer: the gradients' all-reduce, ZeRO-1's broadcast of the updated shards (a peer
-    slow to update), the loss's all-reduce (None where not host-timed, or where the backend's
-    optimizer synchronises inside its step)."""
+    slow to update), the loss's all-reduce. On XLA (`Backend.device_clock`), the device time of
+    the update graph, where those collectives run with the optimizer's update; None where
+    neither times it (a managed optimizer synchronising inside its step on an eager device)."""
     host_seconds: float | None = None
-    """The rest of the step's time in the engine: the optimizer update, clipping, the loss's
-    reduction, moving batches to the device (the step's wall time less compute, sync, data
-    wait and a save's staging wait; None where not host-timed). A node whose host is slow (a
+    """The rest of the step's time in the engine: the optimizer update, clipping, moving
+    batches to the device (the step's wall time less compute, sync, data wait and a save's
+    staging wait; None where not host-timed: on XLA the update's device time is in sync). A node whose host is slow (a
     noisy neighbour, a throttled CPU) shows here with its compute time normal."""
 
 
@@ -165,6 +167,8 @@ class Engine(ABC):
         self.layout = Layout.of(world, spec.parallelism.zero1)
         self.sync_seconds: float | None = None
         """The last `_update`'s gradient synchronisation, where the engine times it."""
+        self.device_clock = None if backend.host_timed else backend.device_clock()
+        """Times the graphs on the device where the host cannot (XLA): `devicetime`."""
         host = dist.new_group(backend="gloo")  # CPU collectives beside the device's
         assert isinstance(host, dist.ProcessGroup)
         self._host_group = host
@@ -259,7 +263,10 @@ class Engine(ABC):
             loss = loss / self._divisor(share, loss)
             loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach()
-            backend.micro_batch_end()
+            if self.device_clock is not None:
+                self.device_clock.cut(backend.micro_batch_end, loss_sum)
+            else:
+                backend.micro_batch_end()
         compute = (time.perf_counter() - began - data_wait) if backend.host_timed else None
         staging_wait = self._wait_staged()  # the update must not change what a save copies
         self.sync_seconds = None
@@ -271,9 +278,16 @@ class Engine(ABC):
             if sync is not None:  # a wait for a peer slower to update: not this host's work
                 sync += time.perf_counter() - start
             loss_sum /= self.world.dp
-        backend.step_end()
         host = None
-        if compute is not None:
+        if self.device_clock is None:
+            backend.step_end()
+        else:  # an earlier step's device times, once its graphs have run
+            self.device_clock.cut(backend.step_end, grad_norm)
+            self.device_clock.step_done()
+            timed = self.device_clock.settled()
+            if timed is not None:
+                compute, sync = timed.compute, timed.update
+        if backend.host_timed and compute is not None:
             host = max(0.0, time.perf_counter() - began - data_wait - compute - (sync or 0.0)
                        - staging_wait)
         return StepResult(loss_sum, grad_norm, data_wait, staging_wait, compute, sync, host)

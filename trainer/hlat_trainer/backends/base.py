@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
 
     from hlat_api import PretrainJobSpec
+    from hlat_trainer.devicetime import DeviceClock
     from hlat_trainer.distributed import World
 
 BackendName = Literal["cpu", "cuda", "neuron-native", "neuron-xla"]
@@ -60,12 +61,20 @@ class Backend(ABC):
     def host_timed(self) -> bool:
         """True where the host's clock around a step's forward and backward is the device's
         (eager CPU: the ops run as they are called), so a rank's compute time is measured
-        without a sync; False on asynchronous (CUDA) and lazy (XLA) devices."""
+        without a sync; False on asynchronous (CUDA) and lazy (XLA) devices (see
+        `device_clock`)."""
         return False
 
     def compile_seconds(self) -> float:
         """Seconds this process has spent compiling graphs so far (0 on eager backends)."""
         return 0.0
+
+    def device_clock(self) -> DeviceClock | None:
+        """Where the host's clock is not the device's (`host_timed` False): a clock fed by the
+        runtime's own callbacks, timing each graph on the device without a host sync
+        (`hlat_trainer.devicetime`); None where nothing measures it (then a worker reports no
+        compute time, and the operator cannot score its node)."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, dist={self.dist_backend!r})"

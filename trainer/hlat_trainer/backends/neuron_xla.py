@@ -51,6 +51,7 @@ the backend without them raises `UserError` naming the package and the image to 
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor, nn
 
+    from hlat_trainer.devicetime import DeviceClock
     from hlat_trainer.distributed import World
 
 _NO_CLIP = 1e30
@@ -144,6 +146,19 @@ class NeuronXlaBackend(Backend):
         on Neuron it includes neuronx-cc or the compile cache's load."""
         data = require_neuron("torch_xla.debug.metrics").metric_data("CompileTime")
         return float(data[1]) / 1e9 if data else 0.0
+
+    def device_clock(self) -> DeviceClock | None:
+        """Graph end times from torch-xla's buffer-ready callback (`on_ready_callback`,
+        torch_xla/experimental/callback.py in torch-xla 2.9: it calls back with the tensor once
+        its buffer is ready); None on a torch-xla without it."""
+        try:
+            callback = importlib.import_module("torch_xla.experimental.callback")
+        except ImportError:
+            return None
+        from hlat_trainer.devicetime import DeviceClock
+
+        return DeviceClock(lambda tensor, ready: callback.on_ready_callback(
+            tensor, lambda _tensor: ready()), compiled=self.compile_seconds)
 
     def step_end(self) -> None:
         txla = require_neuron("torch_xla")

@@ -8,10 +8,11 @@ update, clipping, moving batches), each the median of the worker's recent steps.
 computes longer, a slow data path (a failing disk) waits longer for its batches, a slow host (a
 noisy neighbour, a throttled CPU) updates longer; the healthy nodes wait for it in the
 collectives (the gradient sync, ZeRO-1's broadcast of the updated shards, the loss's
-all-reduce), which the trainer counts as sync, never as their own time. A node is scored against the median of the
-*other* nodes (relative to its gang, not to an absolute figure: a bigger model or a busier host
-moves every node alike), and flagged only once it has stayed over the threshold for the window
-(a garbage collection, a save's copy on one node, is not a straggler). A dip back under the
+all-reduce), which the trainer counts as sync, never as their own time. A node is scored
+against the median of the *other* nodes (relative to its gang, not to an absolute figure: a
+bigger model or a busier host moves every node alike), and flagged only once it has stayed
+over the threshold for the window (a garbage collection, a save's copy on one node, is not a
+straggler). A dip back under the
 threshold no longer than `grace` (the operator passes two heartbeat periods: one renewal's
 medians) does not start the window over: each median is over a few steps, and one of a
 healthy node's slow steps moving the baseline for one renewal hid a 30%-slow node for 64 s
@@ -39,7 +40,7 @@ class Slow:
     """Its own time a step (compute, data wait, host work) over the median of the other
     nodes'."""
     since: datetime
-    """Since when it has been over the threshold without a break (longer than the grace)."""
+    """Since when it has been over the threshold, with no break longer than the grace."""
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,8 @@ class Spell:
 
 def slowdowns(compute: Mapping[str, float]) -> dict[str, float]:
     """Each node's own seconds a step (compute, data wait, host work) over the median of the
-    other nodes' (1: as fast as its gang; 1.4: 40% slower). Empty when fewer than two nodes report: a single node has nothing
-    to be compared with."""
+    other nodes' (1: as fast as its gang; 1.4: 40% slower). Empty when fewer than two nodes
+    report: a single node has nothing to be compared with."""
     if len(compute) < 2:
         return {}
     out = {}

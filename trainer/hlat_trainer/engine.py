@@ -116,8 +116,9 @@ class StepResult:
     host_seconds: float | None = None
     """The rest of the step's time in the engine: the optimizer update, clipping, moving
     batches to the device (the step's wall time less compute, sync, data wait and a save's
-    staging wait; None where not host-timed: on XLA the update's device time is in sync). A node whose host is slow (a
-    noisy neighbour, a throttled CPU) shows here with its compute time normal."""
+    staging wait; None where not host-timed: on XLA the update's device time is in sync). A
+    node whose host is slow (a noisy neighbour, a throttled CPU) shows here with its compute
+    time normal."""
 
 
 @dataclass

@@ -50,12 +50,18 @@ def can_host(node: ObservedNode, selector: Mapping[str, str]) -> bool:
         node.labels.get(k) == v for k, v in selector.items())
 
 
-def usable(nodes: Iterable[ObservedNode], selector: Mapping[str, str],
-           avoided: Collection[str] = ()) -> int:
+def usable_nodes(nodes: Iterable[ObservedNode], selector: Mapping[str, str],
+                 avoided: Collection[str] = ()) -> list[ObservedNode]:
     """Nodes a worker could run on now, healthy ones only (the job's own included: they host
     its pods), less those the job avoids (its avoid list: a job that can train on fewer nodes
     does not go back to a node that failed it before the entry expires)."""
-    return sum(1 for n in nodes if can_host(n, selector) and n.healthy and n.name not in avoided)
+    return [n for n in nodes if can_host(n, selector) and n.healthy and n.name not in avoided]
+
+
+def usable(nodes: Iterable[ObservedNode], selector: Mapping[str, str],
+           avoided: Collection[str] = ()) -> int:
+    """How many `usable_nodes` there are."""
+    return len(usable_nodes(nodes, selector, avoided))
 
 
 def smallest(spec: PretrainJobSpec) -> int:

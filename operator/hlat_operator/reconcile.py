@@ -1012,10 +1012,8 @@ def _topology(p: _Pass, spec: PretrainJobSpec, ranks: Iterable[int]
 def _usable_nodes(p: _Pass, spec: PretrainJobSpec) -> list[ObservedNode]:
     """The nodes a worker of this job may run on now: of its instance type, healthy, not
     avoided."""
-    avoid = set(_avoided_nodes(p, spec))
-    selector = builders.node_selector(spec)
-    return [n for n in p.observed.nodes.values()
-            if elastic.can_host(n, selector) and n.healthy and n.name not in avoid]
+    return elastic.usable_nodes(p.observed.nodes.values(), builders.node_selector(spec),
+                                set(_avoided_nodes(p, spec)))
 
 
 def _domain_lost(p: _Pass, spec: PretrainJobSpec) -> str | None:

@@ -137,7 +137,13 @@ def reference_losses(env: Env, testrun_uid: str) -> dict[int, float]:
         reference.wait("Succeeded", lambda s: s.get("phase") == "Succeeded", REFERENCE_SECONDS)
         expected = _losses(reference.pod_log(0, 0))
         assert sorted(expected) == list(range(1, STEPS + 1))
-        assert "Straggler" not in reference.events()  # a healthy gang: no node flagged as slow
+        # no assertion on Straggler flags here or in the soaks: their nodes are processes
+        # sharing two cores with the rest of the suite, and one of them really is slower for
+        # tens of seconds at a time (CI, 2026-11-30: 1.46-1.85x over 30 s of a healthy
+        # reference run); a flag would assert the CPU scheduler's fairness. A healthy gang's
+        # window with no flag is checked where the load is ours (test_e2e_stragglers, run
+        # alone) and measured as precision by bench_stragglers; action Report, the default,
+        # changes nothing trained, which the losses and restart counts below check.
         reference.delete()
         shared.write_text(json.dumps(expected))
         return expected
@@ -198,8 +204,6 @@ def test_thirty_random_faults_end_succeeded_with_an_uninterrupted_run_s_losses(
     restarts = [m for _, m in job_env.event_messages() if "restarting the gang" in m]
     assert len(restarts) == worker_faults, restarts
     assert done["progress"]["step"] == STEPS and job_env.max_gangs == 1
-    # faults, not slowness: no node flagged as a straggler over the whole soak
-    assert "Straggler" not in job_env.events(), job_env.event_messages()
 
     trained = _all_attempt_losses(job_env, worker_faults + 1)
     # a step no attempt logged: only one whose checkpoint was saved and the worker killed

@@ -89,14 +89,17 @@ def test_healthy_nodes_with_noisy_step_times_raise_no_flag() -> None:
 
 def _beat_compute(w: World, compute: dict[int, float], step: int,
                   checkpoint: int | None = None, data_wait: dict[int, float] | None = None,
-                  host: dict[int, float] | None = None) -> None:
+                  host: dict[int, float] | None = None,
+                  phases: dict[int, str] | None = None) -> None:
     """Every running worker renews, node rank r reporting compute time `compute[r]` (and a
-    data wait of `data_wait[r]` and host work of `host[r]`, none by default)."""
+    data wait of `data_wait[r]` and host work of `host[r]`, none by default), in phase
+    `phases[r]` (training by default)."""
     for pod in w.pods.values():
         if pod.phase != "Running" or pod.attempt is None or pod.rank is None or pod.spare:
             continue
         name = labels.worker_lease_name("tiny", pod.attempt, pod.rank)
-        hb = Heartbeat(phase="training", step=step, attempt=pod.attempt, step_seconds=0.5,
+        hb = Heartbeat(phase=(phases or {}).get(pod.rank, "training"), step=step,
+                       attempt=pod.attempt, step_seconds=0.5,
                        compute_seconds=compute[pod.rank], checkpoint_step=checkpoint,
                        data_wait_seconds=(data_wait or {}).get(pod.rank),
                        host_seconds=(host or {}).get(pod.rank),
@@ -163,6 +166,28 @@ def test_the_job_names_the_slow_node_after_the_window_then_clears_it() -> None:
     metrics.observe("default", "tiny", w.step())
     assert _condition(w)["status"] == "False" and _condition(w)["reason"] == "NoStraggler"
     assert flag("hlat_node_straggler", {**job, "node": slow_node}) is None
+
+
+def test_a_node_starting_or_compiling_is_not_scored_however_long_its_steps() -> None:
+    """A node whose worker is back in a start (compiling its graphs, loading a checkpoint:
+    its heartbeat's compute is its first steps', or the last attempt's) is not compared with
+    its gang however long that lasts: a fault, or a restart's warm-up, is not a slow node.
+    Once it trains at its gang's pace nothing is flagged either."""
+    w = World(raw_spec(faultTolerance={"stragglers": {"threshold": 0.2, "windowSeconds": 30}}))
+    w.until("Running")
+    step = 10
+    for phase in ("compiling", "starting"):
+        for _ in range(25):  # 50 s: longer than the window
+            _beat_compute(w, {0: 0.10, 1: 5.0}, step, phases={1: phase})
+            decision = w.step()
+            assert list(decision.slowdowns) == [] and _condition(w) == {}, decision.slowdowns
+            w.advance(2)
+    for _ in range(25):
+        _beat_compute(w, {0: 0.10, 1: 0.105}, step)
+        step += 4
+        assert w.step().slowdowns and _condition(w) == {}
+        w.advance(2)
+    assert not [e for e in w.events if e.reason == "Straggler"]
 
 
 @pytest.mark.parametrize("held_back_by", ["data_wait", "host"])

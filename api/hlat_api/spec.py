@@ -366,7 +366,8 @@ class StragglerSpec(_Model):
     """How long a node must stay over the threshold before it is flagged (noise, a garbage
     collection or a checkpoint's copy on one node, is not a straggler). A dip back under it
     for no more than two heartbeat periods does not start the window over (each report is a
-    median of a few steps, and one slow step of a healthy node moves the baseline)."""
+    median of a few steps, and one slow step of a healthy node moves the baseline), nor clears
+    a node already flagged: it is cleared once under for longer."""
 
 
 RestartStrategy = Literal["InPlace", "RecreateGang"]

@@ -16,7 +16,9 @@ straggler). A dip back under the
 threshold no longer than `grace` (the operator passes two heartbeat periods: one renewal's
 medians) does not start the window over: each median is over a few steps, and one of a
 healthy node's slow steps moving the baseline for one renewal hid a 30%-slow node for 64 s
-where the window is 30. Pure: no I/O, no clock.
+where the window is 30. Nor does such a dip clear a node already flagged (a node hovering at
+the threshold raised and cleared the flag, with a Warning event each time, at every renewal).
+Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -89,11 +91,14 @@ def restart_pays(lost_seconds: float, restart_seconds: float) -> bool:
 
 def judge(ratios: Mapping[str, float], spells: Mapping[str, Spell], now: datetime,
           threshold: float, window: float, grace: float) -> tuple[list[Slow], dict[str, Spell]]:
-    """The nodes flagged now (slowest first: over `1 + threshold` now, and for the window) and
-    each node's spell over it. A node seen over for the first time starts one now; one back
-    under (or not reporting) keeps its spell, marked under, for `grace` seconds, and is
-    flagged again as soon as it is back over; under for longer, it leaves the map and its next
-    time over starts afresh."""
+    """The nodes flagged now (slowest first: over `1 + threshold` for the window) and each
+    node's spell over it. A node seen over for the first time starts one now; one back under
+    (or not reporting) keeps its spell, marked under, for `grace` seconds; under for longer, it
+    leaves the map and its next time over starts afresh. A node flagged before it dipped stays
+    flagged through the grace (with its ratio now, under the threshold: a node hovering at the
+    threshold is one straggler, not a flag raised and cleared at every renewal); one that
+    dipped before its window was up is not flagged while under, and is as soon as it is back
+    over."""
     out = {}
     for node in sorted(set(ratios) | set(spells)):
         spell, ratio = spells.get(node), ratios.get(node)
@@ -104,7 +109,8 @@ def judge(ratios: Mapping[str, float], spells: Mapping[str, Spell], now: datetim
             if (now - under).total_seconds() <= grace:
                 out[node] = Spell(spell.since, under)
     flagged = [Slow(node, ratios[node], spell.since) for node, spell in out.items()
-               if spell.under is None and (now - spell.since).total_seconds() >= window]
+               if node in ratios and ((spell.under or now) - spell.since).total_seconds()
+               >= window]
     return sorted(flagged, key=lambda s: (-s.ratio, s.node)), out
 
 

@@ -143,7 +143,7 @@ class OperatorMetrics:
             "Each node's own time per step (compute, data wait, host work) over the median "
             "of the other nodes' of its gang "
             "(1: as fast; above 1 + faultTolerance.stragglers.threshold for its window: a "
-            "straggler). Eager CPU and XLA workers (not CUDA yet).",
+            "straggler). Eager CPU, XLA and CUDA workers.",
             (*JOB_LABELS, "node"),
             registry=r,
         )

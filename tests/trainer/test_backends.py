@@ -133,6 +133,17 @@ def test_not_a_torch_native_name() -> None:
         TorchNativeBackend(make_spec(), "neuron-xla")
 
 
+def test_a_cuda_backend_times_steps_with_events_and_a_cpu_one_with_the_host_clock() -> None:
+    """CUDA runs ahead of the host: its compute is read from events on the stream (the engine
+    then scores the node on the device's time); CPU runs the ops as they are called."""
+    from hlat_trainer.devicetime import EventClock
+
+    cuda = TorchNativeBackend(make_spec(), "cuda")
+    assert not cuda.host_timed and isinstance(cuda.device_clock(), EventClock)
+    cpu = TorchNativeBackend(make_spec(), "cpu")
+    assert cpu.host_timed and cpu.device_clock() is None
+
+
 # --- the Neuron backends without their packages -------------------------------------------------
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from hlat_trainer.devicetime import MAX_PENDING_STEPS, DeviceClock, StepDeviceTime
+from hlat_trainer.devicetime import MAX_PENDING_STEPS, DeviceClock, EventClock, StepDeviceTime
 
 
 class Runtime:
@@ -89,3 +89,87 @@ def test_a_graph_counts_from_its_cut_less_the_compile_in_it_even_where_the_sync_
     clock.step_done()
     assert clock.settled() == StepDeviceTime(compute=pytest.approx(2.0),
                                              update=pytest.approx(1.5))
+
+
+class Stream:
+    """A CUDA stream as `EventClock` sees it, the test playing the device: `record` puts an
+    event after the work enqueued so far; the device completes events in order (`run_to`),
+    each at the device time the test gives. Follows `torch.cuda.Event` (torch/cuda/streams.py,
+    torch 2.9 and 2.15): `record()` on the current stream, `query()` True once the work before
+    it has run, `elapsed_time(end)` in milliseconds, an error (cudaErrorNotReady) unless both
+    events have completed."""
+
+    def __init__(self) -> None:
+        self.recorded: list[StreamEvent] = []
+
+    def event(self) -> StreamEvent:
+        return StreamEvent(self)
+
+    def run_to(self, *times: float) -> None:
+        """The oldest events not yet completed complete, at these device times."""
+        waiting = [e for e in self.recorded if e.at is None]
+        for event, at in zip(waiting, times, strict=False):
+            event.at = at
+
+
+class StreamEvent:
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.stream.recorded.append(self)
+
+    def query(self) -> bool:
+        return self.at is not None
+
+    def elapsed_time(self, end_event: StreamEvent) -> float:
+        if self.at is None or end_event.at is None:
+            raise RuntimeError("CUDA error: device not ready")
+        return (end_event.at - self.at) * 1000.0
+
+
+def _cuda_step(clock: EventClock, micro_batches: int) -> None:
+    """The engine's calls for one step (`Engine.train_step`)."""
+    for _ in range(micro_batches):
+        clock.begin()
+        clock.cut(lambda: None, object())
+    clock.begin()  # the update
+    clock.cut(lambda: None, object())
+    clock.step_done()
+
+
+def test_cuda_spans_between_events_count_the_device_s_work_not_its_idle_time() -> None:
+    """Two micro-batches and an update on a stream the host runs ahead of: each span is the
+    device time between its events, the device idling between spans (a host slow to feed
+    it, a data wait) counts in neither; nothing is read before the update's end event has
+    completed, and nothing is read twice."""
+    stream = Stream()
+    clock = EventClock(stream.event)
+    _cuda_step(clock, 2)
+    assert clock.settled() is None  # nothing has run: no event queried is waited on
+    stream.run_to(0.0, 1.0)  # micro-batch 1: 1 s
+    stream.run_to(4.0, 4.5)  # idle 3 s, micro-batch 2: 0.5 s
+    stream.run_to(4.5)  # the update begins
+    assert clock.settled() is None  # its end has not completed
+    stream.run_to(6.5)  # the update, with a wait for a slow peer in its all-reduce: 2 s
+    assert clock.settled() == StepDeviceTime(compute=pytest.approx(1.5),
+                                             update=pytest.approx(2.0))
+    assert clock.settled() is None
+
+
+def test_cuda_steps_settle_in_order_the_newest_reported_and_a_stuck_stream_is_bounded() -> None:
+    stream = Stream()
+    clock = EventClock(stream.event)
+    for _ in range(2):
+        _cuda_step(clock, 1)
+    stream.run_to(0.0, 1.0, 1.0, 1.25, 2.0, 4.0, 4.0, 4.5)
+    assert clock.settled() == StepDeviceTime(compute=pytest.approx(2.0),
+                                             update=pytest.approx(0.5))
+    stuck = EventClock(Stream().event)  # a device that never runs anything
+    for _ in range(3 * MAX_PENDING_STEPS):
+        _cuda_step(stuck, 2)
+    assert stuck.settled() is None and len(stuck._pending) == MAX_PENDING_STEPS
+    clock.cut(lambda: None, object())  # a cut with no span begun is not timed
+    clock.step_done()
+    assert len(clock._pending) == 0

@@ -20,6 +20,7 @@ from kubernetes.client.exceptions import ApiException
 
 from hlat_api import ExitCode, Job, step_dir
 from hlat_trainer import engine, heartbeat, train
+from hlat_trainer.devicetime import EventClock
 from hlat_trainer.engine import pack, unpack
 from hlat_trainer.heartbeat import LeaseHeartbeat
 from hlat_trainer.metrics import TrainMetrics
@@ -166,6 +167,51 @@ def test_a_slow_host_side_update_shows_as_host_overhead_not_as_compute(
     trainer.engine.optimizer.step = slow_update  # type: ignore[method-assign]
     last = trainer.run()
     assert last["host_seconds"] >= 3600.0 > last["compute_seconds"], last
+
+
+@pytest.mark.parametrize("slow", ["forward", "update"])
+def test_on_a_device_the_host_does_not_time_compute_and_sync_are_the_device_s_spans(
+        make_job: Callable[..., Job], monkeypatch: pytest.MonkeyPatch, slow: str) -> None:
+    """The engine's calls to a device clock (`devicetime.EventClock`, what a CUDA backend
+    gives), on CPU: events that complete as they are recorded, at the engine's own clock, and
+    a forward or an update that moves that clock on by an hour. A slow forward is compute, a
+    slow update (a wait for a peer in its all-reduce) is sync: each span begins and ends where
+    the engine says."""
+    job = make_job(train__steps=4, checkpoint__interval=100)
+    trainer = Trainer(job)
+    late = [0.0]
+    now = lambda: time.perf_counter() + late[0]  # noqa: E731
+    monkeypatch.setattr(engine, "time", SimpleNamespace(perf_counter=now))
+
+    class Instant:
+        at: float | None = None
+
+        def record(self) -> None:
+            self.at = now()
+
+        def query(self) -> bool:
+            return self.at is not None
+
+        def elapsed_time(self, end_event: Instant) -> float:
+            assert self.at is not None and end_event.at is not None
+            return (end_event.at - self.at) * 1000.0
+
+    trainer.engine.device_clock = EventClock(Instant)
+    target = trainer.engine.model if slow == "forward" else trainer.engine.optimizer
+    method = "forward" if slow == "forward" else "step"
+    real = getattr(target, method)
+
+    def slowed(*args: Any, **kwargs: Any) -> Any:
+        late[0] += 3600.0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, method, slowed)
+    last = trainer.run()
+    compute, sync = last["compute_seconds"], last["sync_seconds"]
+    if slow == "forward":
+        assert compute >= 3600.0 > sync, last
+    else:
+        assert sync >= 3600.0 > compute, last
 
 
 def test_graph_extraction_runs_save_no_checkpoint(

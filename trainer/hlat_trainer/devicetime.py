@@ -1,4 +1,5 @@
-"""A step's device time on a lazy device (XLA), measured without a host sync.
+"""A step's device time where the host's clock is not the device's, measured without a host
+sync: on a lazy device (XLA, `DeviceClock`) and on an asynchronous one (CUDA, `EventClock`).
 
 On XLA the host traces a step and dispatches its graphs (one per micro-batch, then the update:
 `NeuronXlaBackend.micro_batch_end`, `step_end`); the device runs them later, one after another,
@@ -23,6 +24,18 @@ compute once: what the worker's median of recent steps absorbs.
 
 The callback runs on a runtime thread and only stores the time (a float written once: atomic
 under the GIL), so the training thread never waits for it.
+
+On CUDA the host enqueues kernels on a stream as it calls the ops and runs ahead of the device;
+what the host's clock around a micro-batch measures is the launch. The device's own clock is
+read from events recorded on the stream between the kernels (`torch.cuda.Event(enable_timing=
+True)`, its `record`, `query` and `elapsed_time`: `torch/cuda/streams.py` of torch 2.9
+and 2.15, over
+`cudaEventRecord`, `cudaEventQuery` and `cudaEventElapsedTime`), the way NVIDIA's resiliency
+extension times its sections: an event before each micro-batch's forward and after its
+backward, one before the update and after the loss's all-reduce. A span is the device time
+between its two events, so the device idling between spans (a host slow to feed it) is not
+counted, as on XLA. Events are only queried, never waited on (`elapsed_time` once both have
+completed, which `query` on the later one says on a single stream).
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -59,6 +72,20 @@ class _Graph:
     ready: float | None = None
 
 
+class StepClock(Protocol):
+    """The engine's calls, in order, each step: `begin` before each micro-batch's forward and
+    before the update, `cut` after each micro-batch's backward and after the update (with the
+    loss's all-reduce), then `step_done`; `settled` for the newest step the device has run."""
+
+    def begin(self) -> None: ...
+
+    def cut(self, sync: Callable[[], None], output: Tensor) -> None: ...
+
+    def step_done(self) -> None: ...
+
+    def settled(self) -> StepDeviceTime | None: ...
+
+
 class DeviceClock:
     """Records each graph's dispatch and, through the runtime's callback, its end."""
 
@@ -68,6 +95,9 @@ class DeviceClock:
         self._step: list[_Graph] = []
         self._pending: deque[list[_Graph]] = deque(maxlen=MAX_PENDING_STEPS)
         self._last_end: float | None = None
+
+    def begin(self) -> None:
+        """Nothing: a graph's work starts at its dispatch (the cut) or the previous one's end."""
 
     def cut(self, sync: Callable[[], None], output: Tensor) -> None:
         """Cut a graph (`sync`: the backend's graph cut) of which `output` is an output."""
@@ -101,4 +131,54 @@ class DeviceClock:
                 previous = graph.ready
             self._last_end = previous
             out = StepDeviceTime(sum(busy[:-1]), busy[-1])
+        return out
+
+
+class Event(Protocol):
+    """What `EventClock` calls of `torch.cuda.Event(enable_timing=True)`."""
+
+    def record(self) -> None: ...
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end_event: Any) -> float: ...
+
+
+class EventClock:
+    """Spans between events recorded on the device's stream (CUDA): `begin` records a span's
+    start, `cut` its end; a step's spans are read once its last event has completed."""
+
+    def __init__(self, event: Callable[[], Event]) -> None:
+        self._event = event
+        self._start: Event | None = None
+        self._step: list[tuple[Event, Event]] = []
+        self._pending: deque[list[tuple[Event, Event]]] = deque(maxlen=MAX_PENDING_STEPS)
+
+    def _record(self) -> Event:
+        event = self._event()
+        event.record()
+        return event
+
+    def begin(self) -> None:
+        self._start = self._record()
+
+    def cut(self, sync: Callable[[], None], output: Tensor) -> None:
+        """End the span `begin` started (`output` is not needed: the stream orders the
+        kernels); a cut with no span begun is not timed."""
+        sync()
+        if self._start is not None:
+            self._step.append((self._start, self._record()))
+            self._start = None
+
+    def step_done(self) -> None:
+        if len(self._step) >= 2:
+            self._pending.append(self._step)
+        self._step, self._start = [], None
+
+    def settled(self) -> StepDeviceTime | None:
+        """The newest step whose last event has completed since the last call, or None."""
+        out = None
+        while self._pending and self._pending[0][-1][1].query():
+            spans = [start.elapsed_time(end) / 1000.0 for start, end in self._pending.popleft()]
+            out = StepDeviceTime(sum(spans[:-1]), spans[-1])
         return out

@@ -105,14 +105,16 @@ class StepResult:
     compute_seconds: float | None = None
     """Host time of the step's forward and backward passes, less data wait, before the
     gradients are synchronised (no wait on peers in it). Where the backend's host time is not
-    its device's (`Backend.host_timed`), the device time of the micro-batch graphs of the
-    newest step whose graphs have all run (`Backend.device_clock`: XLA), or None."""
+    its device's (`Backend.host_timed`), the device time of the micro-batches (XLA: their
+    graphs; CUDA: their kernels) of the newest step the device has run
+    (`Backend.device_clock`), or None."""
     sync_seconds: float | None = None
     """Host time of the step's collectives over data parallel, each mostly a wait for the
     slowest peer: the gradients' all-reduce, ZeRO-1's broadcast of the updated shards (a peer
-    slow to update), the loss's all-reduce. On XLA (`Backend.device_clock`), the device time of
-    the update graph, where those collectives run with the optimizer's update; None where
-    neither times it (a managed optimizer synchronising inside its step on an eager device)."""
+    slow to update), the loss's all-reduce. On XLA and CUDA (`Backend.device_clock`), the
+    device time of the update (XLA: its graph), where those collectives run with the
+    optimizer's update; None where neither times it (a managed optimizer synchronising inside
+    its step on an eager device)."""
     host_seconds: float | None = None
     """The rest of the step's time in the engine: the optimizer update, clipping, moving
     batches to the device (the step's wall time less compute, sync, data wait and a save's
@@ -169,7 +171,8 @@ class Engine(ABC):
         self.sync_seconds: float | None = None
         """The last `_update`'s gradient synchronisation, where the engine times it."""
         self.device_clock = None if backend.host_timed else backend.device_clock()
-        """Times the graphs on the device where the host cannot (XLA): `devicetime`."""
+        """Times the step's work on the device where the host cannot (XLA, CUDA):
+        `devicetime`."""
         host = dist.new_group(backend="gloo")  # CPU collectives beside the device's
         assert isinstance(host, dist.ProcessGroup)
         self._host_group = host
@@ -256,6 +259,8 @@ class Engine(ABC):
             start = time.perf_counter()
             inputs, targets = next(batches)
             data_wait += time.perf_counter() - start
+            if self.device_clock is not None:
+                self.device_clock.begin()
             inputs, targets = backend.to_device(inputs, self.device), backend.to_device(
                 targets, self.device)
             with backend.autocast():
@@ -271,6 +276,8 @@ class Engine(ABC):
         compute = (time.perf_counter() - began - data_wait) if backend.host_timed else None
         staging_wait = self._wait_staged()  # the update must not change what a save copies
         self.sync_seconds = None
+        if self.device_clock is not None:
+            self.device_clock.begin()
         grad_norm = self._update(self.spec.optimizer.grad_clip)
         sync = self.sync_seconds if backend.host_timed else None
         if self.world.dp > 1:

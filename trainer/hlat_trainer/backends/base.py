@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
 
     from hlat_api import PretrainJobSpec
-    from hlat_trainer.devicetime import DeviceClock
+    from hlat_trainer.devicetime import StepClock
     from hlat_trainer.distributed import World
 
 BackendName = Literal["cpu", "cuda", "neuron-native", "neuron-xla"]
@@ -69,11 +69,12 @@ class Backend(ABC):
         """Seconds this process has spent compiling graphs so far (0 on eager backends)."""
         return 0.0
 
-    def device_clock(self) -> DeviceClock | None:
-        """Where the host's clock is not the device's (`host_timed` False): a clock fed by the
-        runtime's own callbacks, timing each graph on the device without a host sync
-        (`hlat_trainer.devicetime`); None where nothing measures it (then a worker reports no
-        compute time, and the operator cannot score its node)."""
+    def device_clock(self) -> StepClock | None:
+        """Where the host's clock is not the device's (`host_timed` False): a clock that times
+        the step's work on the device without a host sync, from the runtime's callbacks (XLA)
+        or events on the stream (CUDA) (`hlat_trainer.devicetime`); None where nothing
+        measures it (then a worker reports no compute time, and the operator cannot score its
+        node)."""
         return None
 
     def __repr__(self) -> str:

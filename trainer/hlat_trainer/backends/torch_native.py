@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from torch import Tensor, nn
 
     from hlat_api import PretrainJobSpec
+    from hlat_trainer.devicetime import StepClock
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,16 @@ class TorchNativeBackend(Backend):
     @property
     def host_timed(self) -> bool:
         return self.name == "cpu"
+
+    def device_clock(self) -> StepClock | None:
+        """CUDA: events on the current stream (`devicetime.EventClock`)."""
+        if self.name != "cuda":
+            return None
+        import torch
+
+        from hlat_trainer.devicetime import EventClock
+
+        return EventClock(lambda: torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
 
     def device(self, local_rank: int) -> torch.device:
         import torch

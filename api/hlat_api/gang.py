@@ -17,6 +17,7 @@ ATTEMPT_KEY = "hlat.dev/attempt"
 STEPS_DONE_KEY = "hlat.dev/steps-done"
 RANKS_KEY = "hlat.dev/ranks"
 MASTER_KEY = "hlat.dev/master-addr"
+NODES_KEY = "hlat.dev/nodes"
 
 
 class GangRecord(BaseModel):
@@ -32,12 +33,17 @@ class GangRecord(BaseModel):
     master_addr: str | None = None
     """Node rank 0's address when it is not the one the pods were created with (a spare took
     over rank 0); None: HLAT_MASTER_ADDR."""
+    nodes: int | None = Field(default=None, ge=1)
+    """How many nodes the attempt runs on (an elastic job resized in place: its kept pods were
+    created at another size); None: HLAT_NNODES."""
 
     def to_annotations(self) -> dict[str, str]:
         out = {ATTEMPT_KEY: str(self.attempt), STEPS_DONE_KEY: str(self.steps_done),
                RANKS_KEY: json.dumps(self.ranks, sort_keys=True, separators=(",", ":"))}
         if self.master_addr:
             out[MASTER_KEY] = self.master_addr
+        if self.nodes is not None:
+            out[NODES_KEY] = str(self.nodes)
         return out
 
     @classmethod
@@ -49,6 +55,8 @@ class GangRecord(BaseModel):
             return cls(attempt=int(annotations[ATTEMPT_KEY]),
                        steps_done=int(annotations.get(STEPS_DONE_KEY) or 0),
                        ranks=json.loads(annotations.get(RANKS_KEY) or "{}"),
-                       master_addr=annotations.get(MASTER_KEY) or None)
+                       master_addr=annotations.get(MASTER_KEY) or None,
+                       nodes=int(annotations[NODES_KEY]) if annotations.get(NODES_KEY)
+                       else None)
         except (ValidationError, ValueError):
             return None

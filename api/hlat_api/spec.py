@@ -660,6 +660,25 @@ class PretrainJobSpec(_Model):
                 fits.append(nodes)
         return fits
 
+    def at_size(self, nodes: int | None) -> PretrainJobSpec:
+        """The spec an attempt at `nodes` runs (None: `nodes` itself). It has no `elastic`:
+        at its own size it need allow no smaller one."""
+        if nodes is None or nodes == self.nodes:
+            return self
+        return self.model_copy(update={"nodes": nodes, "elastic": None})
+
+    def at_world(self, world_size: int) -> PretrainJobSpec:
+        """An elastic spec at the size its processes were started at (`world_size` ranks:
+        torchrun's WORLD_SIZE), where that is one of its `sizes`: the trainers of a job
+        resized in place (their pods kept, the ConfigMap still the spec as written) learn the
+        size from the world their launcher started. Any other spec, or a size it does not
+        allow, is returned as it is (the world check then says what does not match)."""
+        e, per_node = self.elastic, self.ranks_per_node
+        if e is None or world_size % per_node or world_size == self.world_size:
+            return self
+        nodes = world_size // per_node
+        return self.at_size(nodes) if nodes in self.sizes(e.min_nodes) else self
+
     def speed_at(self, nodes: int) -> float:
         """Steps per second at `nodes`, relative to `self.nodes` (compute-bound, collectives
         aside): a step takes as long as the most micro-batches a rank trains. The paper's 7B

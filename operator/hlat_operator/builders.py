@@ -333,13 +333,14 @@ def build_leases(
 
 
 def build_gang_lease(job: JobRef, attempt: int, steps_done: int,
-                     ranks: dict[str, int] | None = None, master_addr: str | None = None
-                     ) -> Lease:
+                     ranks: dict[str, int] | None = None, master_addr: str | None = None,
+                     nodes: int | None = None) -> Lease:
     """The restart record (`hlat_api.gang`): the attempt every launcher must run now, the node
-    rank of each pod, and node rank 0's address when a spare took it over."""
+    rank of each pod, node rank 0's address when a spare took it over, and the attempt's
+    size."""
     meta = _meta(job, labels.gang_lease_name(job.name))
     meta["annotations"] = GangRecord(attempt=attempt, steps_done=steps_done, ranks=ranks or {},
-                                     master_addr=master_addr).to_annotations()
+                                     master_addr=master_addr, nodes=nodes).to_annotations()
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta,
             "spec": {"holderIdentity": labels.OPERATOR_NAME}}
 

@@ -25,11 +25,10 @@ def applies(spec: PretrainJobSpec, queued: bool) -> bool:
 
 
 def effective(spec: PretrainJobSpec, size: int | None) -> PretrainJobSpec:
-    """The spec an attempt at `size` nodes runs (None: spec.nodes). It has no `elastic`: the
-    trainers read it, and at its own size it need allow no smaller one."""
-    if size is None or size == spec.nodes:
-        return spec
-    return spec.model_copy(update={"nodes": size, "elastic": None})
+    """The spec an attempt at `size` nodes runs (None: spec.nodes): `PretrainJobSpec.at_size`,
+    which the trainers apply to the spec as written from the world they were started in
+    (`PretrainJobSpec.at_world`)."""
+    return spec.at_size(size)
 
 
 def pace(spec: PretrainJobSpec, size: int) -> str:

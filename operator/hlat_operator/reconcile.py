@@ -601,6 +601,18 @@ def _sized(p: _Pass, desired: PretrainJobSpec, spec: PretrainJobSpec) -> Pretrai
     return elastic.effective(spec, p.state.size)
 
 
+def _as_written(p: _Pass, spec: PretrainJobSpec) -> PretrainJobSpec:
+    """The trainers' ConfigMap: an elastic job's spec at its full size, with its `elastic`,
+    whatever size the attempt runs at. The trainers size it from the world they were started
+    in (`PretrainJobSpec.at_world`), so a job resized in place (its pods, and their mounted
+    copy of the file, kept) needs no new file; a kubelet refreshes a mounted ConfigMap only
+    at its sync period, up to a minute or more later."""
+    d = p.desired
+    if d is None or d.elastic is None or spec.elastic is not None:
+        return spec
+    return spec.model_copy(update={"nodes": d.nodes, "elastic": d.elastic})
+
+
 def _size(nodes: int, desired: int, since: str | None, resizes: list[Resize]) -> Size:
     return Size(nodes=nodes, desired=desired, text=f"{nodes}/{desired}", since=since,
                 resizes=resizes[-elastic.MAX_RESIZES:])
@@ -683,19 +695,49 @@ def _grow(p: _Pass, spec: PretrainJobSpec) -> bool:
 
 def _resize(p: _Pass, desired: PretrainJobSpec, target: int, reason: Reason,
             message: str) -> None:
-    """A planned restart at `target` nodes: no restart budget, no backoff, the gang recreated
-    (every rank's world changes)."""
+    """A planned restart at `target` nodes: no restart budget, no backoff. Under InPlace the
+    pods running on usable nodes stay (up to `target` of them, lowest ranks first) and their
+    launchers restart the trainers at the new size (`_in_place_attempt`: the ranks beyond it
+    move down to the free ones, the record says the size); the others, and the pods no node
+    took, are deleted. Otherwise, or where growing in place would give a new pod a host name
+    a kept one has (`_grows_in_place`), the gang is recreated."""
+    kept = sorted((pod for pod in p.observed.pods if not pod.spare and pod.node
+                   and pod.phase == "Running" and _keepable(p, pod, p.status.attempt)),
+                  key=lambda pod: pod.rank or 0)[:target]
+    in_place = (builders.in_place(desired)
+                and p.state.in_place_failures < IN_PLACE_FAILURES_BEFORE_RECREATE
+                and _grows_in_place(p, kept, target))
     p.state = p.state.model_copy(update={
         "size": None if target == desired.nodes else target, "grow_after": None,
-        "in_place_next": None, **_NO_SPELLS})
+        "in_place_next": p.status.attempt + 1 if in_place else None, **_NO_SPELLS})
     old = p.status.size.resizes if p.status.size is not None else []
     p.status.size = _size(target, desired.nodes, p.stamp,
                           [*old, Resize(nodes=target, at=p.stamp, reason=str(reason))])
     p.condition("Degraded", target < desired.nodes, reason,
                 message if target < desired.nodes else f"back to all {target} nodes")
-    p.phase("Restarting", reason, message)
-    _teardown(p, p.observed.pods)
+    p.phase("Restarting", reason, message + ("; the pods stay, their trainers restart at the "
+                                             "new size" if in_place else ""))
+    if in_place:
+        p.leaving |= {pod.name for pod in p.observed.pods if not pod.spare} - {
+            pod.name for pod in kept}
+        _teardown(p, _gone(p, desired))
+    else:
+        _teardown(p, p.observed.pods)
     p.after(p.settings.fast_requeue_seconds)
+
+
+def _grows_in_place(p: _Pass, kept: list[ObservedPod], target: int) -> bool:
+    """Whether the ranks a resize in place creates pods for can have their own host names
+    (`<job>-<rank>`, from the pod's name) and node rank 0's: a pod that moved down a rank at a
+    shrink (`_compact`), or a promoted spare holding rank 0, keeps its host name, which a new
+    pod of its old rank would share under the job's Service, and a new pod's launcher starts
+    with the default rank 0 address (it reads no record first). A shrink creates no pod."""
+    job = p.observed.job.name
+    wanted = {labels.worker_hostname(job, r) for r in range(len(kept), target)}
+    hosts = {pod.rank: labels.pod_hostname(job, pod.name) for pod in kept}
+    return not wanted or (hosts.get(0, labels.worker_hostname(job, 0))
+                          == labels.worker_hostname(job, 0)
+                          and not wanted & set(hosts.values()))
 
 
 def _suspend_workload(p: _Pass) -> None:
@@ -952,7 +994,8 @@ def _new_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> None:
             builders.build_service_account(job),
         )
     ]
-    p.actions.append(CreateObject(builders.build_config_map(job, spec), replace=True))
+    p.actions.append(CreateObject(builders.build_config_map(job, _as_written(p, spec)),
+                                   replace=True))
     p.actions.append(CreateObject(builders.build_role(job, spec, attempt), replace=True))
     # after the Role: the API server resolves a binding's roleRef (RBAC escalation check),
     # and a binding to a Role that does not exist yet is rejected with 404 for the operator
@@ -1102,7 +1145,8 @@ def _in_place_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> str:
         "checkpoint_at_attempt_start": ckpt, "in_place_next": None, "in_place_attempt": attempt})
     p.force_write = True
     job = p.observed.job
-    p.actions.append(CreateObject(builders.build_config_map(job, spec), replace=True))
+    p.actions.append(CreateObject(builders.build_config_map(job, _as_written(p, spec)),
+                                   replace=True))
     p.actions.append(CreateObject(builders.build_role(job, spec, attempt), replace=True))
     p.actions.append(CreateObject(builders.build_role_binding(job, spec), replace=True))
     # a no-op (AlreadyExists) but for a job started by an operator that made no budget
@@ -1111,15 +1155,37 @@ def _in_place_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> str:
     p.actions += [DeleteObject("Lease", n) for n in sorted(p.observed.leases) if n not in keep]
     p.actions += [CreateObject(lease)
                   for lease in builders.build_leases(job, spec, attempt, p.settings)]
+    if builders.uses_volcano(spec, p.settings):  # minMember: this attempt's size
+        p.actions.append(CreateObject(builders.build_pod_group(job, spec), replace=True))
     kept = _adopt(p, spec)
-    promoted = _promote_spares(p, spec, kept)
-    created = _create_ranks(p, spec, kept | set(promoted.values()))
+    moved = _compact(p, spec, kept)
+    promoted = _promote_spares(p, spec, kept | set(moved.values()))
+    created = _create_ranks(p, spec, kept | set(moved.values()) | set(promoted.values()))
+    renamed = {**moved, **promoted}
     p.actions.append(CreateObject(builders.build_gang_lease(
-        job, attempt, _steps_done(p), _ranks(p, promoted), _master(p, spec, promoted)),
-        replace=True))
+        job, attempt, _steps_done(p), _ranks(p, renamed), _master(p, spec, renamed),
+        spec.nodes), replace=True))
     spared = (f", spares {', '.join(f'{n} -> rank {r}' for n, r in sorted(promoted.items()))}"
               if promoted else "")
-    return f"pods of node ranks {sorted(kept) or 'none'} kept{spared}, {created} created"
+    down = (f", {', '.join(f'{n} -> rank {r}' for n, r in sorted(moved.items()))} (the "
+            f"ranks of {spec.nodes} nodes)" if moved else "")
+    return (f"pods of node ranks {sorted(kept) or 'none'} kept{down}{spared}, {created} "
+            "created")
+
+
+def _compact(p: _Pass, spec: PretrainJobSpec, have: set[int]) -> dict[str, int]:
+    """A job resized in place to fewer nodes: the kept pods whose rank is beyond the new size
+    take the ranks no kept pod holds, in rank order (label patch); returns pod -> rank."""
+    missing = [r for r in range(spec.nodes) if r not in have]
+    over = sorted((pod for pod in p.observed.pods
+                   if not pod.spare and pod.rank is not None and pod.rank >= spec.nodes
+                   and pod.name not in p.leaving and _keepable(p, pod, p.status.attempt)),
+                  key=lambda pod: pod.rank or 0)
+    out: dict[str, int] = {}
+    for rank, pod in zip(missing, over, strict=False):
+        out[pod.name] = rank
+        p.actions.append(PatchPod(pod.name, {labels.NODE_RANK: str(rank)}, {}))
+    return out
 
 
 def _promote_spares(p: _Pass, spec: PretrainJobSpec, have: set[int]) -> dict[str, int]:

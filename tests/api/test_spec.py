@@ -298,6 +298,26 @@ def test_the_sizes_a_job_can_train_at_keep_its_global_batch() -> None:
     assert tiny.sizes() == [3, 2, 1] and tiny.sizes(2) == [3, 2]
 
 
+def test_an_elastic_spec_takes_the_size_of_the_world_its_trainers_were_started_in() -> None:
+    """The trainers of a job resized in place read the spec as written (3 nodes, elastic) and
+    are started in a world of 2 nodes' ranks: they train the spec at 2 nodes. A world the spec
+    allows no size for, or a spec that is not elastic, is left as it is (the world check then
+    names the mismatch)."""
+    raw = {**paper_7b(nodes=3, instanceType="cpu", processesPerNode=2, train__globalBatch=12,
+                      train__microBatch=2, data__seqLen=64),
+           "model": {"preset": "tiny"}, "parallelism": {"tensor": 1},
+           "elastic": {"minNodes": 2}}
+    written = parse_spec(raw)
+    at_two = written.at_world(4)
+    assert (at_two.nodes, at_two.elastic, at_two.world_size) == (2, None, 4)
+    assert at_two.train == written.train  # the same global batch: more accumulation
+    assert written.at_world(6) is written  # its own size
+    assert written.at_world(2) is written  # 1 node: below minNodes
+    assert written.at_world(5) is written  # not whole nodes
+    rigid = parse_spec({k: v for k, v in raw.items() if k != "elastic"})
+    assert rigid.at_world(4) is rigid
+
+
 @pytest.mark.parametrize("micro_batches", [1, 5, 12, 1024])
 def test_every_micro_batch_of_a_step_goes_to_exactly_one_rank_in_order(micro_batches: int
                                                                        ) -> None:

@@ -1,7 +1,8 @@
 """Elastic runs on the local cluster (spec.elastic): a 3-node job loses a node with no spare
-and no free node, trains on 2 after elastic.waitSeconds, grows back to 3 at the first checkpoint
-after the node returns, and ends Succeeded having trained, step by step, the global batches of
-an uninterrupted 3-node run, with its losses up to the reduction order."""
+and no free node, trains on 2 after elastic.waitSeconds (in place: its two pods kept), grows
+back to 3 at the first checkpoint after the node returns, and ends Succeeded having trained,
+step by step, the global batches of an uninterrupted 3-node run, with its losses up to the
+reduction order. Under Volcano, with the gang recreated at each resize, minMember follows."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from e2e_env import Env
+from e2e_env import Env, attempt_log
 from e2e_spec import tiny_spec
 
 from hlat_api import labels
@@ -32,12 +33,13 @@ amplifies: measured (2026-11-28) 7e-6 30 steps after the resize, 2e-4 at step 20
 most, by step 571. Steps trained before any resize match bit for bit."""
 
 
-def _spec(name: str) -> dict[str, Any]:
+def _spec(name: str, strategy: str = "InPlace") -> dict[str, Any]:
     """3 nodes, one worker on each: the rig's CPU workers request no whole node (a trn1
     worker asks for all its NeuronCores), so the template keeps them apart, as they would be.
     The lost node's avoid entry lasts AVOID seconds: an elastic job grows back onto a node it
-    avoids only once the entry has expired (test_reconcile_elastic has the default's case)."""
-    spec: dict[str, Any] = tiny_spec(steps=STEPS, maxRestarts=3,
+    avoids only once the entry has expired (test_reconcile_elastic has the default's case).
+    Restarted in place (the product's default) unless `strategy` says otherwise."""
+    spec: dict[str, Any] = tiny_spec(steps=STEPS, maxRestarts=3, restartStrategy=strategy,
                                      avoidFailedNodesSeconds=AVOID)
     spec["nodes"] = 3
     spec["template"] = {"spec": {"affinity": {"podAntiAffinity": {
@@ -50,12 +52,17 @@ def _spec(name: str) -> dict[str, Any]:
 
 
 def _lines(env: Env, attempt: int) -> list[dict[str, Any]]:
-    """The step lines rank 0 of an attempt logged (none for an attempt that never trained)."""
+    """The step lines node rank 0 logged in an attempt (none for one that never trained). The
+    job restarts in place and loses node rank 2's node: rank 0 is the first pod's throughout,
+    its log every attempt's, each from its launcher's line starting it to the next's."""
     try:
-        log = env.pod_log(attempt, 0)
+        log = env.pod_log(0, 0)
     except (PodNotFound, FileNotFoundError):
         return []
-    return [json.loads(line) for line in log.splitlines()
+    part = attempt_log(log, attempt)
+    later = part.find(f"hlat-launch: attempt {attempt + 1}: started") if part else -1
+    part = part if later < 0 else part[:later]
+    return [json.loads(line) for line in part.splitlines()
             if line.startswith("{") and '"step"' in line]
 
 
@@ -99,11 +106,18 @@ def test_a_job_trains_on_fewer_nodes_while_one_is_gone_and_grows_back(job_env: E
         assert shrunk["size"]["desired"] == 3 and shrunk["size"]["text"] == "2/3"
         degraded = next(c for c in shrunk["conditions"] if c["type"] == "Degraded")
         assert degraded["status"] == "True" and degraded["reason"] == "Shrunk"
-        # the wait, then a new gang's start: at most 1.5 cold starts (a gang recreated: pods,
-        # processes, rendezvous and the checkpoint's load, as the first start had)
-        assert took <= detected + WAIT + 1.5 * cold_start + 10, (
-            f"{took:.0f}s to train on 2 nodes: detection {detected:.0f}s, wait {WAIT:g}s, "
-            f"cold start {cold_start:.0f}s")
+        # the issue's bound: the detection, the wait, then half a cold start. The two pods
+        # left stay; their launchers restart the trainers at 2 nodes (no pod, no scheduling,
+        # no launcher start: what a recreated gang paid, up to 1.5 cold starts)
+        print(f"elastic: on 2 nodes {took:.1f}s after the loss: detection {detected:.1f}s, "
+              f"wait {WAIT:g}s, then {took - detected - WAIT:.1f}s; cold start "
+              f"{cold_start:.1f}s")
+        assert took <= detected + WAIT + 0.5 * cold_start, (
+            f"{took:.1f}s to train on 2 nodes: detection {detected:.1f}s, wait {WAIT:g}s, "
+            f"cold start {cold_start:.1f}s")
+        kept = {p.metadata.name: p.metadata.labels[labels.NODE_RANK] for p in job_env.pods()
+                if p.metadata.deletion_timestamp is None}
+        assert kept == {f"{job_env.name}-a0-0": "0", f"{job_env.name}-a0-1": "1"}, kept
         at_two = shrunk["progress"]["step"]
     finally:
         faults.node_up(job_env.cluster.config, node)
@@ -146,8 +160,9 @@ def test_under_volcano_the_gang_s_min_member_follows_the_size(
         job_env: Env, volcano_scheduler: None) -> None:
     """Volcano binds a gang only when its PodGroup's minMember pods can all be: a job shrunk to
     2 nodes must ask for 2 (else its 2 pods wait forever for a third node), and for 3 again
-    once grown. A shorter run, without the reference: the data is the same as above."""
-    spec = _spec(job_env.name)
+    once grown. A shorter run, without the reference: the data is the same as above. The gang
+    is recreated at each resize (RecreateGang: the other path than the test above's)."""
+    spec = _spec(job_env.name, "RecreateGang")
     spec["train"]["steps"] = 200
     spec["scheduling"] = {"schedulerName": "volcano"}
     spec["elastic"] = {"minNodes": 2, "waitSeconds": WAIT}

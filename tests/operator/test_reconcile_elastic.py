@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from opfakes import World, raw_spec
 
-from hlat_api import InvalidSpecError, parse_spec
+from hlat_api import InvalidSpecError, labels, parse_spec
+from hlat_api.gang import GangRecord
 from hlat_api.heartbeat import CHECKPOINT_REQUEST
 from hlat_api.labels import Reason
 from hlat_operator.metrics import OperatorMetrics
@@ -33,9 +34,13 @@ def elastic_spec(**overrides: Any) -> dict[str, Any]:
 
 
 def _config_nodes(w: World) -> int:
-    """The size the trainers are told (the ConfigMap they read)."""
+    """The size the trainers run at: the ConfigMap they read is the spec as written, at its
+    full size with its `elastic` (a job resized in place keeps its pods and their copy of the
+    file), sized by the world their launchers start (`PretrainJobSpec.at_world`)."""
     (config,) = [o for (kind, _), o in w.objects.items() if kind == "ConfigMap"]
-    return int(parse_spec(json.loads(next(iter(config["data"].values())))).nodes)
+    written = parse_spec(json.loads(next(iter(config["data"].values()))))
+    assert written.nodes == 3 and written.elastic is not None
+    return written.at_world(len(w.live()) * written.ranks_per_node).nodes
 
 
 def _checkpoint(w: World, step: int, passes: int) -> None:
@@ -341,3 +346,88 @@ def test_under_volcano_the_pod_group_s_min_member_follows_the_size() -> None:
     _checkpoint(w, 40, 5)
     w.until("Running", step=41, limit=60)
     assert len(w.live()) == 3 and min_member() == 3
+
+
+def _record(w: World) -> GangRecord | None:
+    gang = w.objects.get(("Lease", labels.gang_lease_name("tiny")))
+    return None if gang is None else GangRecord.from_annotations(gang["metadata"]["annotations"])
+
+
+def _in_place_shrunk(lost_rank: int) -> tuple[World, dict[int, str], str]:
+    """An elastic job restarted in place loses the node of `lost_rank` and shrinks to 2;
+    returns the world, the pods by rank before, and the lost node."""
+    w = World(elastic_spec(**{"faultTolerance.restartStrategy": "InPlace"}),
+              nodes=("node-a", "node-b", "node-c"))
+    w.until("Running", step=1)
+    before = {pod.rank or 0: pod.name for pod in w.live()}
+    lost = w.pod_of(lost_rank).node
+    assert lost is not None
+    w.node_down(lost)
+    w.until("Restarting", step=2)
+    w.until("Running", step=3, limit=WAIT + 120)
+    assert Reason.SHRUNK in w.reasons() and w.status.size is not None
+    assert w.status.size.text == "2/3" and _config_nodes(w) == 2
+    assert {pod.attempt for pod in w.live()} == {w.status.attempt}
+    leases = sorted(name for name in w.leases if name != labels.gang_lease_name("tiny"))
+    assert leases == [labels.worker_lease_name("tiny", w.status.attempt, r) for r in (0, 1)]
+    assert w.status.restarts.total == 1  # the node loss; the resize is none
+    return w, before, lost
+
+
+def _grown(w: World, lost: str) -> None:
+    w.node_up(lost)
+    w.run(AVOID, step=20, every=1.0)
+    _checkpoint(w, 40, 5)
+    w.until("Running", step=41, limit=60)
+    assert w.status.size is not None and w.status.size.text == "3/3"
+    assert sorted(pod.rank for pod in w.live()) == [0, 1, 2] and w.status.restarts.total == 1
+
+
+def test_in_place_a_shrink_keeps_the_running_pods_and_growing_back_creates_one() -> None:
+    """restartStrategy InPlace (the default) and node rank 2's node lost: after the wait the
+    two pods still running stay (the one no node took is deleted, none created), and the
+    restart record tells their launchers the new size, so their trainers restart on 2 nodes
+    without a new gang's start. Growing back keeps them too and creates rank 2's pod."""
+    w, before, lost = _in_place_shrunk(2)
+    assert {pod.name: pod.rank for pod in w.live()} == {before[0]: 0, before[1]: 1}
+    record = _record(w)
+    assert record is not None and record.attempt == w.status.attempt and record.nodes == 2
+    assert record.ranks == {before[0]: 0, before[1]: 1} and record.master_addr is None
+    _grown(w, lost)
+    live = {pod.name: pod.rank for pod in w.live()}
+    assert live[before[0]] == 0 and live[before[1]] == 1 and len(live) == 3  # one created
+    record = _record(w)
+    assert record is not None and record.nodes == 3 and record.attempt == w.status.attempt
+
+
+def test_in_place_a_shrink_moves_a_rank_down_and_growing_back_then_recreates_the_gang(
+        ) -> None:
+    """Node rank 1's node lost: node rank 2's pod takes rank 1 (the record names it). Growing
+    back in place would create a rank 2 pod with the host name the moved pod keeps (both
+    `<job>-2` under the Service): the gang is recreated instead."""
+    w, before, lost = _in_place_shrunk(1)
+    assert {pod.name: pod.rank for pod in w.live()} == {before[0]: 0, before[2]: 1}
+    record = _record(w)
+    assert record is not None and record.nodes == 2
+    assert record.ranks == {before[0]: 0, before[2]: 1} and record.master_addr is None
+    _grown(w, lost)
+    assert not set(before.values()) & {pod.name for pod in w.live()}
+    assert len({pod.hostname for pod in w.live()}) == 3
+
+
+def test_in_place_a_shrink_that_loses_rank_0_gives_rank_0_and_its_address_to_a_kept_pod(
+        ) -> None:
+    w = World(elastic_spec(**{"faultTolerance.restartStrategy": "InPlace"}),
+              nodes=("node-a", "node-b", "node-c"))
+    w.until("Running", step=1)
+    before = {pod.rank: pod for pod in w.live()}
+    lost = w.pod_of(0).node
+    assert lost is not None
+    w.node_down(lost)
+    w.until("Restarting", step=2)
+    w.until("Running", step=3, limit=WAIT + 120)
+    live = {pod.name: pod.rank for pod in w.live()}
+    assert live == {before[1].name: 1, before[2].name: 0}, live
+    record = _record(w)
+    assert record is not None and record.nodes == 2
+    assert record.master_addr == f"{before[2].hostname}.{labels.service_name('tiny')}"

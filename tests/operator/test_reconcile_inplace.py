@@ -79,7 +79,7 @@ def test_a_trainer_exit_restarts_every_trainer_in_the_pods_it_has() -> None:
     assert sorted(a.name for a in d.actions if isinstance(a, PatchPod)) == pods
     assert created(d, "Pod") == []
     assert record_of(w) == GangRecord(attempt=1, steps_done=5,
-                                      ranks={"tiny-a0-0": 0, "tiny-a0-1": 1})
+                                      ranks={"tiny-a0-0": 0, "tiny-a0-1": 1}, nodes=2)
     assert w.status.restarts.total == 1 and w.status.restarts.in_place == 1
     assert w.status.phase == "Pending"
     w.beat(6)
@@ -107,7 +107,7 @@ def test_a_trainer_exit_after_progress_starts_the_next_attempt_in_the_pass_that_
     last = d.actions[objects[-1]]
     assert isinstance(last, CreateObject) and last.obj["metadata"]["name"] == "tiny-gang"
     assert record_of(w) == GangRecord(attempt=1, steps_done=10,
-                                      ranks={"tiny-a0-0": 0, "tiny-a0-1": 1})
+                                      ranks={"tiny-a0-0": 0, "tiny-a0-1": 1}, nodes=2)
 
 
 def test_of_two_trainer_exits_seen_together_the_signal_is_blamed() -> None:

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
@@ -191,3 +192,50 @@ def test_a_promoted_spare_reports_its_trainer_s_exit_under_the_rank_it_took(
     monkeypatch.setattr(agent, "stop_all", lambda procs, grace: None)
     assert run._loop(attempt=-1, steps_done=0, started=time.monotonic()) == 137
     assert control.exits == [(1, 2, 137)]
+
+
+class ResizingControl(PromotingControl):
+    """A watched record that resizes the job to 2 nodes in place at attempt 1 and gives the
+    kept pod `job-a0-2` node rank 1 (the node of rank 1 was lost)."""
+
+    def record(self, fresh: bool = False) -> Any:
+        from hlat_api.gang import GangRecord
+
+        return GangRecord(attempt=1, ranks={"job-a0-0": 0, "job-a0-2": 1}, nodes=2)
+
+
+class Done:
+    def __init__(self, code: int | None) -> None:
+        self.code, self.pid = code, 0
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+def test_a_kept_pod_restarts_its_workers_at_the_size_and_rank_the_record_gives(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An elastic job resized in place: the pod was created as node rank 2 of 3 (its
+    HLAT_NNODES and HLAT_NODE_RANK say so, for good); the record of attempt 1 says 2 nodes and
+    rank 1. Its workers get that world (WORLD_SIZE, RANK, GROUP_WORLD_SIZE: what the trainer
+    sizes its spec by), and its neighbour watch and snapshot ring follow the new size."""
+    layout = agent.NodeLayout(nnodes=3, nproc=2, node_rank=2, master_addr="job-0.job",
+                              master_port=29500)
+    run = agent.Agent(layout, [], {}, control=ResizingControl(), wait_bound=0.3, warm=False,
+                      pod="job-a0-2")
+    rings = SimpleNamespace(nnodes=3, seen=lambda record: None)
+    run.peers = rings  # type: ignore[assignment]
+    run.replicas = (SimpleNamespace(), rings)  # type: ignore[assignment]
+    started: list[dict[str, str]] = []
+
+    def start(attempt: int, steps_done: int, began: float) -> list[Done]:
+        started.append(run.layout.worker_env(1, 29501, "run"))
+        return [Done(None if attempt == 0 else 0)]
+
+    monkeypatch.setattr(run, "_start", start)
+    monkeypatch.setattr(agent, "stop_all", lambda procs, grace: None)
+    assert run._loop(attempt=0, steps_done=0, started=time.monotonic()) == 0
+    first, resized = started
+    assert (first["WORLD_SIZE"], first["RANK"], first["GROUP_WORLD_SIZE"]) == ("6", "5", "3")
+    assert (resized["WORLD_SIZE"], resized["RANK"], resized["GROUP_WORLD_SIZE"]) == (
+        "4", "3", "2")
+    assert rings.nnodes == 2

@@ -549,6 +549,14 @@ class Agent:
             self.standbys = [Standby(self.env, self.argv) for _ in range(self.layout.nproc)]
             self.standbys_due = None
 
+    def _resized(self, nnodes: int) -> None:
+        """The rings over node ranks (neighbours watched, the node a snapshot is copied to)
+        follow the attempt's size: an elastic job resized in place keeps its pods."""
+        if self.peers is not None:
+            self.peers.nnodes = nnodes
+        if self.replicas is not None:
+            self.replicas[1].nnodes = nnodes
+
     def _rank(self, record: GangRecord) -> int | None:
         """This node's rank in the record's attempt; None: still a spare."""
         if self.pod in record.ranks:
@@ -595,7 +603,9 @@ class Agent:
                     _say(f"attempt {attempt} stopped in {self.clock() - began:.2f}s")
                 self.spare = False
                 self.layout = replace(self.layout, node_rank=rank,
-                                      master_addr=record.master_addr or master)
+                                      master_addr=record.master_addr or master,
+                                      nnodes=record.nodes or self.layout.nnodes)
+                self._resized(self.layout.nnodes)
                 attempt, steps_done, failed_at = record.attempt, record.steps_done, None
                 procs = self._start(attempt, steps_done, began)
                 continue

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -86,6 +87,8 @@ def _leave_exit_code(code: ExitCode) -> None:
 
 def _run(args: argparse.Namespace, backend: BackendFactory | None) -> int:
     job = load_job(args.config, args.overrides, name=args.job_name)
+    if os.environ.get("WORLD_SIZE", "").isdigit():  # an elastic job at the size it runs at
+        job = replace(job, spec=job.spec.at_world(int(os.environ["WORLD_SIZE"])))
     # the loader tokenizes in one background thread; keep HF tokenizers' Rayon pool from
     # competing with the training threads for every core
     os.environ.setdefault("RAYON_NUM_THREADS", "1")

@@ -647,6 +647,46 @@ def _shrink(p: _Pass, spec: PretrainJobSpec) -> bool:
     return True
 
 
+def _shrink_off_lost(p: _Pass, spec: PretrainJobSpec, gone: list[ObservedPod]) -> bool:
+    """An elastic job restarting in place after a node loss, with no node to take the lost
+    rank (no spare, no free node) and nothing else in the way (any pod still going is on a
+    dead node: its kubelet will never confirm it gone), waits in Restarting until
+    elastic.waitSeconds have passed since the loss, then shrinks, keeping the pods that run:
+    True while it waits or once it resized. A node that comes in the meantime ends the wait
+    (False: the restart goes on as before). Not an attempt with a pod of the lost rank that no
+    node takes, after the force-delete of the lost one (60 s by default), and then a second
+    restart: the kept trainers restart once, at the new size, from their warm standbys."""
+    d = p.desired
+    failure = p.status.last_failure
+    if (d is None or d.elastic is None or not _elastic(p, d) or not p.observed.nodes_known
+            or failure is None or failure.reason not in labels.NODE_REASONS
+            or any(pod.spare or not _on_dead_node(p, pod) for pod in gone)):
+        return False
+    count = elastic.usable(p.observed.nodes.values(), builders.node_selector(d),
+                           _failed_nodes(p, d))
+    target = elastic.shrink_to(d, spec.nodes, count) if count < spec.nodes else None
+    if target is None:
+        return False  # a node to take the lost rank, or none below minNodes: as before
+    since = parse_time(failure.time) or p.now
+    waited, wait = (p.now - since).total_seconds(), d.elastic.wait_seconds
+    if waited < wait:
+        said = (f"{count} usable nodes for {spec.nodes} workers: waiting for a node until "
+                f"{format_time(since + timedelta(seconds=wait))} (elastic.waitSeconds={wait:g} "
+                f"from the loss), then restarting on {target} nodes")
+        shown = next((c for c in p.status.conditions if c.type == "Restarting"), None)
+        if shown is None or shown.message != said:
+            p.condition("Restarting", True, failure.reason, said)
+            p.event(Reason.UNSCHEDULABLE, said, warning=True)
+        p.after(wait - waited)
+        return True
+    _resize(p, d, target, Reason.SHRUNK,
+            f"{count} usable nodes for {spec.nodes} workers, short for {waited:.0f}s "
+            f"(elastic.waitSeconds={wait:g}): restarting on {target} of "
+            f"{d.nodes} nodes from the latest complete checkpoint, the same global batch"
+            f"{elastic.pace(d, target)}")
+    return True
+
+
 def _since_node_fault(p: _Pass) -> float:
     """Seconds since the node-level fault that ended the previous attempt (0 for any other
     start): a job short of nodes because one was lost has waited since the loss was found,
@@ -715,8 +755,13 @@ def _resize(p: _Pass, desired: PretrainJobSpec, target: int, reason: Reason,
                           [*old, Resize(nodes=target, at=p.stamp, reason=str(reason))])
     p.condition("Degraded", target < desired.nodes, reason,
                 message if target < desired.nodes else f"back to all {target} nodes")
-    p.phase("Restarting", reason, message + ("; the pods stay, their trainers restart at the "
-                                             "new size" if in_place else ""))
+    said = message + ("; the pods stay, their trainers restart at the new size" if in_place
+                      else "")
+    if p.status.phase == "Restarting":  # a shrink while the restart after a loss waited
+        p.condition("Restarting", True, reason, said)
+        p.event(reason, said)
+    else:
+        p.phase("Restarting", reason, said)
     if in_place:
         p.leaving |= {pod.name for pod in p.observed.pods if not pod.spare} - {
             pod.name for pod in kept}
@@ -896,7 +941,10 @@ def _restarting(p: _Pass, spec: PretrainJobSpec) -> None:
         return
     in_place = p.state.in_place_next == p.status.attempt + 1
     gone = _gone(p, spec) if in_place else p.observed.pods
-    if not _teardown(p, gone) and not (in_place and _spares_cover(p, spec, gone)):
+    torn_down = _teardown(p, gone)
+    if in_place and _shrink_off_lost(p, spec, gone):
+        return
+    if not torn_down and not (in_place and _spares_cover(p, spec, gone)):
         p.after(p.settings.fast_requeue_seconds)
         return
     delay = spec.fault_tolerance.backoff.delay_seconds(p.state.no_progress_streak)
@@ -1668,13 +1716,17 @@ def _gone(p: _Pass, spec: PretrainJobSpec) -> list[ObservedPod]:
 def _spares_cover(p: _Pass, spec: PretrainJobSpec, gone: list[ObservedPod]) -> bool:
     """The pods not gone yet are all on dead nodes (their kubelets cannot confirm; they are
     fenced: the next Role names none of their Leases) and ready spares can take every rank no
-    kept pod holds: the in-place restart need not wait for the force-delete."""
+    kept pod holds (or, at a resize, none is left without one): the in-place restart need not
+    wait for the force-delete."""
     if any(pod.spare or not _on_dead_node(p, pod) for pod in gone):
         return False
-    held = {pod.rank for pod in p.observed.pods if _keepable(p, pod, p.status.attempt)}
-    missing = [r for r in range(spec.nodes) if r not in held]
+    kept = [pod for pod in p.observed.pods if not pod.spare and _keepable(p, pod, p.status.attempt)]
+    held = {pod.rank for pod in kept}
+    # a shrink in place: the kept pods beyond the new size take the free ranks (`_compact`)
+    over = sum(1 for pod in kept if pod.rank is not None and pod.rank >= spec.nodes)
+    missing = max(0, sum(1 for r in range(spec.nodes) if r not in held) - over)
     ready = [pod for pod in p.observed.spare_pods() if _ready_spare(p, pod)]
-    return len(ready) >= len(missing) > 0
+    return len(ready) >= missing and (missing > 0 or _resizing(p.status))
 
 
 def _on_unhealthy_node(p: _Pass, pod: ObservedPod) -> bool:

@@ -364,7 +364,11 @@ def _in_place_shrunk(lost_rank: int) -> tuple[World, dict[int, str], str]:
     assert lost is not None
     w.node_down(lost)
     w.until("Restarting", step=2)
-    w.until("Running", step=3, limit=WAIT + 120)
+    waited = w.until("Running", step=3, limit=WAIT + 120)
+    # at the wait's end, in one restart: neither the pod on the dead node's force-delete
+    # (30 s here) nor an attempt with a pod of the lost rank that no node takes comes first
+    assert WAIT <= waited <= WAIT + 3 and w.status.attempt == 1, (waited, w.status.attempt)
+    assert not [pod for pod in w.pods.values() if pod.unschedulable_since is not None]
     assert Reason.SHRUNK in w.reasons() and w.status.size is not None
     assert w.status.size.text == "2/3" and _config_nodes(w) == 2
     assert {pod.attempt for pod in w.live()} == {w.status.attempt}

@@ -639,12 +639,19 @@ def _shrink(p: _Pass, spec: PretrainJobSpec) -> bool:
     target = elastic.shrink_to(d, spec.nodes, count)
     if target is None:
         return False  # below minNodes: Schedulable=False says why it waits
+    _shrink_to(p, spec, target, count, waited)
+    return True
+
+
+def _shrink_to(p: _Pass, spec: PretrainJobSpec, target: int, count: int, waited: float
+               ) -> None:
+    d = p.desired
+    assert d is not None and d.elastic is not None
     _resize(p, d, target, Reason.SHRUNK,
             f"{count} usable nodes for {spec.nodes} workers, short for {waited:.0f}s "
-            f"(elastic.waitSeconds={wait:g}): restarting on {target} of "
+            f"(elastic.waitSeconds={d.elastic.wait_seconds:g}): restarting on {target} of "
             f"{d.nodes} nodes from the latest complete checkpoint, the same global batch"
             f"{elastic.pace(d, target)}")
-    return True
 
 
 def _shrink_off_lost(p: _Pass, spec: PretrainJobSpec, gone: list[ObservedPod]) -> bool:
@@ -679,11 +686,7 @@ def _shrink_off_lost(p: _Pass, spec: PretrainJobSpec, gone: list[ObservedPod]) -
             p.event(Reason.UNSCHEDULABLE, said, warning=True)
         p.after(wait - waited)
         return True
-    _resize(p, d, target, Reason.SHRUNK,
-            f"{count} usable nodes for {spec.nodes} workers, short for {waited:.0f}s "
-            f"(elastic.waitSeconds={wait:g}): restarting on {target} of "
-            f"{d.nodes} nodes from the latest complete checkpoint, the same global batch"
-            f"{elastic.pace(d, target)}")
+    _shrink_to(p, spec, target, count, waited)
     return True
 
 

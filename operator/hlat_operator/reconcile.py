@@ -634,13 +634,18 @@ def _shrink(p: _Pass, spec: PretrainJobSpec) -> bool:
         return False
     if not p.observed.nodes_known:
         return False
-    count = elastic.usable(p.observed.nodes.values(), builders.node_selector(d),
-                           _failed_nodes(p, d))
+    count = _usable_count(p, d)
     target = elastic.shrink_to(d, spec.nodes, count)
     if target is None:
         return False  # below minNodes: Schedulable=False says why it waits
     _shrink_to(p, spec, target, count, waited)
     return True
+
+
+def _usable_count(p: _Pass, desired: PretrainJobSpec) -> int:
+    """How many nodes an elastic job may train on now (`elastic.usable`)."""
+    return elastic.usable(p.observed.nodes.values(), builders.node_selector(desired),
+                          _failed_nodes(p, desired))
 
 
 def _shrink_to(p: _Pass, spec: PretrainJobSpec, target: int, count: int, waited: float
@@ -667,10 +672,9 @@ def _shrink_off_lost(p: _Pass, spec: PretrainJobSpec, gone: list[ObservedPod]) -
     failure = p.status.last_failure
     if (d is None or d.elastic is None or not _elastic(p, d) or not p.observed.nodes_known
             or failure is None or failure.reason not in labels.NODE_REASONS
-            or any(pod.spare or not _on_dead_node(p, pod) for pod in gone)):
+            or not _only_dead_left(p, gone)):
         return False
-    count = elastic.usable(p.observed.nodes.values(), builders.node_selector(d),
-                           _failed_nodes(p, d))
+    count = _usable_count(p, d)
     target = elastic.shrink_to(d, spec.nodes, count) if count < spec.nodes else None
     if target is None:
         return False  # a node to take the lost rank, or none below minNodes: as before
@@ -710,8 +714,7 @@ def _grow(p: _Pass, spec: PretrainJobSpec) -> bool:
     if (d is None or d.elastic is None or not _elastic(p, d) or spec.nodes >= d.nodes
             or not p.observed.nodes_known):
         return False
-    count = elastic.usable(p.observed.nodes.values(), builders.node_selector(d),
-                           _failed_nodes(p, d))
+    count = _usable_count(p, d)
     target = elastic.grow_to(d, spec.nodes, count)
     latest = p.status.latest_checkpoint.step if p.status.latest_checkpoint else -1
     if target is None:
@@ -1716,12 +1719,18 @@ def _gone(p: _Pass, spec: PretrainJobSpec) -> list[ObservedPod]:
             and not _ready_spare(p, pod)]
 
 
+def _only_dead_left(p: _Pass, gone: list[ObservedPod]) -> bool:
+    """The pods a restart waits to see gone are all workers on dead nodes (their kubelets
+    will never confirm; they are fenced: the next Role names none of their Leases)."""
+    return not any(pod.spare or not _on_dead_node(p, pod) for pod in gone)
+
+
 def _spares_cover(p: _Pass, spec: PretrainJobSpec, gone: list[ObservedPod]) -> bool:
     """The pods not gone yet are all on dead nodes (their kubelets cannot confirm; they are
     fenced: the next Role names none of their Leases) and ready spares can take every rank no
     kept pod holds (or, at a resize, none is left without one): the in-place restart need not
     wait for the force-delete."""
-    if any(pod.spare or not _on_dead_node(p, pod) for pod in gone):
+    if not _only_dead_left(p, gone):
         return False
     kept = [pod for pod in p.observed.pods if not pod.spare and _keepable(p, pod, p.status.attempt)]
     held = {pod.rank for pod in kept}

@@ -372,12 +372,16 @@ def build_worker_pods(
     avoid_nodes: Iterable[str] = (),
     steps_done: int = 0,
     placement: Mapping[int, RankPlacement] | None = None,
+    master_addr: str | None = None,
 ) -> list[Pod]:
-    """`placement`: each rank's topology placement (none: the scheduler's choice)."""
+    """`placement`: each rank's topology placement (none: the scheduler's choice);
+    `master_addr`: node rank 0's address where it is not rank 0's own host name (a promoted
+    spare holds rank 0: the restart record says so, and a pod made for the same attempt starts
+    its trainers before it reads any record)."""
     avoid = sorted(set(avoid_nodes))
     return [
         build_worker_pod(job, spec, attempt, rank, settings, avoid, steps_done,
-                         (placement or {}).get(rank))
+                         (placement or {}).get(rank), master_addr)
         for rank in range(spec.nodes)
     ]
 
@@ -391,9 +395,10 @@ def build_worker_pod(
     avoid_nodes: list[str] | None = None,
     steps_done: int = 0,
     place: RankPlacement | None = None,
+    master_addr: str | None = None,
 ) -> Pod:
     """`steps_done`: the highest step an earlier attempt finished (the trainer counts steps up
-    to it as recomputed work)."""
+    to it as recomputed work); `master_addr`: as in `build_worker_pods`."""
     name = labels.worker_pod_name(job.name, attempt, rank)
     extra = {
         labels.COMPONENT: labels.WORKER,
@@ -407,7 +412,8 @@ def build_worker_pod(
         "serviceAccountName": labels.service_account_name(job.name),
         "terminationGracePeriodSeconds": settings.termination_grace_seconds,
         "enableServiceLinks": False,
-        "containers": [_container(job, spec, attempt, rank, name, settings, steps_done)],
+        "containers": [_container(job, spec, attempt, rank, name, settings, steps_done,
+                                  master_addr)],
         "volumes": _volumes(job, spec, settings),
     }
     if _is_trainium(spec):
@@ -453,12 +459,13 @@ def _container(
     pod: str,
     settings: OperatorSettings,
     steps_done: int = 0,
+    master_addr: str | None = None,
 ) -> Container:
     c: Container = {
         "name": CONTAINER,
         "image": resolve_image(spec, settings) or "",
         "command": list(settings.trainer_command),
-        "env": build_env(job, spec, attempt, rank, pod, settings, steps_done),
+        "env": build_env(job, spec, attempt, rank, pod, settings, steps_done, master_addr),
         "volumeMounts": _mounts(spec),
         "ports": [{"name": "rendezvous", "containerPort": settings.master_port}],
     }
@@ -541,6 +548,7 @@ def build_env(
     pod: str,
     settings: OperatorSettings,
     steps_done: int = 0,
+    master_addr: str | None = None,
 ) -> list[EnvVar]:
     plain = {
         Env.JOB_NAME: job.name,
@@ -550,7 +558,7 @@ def build_env(
         Env.NNODES: str(spec.nodes),
         Env.NODE_RANK: str(rank),
         Env.NPROC_PER_NODE: str(spec.ranks_per_node),
-        Env.MASTER_ADDR: labels.master_addr(job.name),
+        Env.MASTER_ADDR: master_addr or labels.master_addr(job.name),
         Env.MASTER_PORT: str(settings.master_port),
         Env.HEARTBEAT_LEASE: labels.worker_lease_name(job.name, attempt, rank),
         Env.HEARTBEAT_PERIOD: f"{settings.heartbeat_period_seconds:g}",

@@ -779,16 +779,13 @@ def _resize(p: _Pass, desired: PretrainJobSpec, target: int, reason: Reason,
 
 def _grows_in_place(p: _Pass, kept: list[ObservedPod], target: int) -> bool:
     """Whether the ranks a resize in place creates pods for can have their own host names
-    (`<job>-<rank>`, from the pod's name) and node rank 0's: a pod that moved down a rank at a
-    shrink (`_compact`), or a promoted spare holding rank 0, keeps its host name, which a new
-    pod of its old rank would share under the job's Service, and a new pod's launcher starts
-    with the default rank 0 address (it reads no record first). A shrink creates no pod."""
+    (`<job>-<rank>`, from the pod's name): a pod that moved down a rank at a shrink
+    (`_compact`) keeps its host name, which a new pod of its old rank would share under the
+    job's Service. (Where a spare holds rank 0, a new pod is told its address: `_master`.) A
+    shrink creates no pod."""
     job = p.observed.job.name
     wanted = {labels.worker_hostname(job, r) for r in range(len(kept), target)}
-    hosts = {pod.rank: labels.pod_hostname(job, pod.name) for pod in kept}
-    return not wanted or (hosts.get(0, labels.worker_hostname(job, 0))
-                          == labels.worker_hostname(job, 0)
-                          and not wanted & set(hosts.values()))
+    return not wanted & {labels.pod_hostname(job, pod.name) for pod in kept}
 
 
 def _suspend_workload(p: _Pass) -> None:
@@ -1214,11 +1211,12 @@ def _in_place_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> str:
     kept = _adopt(p, spec)
     moved = _compact(p, spec, kept)
     promoted = _promote_spares(p, spec, kept | set(moved.values()))
-    created = _create_ranks(p, spec, kept | set(moved.values()) | set(promoted.values()))
     renamed = {**moved, **promoted}
+    master = _master(p, spec, renamed)
+    created = _create_ranks(p, spec, kept | set(moved.values()) | set(promoted.values()),
+                            master)
     p.actions.append(CreateObject(builders.build_gang_lease(
-        job, attempt, _steps_done(p), _ranks(p, renamed), _master(p, spec, renamed),
-        spec.nodes), replace=True))
+        job, attempt, _steps_done(p), _ranks(p, renamed), master, spec.nodes), replace=True))
     spared = (f", spares {', '.join(f'{n} -> rank {r}' for n, r in sorted(promoted.items()))}"
               if promoted else "")
     down = (f", {', '.join(f'{n} -> rank {r}' for n, r in sorted(moved.items()))} (the "
@@ -1297,12 +1295,14 @@ def _adopt(p: _Pass, spec: PretrainJobSpec) -> set[int]:
     return {r for r in have if r is not None and r < spec.nodes}
 
 
-def _create_ranks(p: _Pass, spec: PretrainJobSpec, have: set[int]) -> int:
+def _create_ranks(p: _Pass, spec: PretrainJobSpec, have: set[int], master: str | None) -> int:
+    """Create the pods of the ranks not in `have`, told node rank 0's address (`master`)."""
     placement = _topology(p, spec, (r for r in range(spec.nodes) if r not in have))
     if placement is None:
         return 0
     pods = builders.build_worker_pods(p.observed.job, spec, p.status.attempt, p.settings,
-                                      _avoided_nodes(p, spec), _steps_done(p), placement)
+                                      _avoided_nodes(p, spec), _steps_done(p), placement,
+                                      master)
     missing = [pod for rank, pod in enumerate(pods) if rank not in have]
     p.actions += [CreateObject(pod) for pod in missing]
     return len(missing)
@@ -1334,7 +1334,7 @@ def _create_missing(p: _Pass, spec: PretrainJobSpec) -> None:
         return
     pods = builders.build_worker_pods(
         p.observed.job, spec, p.status.attempt, p.settings, _avoided_nodes(p, spec),
-        _steps_done(p), placement
+        _steps_done(p), placement, _master(p, spec, {})
     )
     p.actions += [CreateObject(pod) for rank, pod in enumerate(pods) if rank not in present]
 

@@ -435,3 +435,43 @@ def test_in_place_a_shrink_that_loses_rank_0_gives_rank_0_and_its_address_to_a_k
     record = _record(w)
     assert record is not None and record.nodes == 2
     assert record.master_addr == f"{before[2].hostname}.{labels.service_name('tiny')}"
+
+
+def test_in_place_growing_back_with_a_spare_on_rank_0_keeps_the_gang() -> None:
+    """A spare took rank 0 at the first loss; the second loss (no spare left) shrinks the job
+    to 2. Growing back keeps the gang: rank 2's host name is free, and whatever pod takes rank
+    2 learns rank 0's address (the spare's) before its trainers start (a promoted spare from
+    the record, a new pod from its environment: `test_a_pod_made_beside_a_spare_that_took_...`
+    in test_reconcile_inplace.py)."""
+    w = World(elastic_spec(**{"faultTolerance.restartStrategy": "InPlace",
+                              "faultTolerance.spareNodes": 1}),
+              nodes=("node-a", "node-b", "node-c", "node-d"))
+    w.until("Running", step=1)
+    for _ in range(3):  # the spare is requested once the attempt trains
+        w.schedule()
+        w.beat(1)
+        w.step()
+        w.advance(1)
+    (spare,) = [pod for pod in w.pods.values() if pod.spare and pod.node]
+    first = w.pod_of(0).node
+    assert first is not None
+    w.node_down(first)
+    w.until("Restarting", step=2)
+    w.until("Running", step=3, limit=120)
+    assert w.pod_of(0).name == spare.name
+    second = w.pod_of(2).node
+    assert second is not None
+    w.node_down(second)
+    w.until("Restarting", step=4)
+    w.until("Running", step=5, limit=WAIT + 120)
+    assert w.status.size is not None and w.status.size.text == "2/3"
+    kept = {pod.name for pod in w.live() if not pod.spare}
+    w.node_up(second)
+    w.run(AVOID, step=20, every=1.0)
+    _checkpoint(w, 40, 5)
+    w.until("Running", step=41, limit=60)
+    assert w.status.size is not None and w.status.size.text == "3/3"
+    assert kept < {pod.name for pod in w.live()}  # kept: the gang was not recreated
+    record = _record(w)
+    assert record is not None and record.nodes == 3
+    assert record.master_addr == f"{spare.hostname}.{labels.service_name('tiny')}"

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 from opfakes import World, raw_spec
 
-from hlat_api import labels
+from hlat_api import Env, labels
 from hlat_api.gang import GangRecord
 from hlat_api.labels import Reason
 from hlat_operator.observe import ObservedPod, parse_time
@@ -260,6 +260,26 @@ def test_a_spare_that_takes_rank_0_becomes_the_rendezvous_master() -> None:
     record = record_of(w)
     assert record is not None and record.ranks == {"tiny-s0": 0, "tiny-a0-1": 1}
     assert record.master_addr == "tiny-s0.tiny"
+
+
+def test_a_pod_made_beside_a_spare_that_took_rank_0_is_told_rank_0_s_address() -> None:
+    """Two nodes lost, one spare: the spare takes rank 0 and rank 1 gets a new pod, whose
+    launcher starts its trainers before it reads any restart record: its MASTER_ADDR must
+    already be the spare's, or its rank waits at a rendezvous no one else joins."""
+    w = spare_world()
+    second = w.pod_of(1).node
+    assert second is not None
+    w.node_down(second)
+    lose_node_of(w, 0)
+    d = restart(w)
+    assert d is not None
+    record = record_of(w)
+    assert record is not None and record.master_addr == "tiny-s0.tiny"
+    (made,) = [a.obj for a in d.actions if isinstance(a, CreateObject)
+               and a.obj["kind"] == "Pod" and a.obj["metadata"]["labels"].get(labels.NODE_RANK)]
+    assert made["metadata"]["labels"][labels.NODE_RANK] == "1"
+    env = {e["name"]: e.get("value") for e in made["spec"]["containers"][0]["env"]}
+    assert env[Env.MASTER_ADDR] == "tiny-s0.tiny"
 
 
 def test_a_spare_is_requested_only_once_the_attempt_trains() -> None:

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hlat_api.spec import micro_batch_share
-from hlat_trainer.data import ByteTokenizer, PackedLoader, load_tokenizer
+from hlat_trainer.data import ByteTokenizer, PackedLoader, load_tokenizer, packing
 from hlat_trainer.data.digest import MASK, batch_digest, digest_text
 from hlat_trainer.errors import UserError
 
@@ -498,3 +498,39 @@ def test_the_digest_is_the_same_for_the_same_sequences_in_any_split_and_order(da
     changed[2, -1] += 1
     assert batch_digest(x, changed) != whole
     assert len(digest_text(whole)) == 16
+
+
+class CountingTokenizer:
+    """The byte tokenizer, recording how many documents each `encode_batch` call got."""
+
+    def __init__(self) -> None:
+        self.inner = load_tokenizer("bytes")
+        self.calls: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        self.calls.append(len(texts))
+        return self.inner.encode_batch(texts)
+
+
+def test_a_start_tokenizes_one_document_first_then_groups_that_double(
+        data: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first rows after a start (a fresh trainer, a resume) wait for one document's tokens,
+    not a whole group's; later calls double up to ENCODE_GROUP. The batches are the same as
+    with groups of one."""
+    monkeypatch.setattr(packing, "ENCODE_GROUP", 8)
+    tok = CountingTokenizer()
+    with make(data, tokenizer=tok, micro_batch=1, seq_len=8, prefetch=1) as loader:
+        got = take(loader, 60)
+        state = loader.state_dict()
+    assert tok.calls[:5] == [1, 2, 4, 8, 8], tok.calls
+    tok.calls.clear()
+    with make(data, tokenizer=tok, micro_batch=1, seq_len=8, prefetch=1) as resumed:
+        resumed.load_state_dict(state)
+        take(resumed, 1)
+    assert tok.calls[0] == 1, tok.calls
+    monkeypatch.setattr(packing, "ENCODE_GROUP", 1)
+    with make(data, micro_batch=1, seq_len=8) as ones:
+        assert same(take(ones, 60), got)

@@ -216,7 +216,9 @@ def build_role(job: JobRef, spec: PretrainJobSpec, attempt: int) -> Role:
                 "apiGroups": ["coordination.k8s.io"],
                 "resources": ["leases"],
                 "resourceNames": lease_names(job, spec, attempt),
-                "verbs": ["get", "update", "patch"],
+                # watch: a worker sees a checkpoint request when it is written, not at its
+                # next renewal (hlat_trainer.leasewatch: by name, as resourceNames allow)
+                "verbs": ["get", "update", "patch", "watch"],
             },
             {   # the restart record of an in-place restart: read (and watched) only; a watch
                 # with a metadata.name field selector is authorized by resourceNames

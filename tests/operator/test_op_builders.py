@@ -79,7 +79,8 @@ def test_workers_may_touch_only_their_own_attempts_leases() -> None:
     rule, record = builders.build_role(JOB, spec, 2)["rules"]
     assert rule["resources"] == ["leases"] and rule["apiGroups"] == ["coordination.k8s.io"]
     assert rule["resourceNames"] == ["tiny-a2-0", "tiny-a2-1", "tiny-a2-2"]
-    assert set(rule["verbs"]) == {"get", "update", "patch"}  # no create/list/delete
+    # no create/list/delete; watch (by name): a checkpoint request is seen when written
+    assert set(rule["verbs"]) == {"get", "update", "patch", "watch"}
     # the in-place restart record: read, never written, by workers
     assert record["resourceNames"] == ["tiny-gang"] and record["verbs"] == ["get", "watch"]
     binding = builders.build_role_binding(JOB, spec)

@@ -26,15 +26,18 @@ from hlat_trainer.heartbeat import LeaseHeartbeat
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
-def grant_own_lease(cluster: Cluster, namespace: str, lease: str) -> None:
-    """What the operator sets up per job: the pod may get/update/patch only its Lease."""
+def grant_own_lease(cluster: Cluster, namespace: str, lease: str,
+                    verbs: tuple[str, ...] = ("get", "update", "patch")) -> None:
+    """What the operator sets up per job: the pod may get/update/patch (and, as the operator's
+    Role allows, watch) only its Lease. Without `watch`: a Role an operator of an earlier
+    version made."""
     api = cluster.admin_api()
     core, rbac = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api)
     core.create_namespaced_service_account(namespace, {"metadata": {"name": "trainer"}})
     rbac.create_namespaced_role(namespace, {
         "metadata": {"name": "own-lease"},
         "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                   "resourceNames": [lease], "verbs": ["get", "update", "patch"]}]})
+                   "resourceNames": [lease], "verbs": list(verbs)}]})
     rbac.create_namespaced_role_binding(namespace, {
         "metadata": {"name": "own-lease"},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "own-lease"},
@@ -227,8 +230,9 @@ def test_a_checkpoint_the_operator_asks_for_on_the_lease_is_saved_once(
     cluster: Cluster, namespace: str, write_config: Callable[..., Path]
 ) -> None:
     """The operator's request (hlat.dev/checkpoint-request on the worker's Lease, as a
-    preemption writes it) reaches a real trainer through its renewals' answers: it saves the
-    step it agreed on, once, between its periodic checkpoints, and reports it complete."""
+    preemption writes it) reaches a real trainer through its renewals' answers (its Role has
+    no `watch` here, as an earlier operator's: the watch is refused): it saves the step it
+    agreed on, once, between its periodic checkpoints, and reports it complete."""
     grant_own_lease(cluster, namespace, "w-0")
     config = write_config(train__steps=5000, checkpoint__interval=1000)
     start_trainer(cluster, namespace, config)
@@ -256,3 +260,27 @@ def test_a_checkpoint_the_operator_asks_for_on_the_lease_is_saved_once(
     assert len(re.findall(r"asked for by the operator", log)) == 1, log[-3000:]
     client.CoreV1Api(cluster.admin_api()).delete_namespaced_pod("w-0", namespace,
                                                                 grace_period_seconds=0)
+
+
+def test_a_checkpoint_request_is_seen_when_written_not_at_the_next_renewal(
+        cluster: Cluster, namespace: str) -> None:
+    """A trainer watching its Lease (`watch_requests`) sees the operator's request as it is
+    written: here the renewals are 10 minutes apart, and each request is read within the
+    wait's bound with no renewal in between. (The pod token's `watch` by name, as the
+    operator's Role grants it, is the restart record's watch too: test_e2e_inplace.)"""
+    grant_own_lease(cluster, namespace, "w-0")
+    beat = LeaseHeartbeat(client.CoordinationV1Api(cluster.admin_api()), namespace, "w-0",
+                          "w-0", 600.0, attempt=0).start().watch_requests()
+    try:
+        wait_for(lambda: (read_beat(cluster, namespace, "w-0")[0] or Heartbeat()).attempt == 0,
+                 10, "the first renewal")
+        _, renewed = read_beat(cluster, namespace, "w-0")
+        for request in (5, 9):
+            client.CoordinationV1Api(cluster.admin_api()).patch_namespaced_lease(
+                "w-0", namespace,
+                {"metadata": {"annotations": {CHECKPOINT_REQUEST: str(request)}}})
+            wait_for(lambda r=request: beat.checkpoint_request == r,  # type: ignore[misc]
+                     20, f"request {request} seen by the watch")
+        assert read_beat(cluster, namespace, "w-0")[1] == renewed  # no renewal carried them
+    finally:
+        beat.stop()

@@ -11,7 +11,7 @@ is true; without it the first worker reserves every core of the node and the oth
 - The job's restart record (`hlat_api.gang`, a Lease the operator writes, read-only for
   workers) is watched (one long request per launcher; a new attempt is seen as soon as it is
   published); while no watch is established (the API server away, or the watch refused: then
-  tried again every `WATCH_REFUSED_RETRY_SECONDS`) it is polled every `POLL_SECONDS`
+  tried again after `leasewatch.REFUSED_RETRY_SECONDS`) it is polled every `POLL_SECONDS`
   (`FAILED_POLL_SECONDS` while this node's trainer has failed and the next attempt is
   awaited), each read on a thread of its own (`RecordRead`), so that a read held up to its
   bound by a slow API server never keeps the launcher from its workers, which are looked at
@@ -71,6 +71,7 @@ from hlat_api import Env, ExitCode, Heartbeat, labels
 from hlat_api.gang import GangRecord
 from hlat_api.heartbeat import PREFIX
 from hlat_trainer.errors import first_line
+from hlat_trainer.leasewatch import watch_lease
 from hlat_trainer.oom import OOM_KILLED, OomCounter
 from hlat_trainer.peers import PeerWatch, peer_host
 from hlat_trainer.replica import ReplicaServer, Replicator, restore, successor
@@ -82,16 +83,12 @@ POLL_SECONDS = 0.5
 FAILED_POLL_SECONDS = 0.1
 """How often while this node's trainer has failed and the next attempt is awaited (a few
 seconds at most per fault: the operator publishes it within its backoff)."""
-WATCH_SECONDS = 60
-"""Server-side timeout of one watch request of the record (then it is watched again)."""
 RECHECK_SECONDS = 10.0
 """While watching, the record is still read this often: a watch whose connection died
 silently would otherwise hide a new attempt until its read timeout."""
 CONNECT_SECONDS = 5.0
 REPORT_TRIES = 3
 """Tries at reporting a trainer's exit on its Lease, POLL_SECONDS apart."""
-WATCH_REFUSED_RETRY_SECONDS = 30.0
-"""A watch refused (403) is tried again this much later; the record is polled meanwhile."""
 CHECK_SECONDS = 0.05
 """How often the launcher looks at its own worker processes (no API request): a worker's exit
 is reported within this, not within a record poll."""
@@ -154,32 +151,16 @@ class LeaseControl:
         self._watching = False
 
     def _watch(self) -> None:
-        from kubernetes import watch
+        def seen(lease: Any) -> None:
+            self._watched = GangRecord.from_annotations(lease.metadata.annotations)
+            self._watching = True
 
-        while not self._stopped.is_set():
-            try:
-                # a field selector on the name: what the Role's resourceNames allow to watch
-                events = watch.Watch().stream(  # type: ignore[no-untyped-call]
-                    self.api.list_namespaced_lease, self.namespace,
-                    field_selector=f"metadata.name={self.gang_lease}",
-                    timeout_seconds=WATCH_SECONDS,
-                    _request_timeout=(CONNECT_SECONDS, WATCH_SECONDS + 15))
-                for event in events:
-                    if self._stopped.is_set():
-                        return
-                    if event["type"] in ("ADDED", "MODIFIED"):
-                        meta = event["object"].metadata
-                        self._watched = GangRecord.from_annotations(meta.annotations)
-                        self._watching = True
-            except Exception as err:  # refused (an older Role), or the API server away
-                self._watching = False
-                if not self._stopped.is_set():
-                    self._failed(f"watching Lease {self.gang_lease}", err)
-                # refused: a Role without `watch` (an operator of the previous version), or an
-                # API server just restarted whose authorizer has not loaded the Roles yet
-                # (a moment): polled meanwhile, the watch tried again now and then
-                refused = getattr(err, "status", None) == 403
-                self._stopped.wait(WATCH_REFUSED_RETRY_SECONDS if refused else POLL_SECONDS)
+        def failed(err: Exception) -> None:  # polled meanwhile
+            self._watching = False
+            self._failed(f"watching Lease {self.gang_lease}", err)
+
+        watch_lease(self.api, self.namespace, self.gang_lease, seen, failed, self._stopped,
+                    POLL_SECONDS)
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str]) -> LeaseControl:

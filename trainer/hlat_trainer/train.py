@@ -354,7 +354,7 @@ class Trainer:
             self.engine.fence(self.heartbeat.fenced_now, self.heartbeat.fenced_lately)
             self.sinks.append(self.heartbeat)
             self._beat(phase="starting")
-            self.heartbeat.start()
+            self.heartbeat.start().watch_requests()
         _exit_for_drills()
 
     def _peak_flops(self) -> float:

@@ -12,8 +12,10 @@ While it reads, it holds the checkpoint with a reader file (`hlat_api.layout.REA
 every `READER_REFRESH_SECONDS`), which the trainer's retention respects: `checkpoint.keep` deletes
 no checkpoint being read. It writes one JSON object, `{"validationLoss": ...}`, to `--output`
 (default `$HLAT_EVAL_RESULT`), else to stdout, and logs the step, the perplexity and the
-micro-batches read. Checkpoints of the torch-native engines (backends cpu, cuda, neuron-native) only: the
-neuron-xla stack saves NxD's own format, which is refused, naming it. A bad config or checkpoint
+micro-batches read. Checkpoints of the torch-native engines (backends cpu, cuda, neuron-native)
+are torch.distributed.checkpoint directories; the neuron-xla stack's are NxD's own format, whose
+model shards `hlat_trainer.nxd_checkpoint` reads and joins (any tensor-parallel degree, kv
+heads not replicated over ranks). A bad config or checkpoint
 prints what to fix and exits with `ExitCode.CONFIG_ERROR`.
 
 `hlat-eval --hold` reads nothing: it holds the checkpoint until SIGTERM. It is the sidecar of
@@ -128,18 +130,25 @@ def load(spec: PretrainJobSpec, job: str, entry: CheckpointEntry, backend_name: 
     engine, the backend); `evaluation_spec` says how the run's spec is cut down for it."""
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+    from hlat_trainer import nxd_checkpoint
     from hlat_trainer.backends import select_backend
     from hlat_trainer.engine import build_engine
+    from hlat_trainer.export import unwrapped
 
-    if not (entry.path / DCP_METADATA).is_file():
-        raise UserError(f"checkpoint {entry.path} has no {DCP_METADATA}: hlat-eval reads the "
-                        "checkpoints of the torch-native backends (cpu, cuda, neuron-native); "
-                        "the neuron-xla stack saves NxD's own format, not read here yet")
+    nxd = not (entry.path / DCP_METADATA).is_file()
+    if nxd and not nxd_checkpoint.is_nxd(entry.path):
+        raise UserError(f"checkpoint {entry.path} has neither {DCP_METADATA} (the torch-native "
+                        "backends' checkpoints: cpu, cuda, neuron-native) nor NxD's "
+                        f"{nxd_checkpoint.MODEL_DIR}/ shards (neuron-xla): not a checkpoint "
+                        "of ours")
     one = evaluation_spec(spec, backend_name, held_out)
     backend = select_backend(one)
     world = backend.init_world()
     engine = build_engine(one, job, backend, world, backend.device(world.local_rank))
     with reading(entry.path):
+        if nxd:
+            nxd_checkpoint.load_into(engine.model, entry.path, unwrapped)
+            return engine, backend
         try:
             dcp_load({"model": engine.model.state_dict()}, checkpoint_id=entry.path)
         except Exception as err:

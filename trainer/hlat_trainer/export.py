@@ -11,7 +11,8 @@ already in the rotate-half layout HF uses: no permutation. The directory holds `
 (LlamaForCausalLM, the model's dims, `torch_dtype`), `model.safetensors`, and the run's
 tokenizer (`tokenizer.json` with a `tokenizer_config.json` naming its end-of-document token);
 the byte tokenizer has no HF form and is refused. The checkpoint is read in one process and held
-against retention while read, as `hlat-eval` reads it (torch-native checkpoints only).
+against retention while read, as `hlat-eval` reads it (a torch-native backend's checkpoint, or
+the neuron-xla stack's NxD one: `hlat_trainer.nxd_checkpoint`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 def hf_state_dict(ours: Mapping[str, Tensor], dims: ModelDims) -> dict[str, Tensor]:
     """Our model's state dict (`Transformer.state_dict()`) under HF LlamaForCausalLM's names
     and layouts (see the module doc)."""
-    plain = {_unwrapped(k): v for k, v in ours.items()}
+    plain = {unwrapped(k): v for k, v in ours.items()}
     d, group, h = dims.head_dim, dims.heads // dims.kv_heads, dims.hidden_size
     out = {"model.embed_tokens.weight": plain["tok_embeddings.weight"],
            "model.norm.weight": plain["norm.weight"],
@@ -67,7 +68,8 @@ def hf_state_dict(ours: Mapping[str, Tensor], dims: ModelDims) -> dict[str, Tens
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _unwrapped(name: str) -> str:
+def unwrapped(name: str) -> str:
+    """A model state dict's name without the segments of `_WRAPPERS`."""
     for wrapper in _WRAPPERS:
         name = name.replace(wrapper, "")
     return name

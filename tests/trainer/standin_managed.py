@@ -13,7 +13,6 @@ Run as `torchrun ... standin_managed.py --config FILE` (the hlat-train command l
 
 from __future__ import annotations
 
-import shutil
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -81,13 +80,9 @@ class StandInManagedBackend(TorchNativeBackend):
         if self.pending is None:
             return
         dist.barrier()
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0:  # no purge: the backend passes NxD num_kept_ckpts=None,
+            # with which NxD removes no complete checkpoint (trainer/checkpoint.py 95)
             (self.pending / "done").write_text("1")
-            complete = sorted((p for p in self.pending.parent.glob("step_*")
-                               if (p / "done").exists()), key=lambda p: int(p.name[5:]))
-            for old in complete[: -self.spec.checkpoint.keep]:
-                (old / "done").unlink()
-                shutil.rmtree(old)
         dist.barrier()
         self.pending = None
 

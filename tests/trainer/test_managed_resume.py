@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from test_distributed import STANDIN, layout, run, torchrun
 
+from hlat_api.layout import READERS
+
 pytestmark = pytest.mark.slow
 
 
@@ -27,3 +29,22 @@ def test_a_checkpoint_one_rank_cannot_read_is_skipped_by_all_before_any_collecti
     assert json.loads(resumed.stdout.splitlines()[0])["step"] == 3
     assert "step_4 is not readable on every rank: trying an older one" in resumed.stderr
     assert (ck / "step_6" / "done").exists()
+
+
+def test_retention_keeps_checkpoint_keep_and_spares_one_being_read(
+    write_config: Callable[..., Path],
+) -> None:
+    """NxD is told to keep every checkpoint (num_kept_ckpts=None: its purge knows nothing of
+    readers); ManagedEngine purges to checkpoint.keep itself and spares a checkpoint a reader
+    holds (an evaluation Job's hlat-eval, or its sidecar), as the torch-native engines do."""
+    config = write_config(train__steps=4, checkpoint__interval=2, checkpoint__keep=1)
+    sets = [*layout(2, 1), "checkpoint.dir=" + str(config.parent / "ck")]
+    run(torchrun(config, 2, *sets, entry=(STANDIN,)))
+    ck = config.parent / "ck" / "job"
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_4"]
+    reader = ck / "step_4" / READERS / "an-evaluator"
+    reader.parent.mkdir()
+    reader.touch()  # fresh for READER_FRESH_SECONDS: longer than the run below
+    resumed = run(torchrun(config, 2, *sets, "train.steps=8", entry=(STANDIN,)))
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_4", "step_8"], resumed.stderr
+    assert "step_4 is being read" in resumed.stderr

@@ -30,8 +30,9 @@ Design choices:
 - Retention keeps the newest `keep` complete checkpoints and deletes `done` first, so a purge
   cut short never leaves a half-deleted checkpoint that looks complete. An older one that a
   reader holds (`hlat_api.layout.being_read`: an evaluation) is kept until its reader is done.
-  (The neuron-xla stack's checkpoints are purged by NxD's own `num_kept_ckpts`, which knows
-  nothing of readers.)
+  The neuron-xla stack's checkpoints, which NxD writes, are purged the same way
+  (`purge_checkpoints`, from ManagedEngine): NxD's own `num_kept_ckpts` knows nothing of
+  readers, so it is not used.
 """
 
 from __future__ import annotations
@@ -167,6 +168,24 @@ def load_newest(root: Path, job: str, load: Callable[[CheckpointEntry], T | None
             "unreadable): move them aside to start over, or restore them"
         )
     return None
+
+
+def purge_checkpoints(root: Path, job: str, keep: int, held: set[int]) -> None:
+    """Keep the newest `keep` complete checkpoints of `job`; `done` goes first when deleting.
+    One being read (`hlat_api.layout.being_read`: an evaluation) is kept until its reader is
+    done; the next purge after that deletes it. `held`: the steps kept so far for a reader
+    (each is said once). Run by the coordinator only."""
+    complete = [e for e in list_checkpoints(root, job) if e.complete]
+    for entry in complete[:-keep]:
+        if being_read(entry.path):
+            if entry.step not in held:
+                held.add(entry.step)
+                log.info("checkpoint %s is being read (%s): kept past checkpoint.keep "
+                         "until its reader is done", entry.path, entry.path / READERS)
+            continue
+        held.discard(entry.step)
+        (entry.path / DONE).unlink(missing_ok=True)
+        shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def remove_incomplete(root: Path, job: str, coordinator: bool,
@@ -331,20 +350,8 @@ class Checkpointer:
             settled.wait()
 
     def purge(self) -> None:
-        """Keep the newest `keep` complete checkpoints; `done` goes first when deleting. One
-        being read (`hlat_api.layout.being_read`: an evaluation) is kept until its reader is
-        done; the next purge after that deletes it."""
-        complete = [e for e in list_checkpoints(self.root, self.job) if e.complete]
-        for entry in complete[: -self.keep]:
-            if being_read(entry.path):
-                if entry.step not in self._held:
-                    self._held.add(entry.step)
-                    log.info("checkpoint %s is being read (%s): kept past checkpoint.keep "
-                             "until its reader is done", entry.path, entry.path / READERS)
-                continue
-            self._held.discard(entry.step)
-            (entry.path / DONE).unlink(missing_ok=True)
-            shutil.rmtree(entry.path, ignore_errors=True)
+        """`purge_checkpoints` of this job, keeping `checkpoint.keep`."""
+        purge_checkpoints(self.root, self.job, self.keep, self._held)
 
     # --- resume -------------------------------------------------------------------------------
 

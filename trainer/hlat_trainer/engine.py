@@ -57,13 +57,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from hlat_api import Env, PretrainJobSpec
-from hlat_api.layout import CheckpointEntry, latest_complete, step_dir
+from hlat_api.layout import CheckpointEntry, hold_ahead, latest_complete, step_dir
 from hlat_api.spec import evaluation_due
 from hlat_trainer.backends import Backend
 from hlat_trainer.checkpoint import (
     META_FILE,
     Checkpointer,
     load_newest,
+    purge_checkpoints,
     remove_incomplete,
     write_durably,
 )
@@ -651,6 +652,8 @@ class ManagedEngine(Engine):
         # another, so the precompile's traced load (mid-run) would not be the one a restart runs
         backend.step_end()
         self._committed = self.latest_step()
+        self._held: set[int] = set()
+        """Checkpoints kept past checkpoint.keep for a reader (`purge_checkpoints`)."""
 
     def describe(self) -> str:
         w = self.world
@@ -686,14 +689,25 @@ class ManagedEngine(Engine):
         write_durably(target, loop_state)
         if self.world.is_coordinator:
             write_durably(path / META_FILE, json.dumps({"step": step, **self._meta()}).encode())
+            if self.spec.evaluation is not None and evaluation_due(self.spec, step):
+                # its evaluation Job has yet to start: held from now (the backend's `done`
+                # may come only at the next save)
+                hold_ahead(path, time.time() + float(self.spec.evaluation.deadline_seconds))
         self.backend.save_checkpoint(str(self.root / self.job), step, self.model,
                                      self.optimizer, {"step": step})
-        self._committed = self.latest_step()
+        self._settled()
         return time.perf_counter() - start
 
     def wait(self) -> None:
         self.backend.finalize_checkpoint()
+        self._settled()
+
+    def _settled(self) -> None:
+        """After the backend's save or finalize: the newest complete checkpoint, and retention
+        (ours, which keeps what a reader holds; the backend is told to keep every one)."""
         self._committed = self.latest_step()
+        if self.world.is_coordinator:
+            purge_checkpoints(self.root, self.job, self.spec.checkpoint.keep, self._held)
 
     def trace_checkpoint_paths(self, loop_state: bytes) -> None:
         """Save step_0 under `<root>/<job>/_precompile/` and resume from it, through `save`,

@@ -35,7 +35,8 @@ aws-neuron/neuronx-distributed at release 2.29, file named beside each call):
 - Loss: `parallel_cross_entropy` over the vocab-parallel logits
   (parallel_layers/loss_functions.py, as the LLaMA example).
 - Checkpoints: `nxd.save_checkpoint(dir, tag="step_<N>", model, optimizer, user_content,
-  use_xser=True, num_kept_ckpts, async_save)`; `nxd.load_checkpoint(dir, tag, model=...)` then
+  use_xser=True, num_kept_ckpts=None, async_save)` (retention is ManagedEngine's, which spares
+  a checkpoint being read); `nxd.load_checkpoint(dir, tag, model=...)` then
   `nxd.load_checkpoint(dir, tag, optimizer=...)`: the model first, in a call of its own
   (`load_checkpoint`'s comment says why), `nxd.has_checkpoint(dir)`,
   `nxd.finalize_checkpoint()` (trainer/checkpoint.py).
@@ -297,8 +298,11 @@ class NeuronXlaBackend(Backend):
         nxd = self.nxd()
         self.step_end()  # materialise pending device work before the host copies
         c = self.spec.checkpoint
+        # num_kept_ckpts None: NxD keeps every complete checkpoint (trainer/checkpoint.py
+        # 95); ManagedEngine purges to checkpoint.keep itself, sparing those being read (an
+        # evaluation Job's), which NxD's purge knows nothing of
         nxd.save_checkpoint(directory, tag=f"step_{step}", model=model, optimizer=optimizer,
-                            user_content=user_content, use_xser=True, num_kept_ckpts=c.keep,
+                            user_content=user_content, use_xser=True, num_kept_ckpts=None,
                             async_save=c.async_)
 
     def load_checkpoint(self, directory: str, step: int, model: nn.Module,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_distributed import STANDIN, layout, run, torchrun
 
-from hlat_api.layout import READERS
+from hlat_api.layout import DONE, PENDING_READER, READERS
 
 pytestmark = pytest.mark.slow
 
@@ -48,3 +48,20 @@ def test_retention_keeps_checkpoint_keep_and_spares_one_being_read(
     resumed = run(torchrun(config, 2, *sets, "train.steps=8", entry=(STANDIN,)))
     assert sorted(p.name for p in ck.glob("step_*")) == ["step_4", "step_8"], resumed.stderr
     assert "step_4 is being read" in resumed.stderr
+
+
+def test_a_checkpoint_due_for_an_evaluation_job_is_held_from_its_save(
+    write_config: Callable[..., Path],
+) -> None:
+    """spec.evaluation on the neuron-xla path: the checkpoint an evaluation Job will read is
+    held (a pending reader dated to the Job's deadline) from its save on, as the torch-native
+    engines hold it from their commit, so keep 1 does not delete it before the Job starts."""
+    config = write_config(train__steps=6, checkpoint__interval=2, checkpoint__keep=1,
+                          evaluation={"every": 2, "command": ["lm_eval"],
+                                      "deadlineSeconds": 600})
+    sets = [*layout(2, 1), "checkpoint.dir=" + str(config.parent / "ck")]
+    run(torchrun(config, 2, *sets, entry=(STANDIN,)))
+    ck = config.parent / "ck" / "job"
+    kept = sorted(p.name for p in ck.glob("step_*") if (p / DONE).exists())
+    assert kept == ["step_4", "step_6"], "the checkpoint due for evaluation (4) was deleted"
+    assert (ck / "step_4" / READERS / PENDING_READER).exists()

@@ -147,7 +147,8 @@ def load(spec: PretrainJobSpec, job: str, entry: CheckpointEntry, backend_name: 
     engine = build_engine(one, job, backend, world, backend.device(world.local_rank))
     with reading(entry.path):
         if nxd:
-            nxd_checkpoint.load_into(engine.model, entry.path, unwrapped)
+            nxd_checkpoint.load_into(engine.model, entry.path, unwrapped,
+                                     spec.model.dims(), spec.instance_type)
             return engine, backend
         try:
             dcp_load({"model": engine.model.state_dict()}, checkpoint_id=entry.path)

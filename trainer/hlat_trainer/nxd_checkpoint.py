@@ -24,12 +24,18 @@ the release `nxd_release` pins), src/neuronx_distributed/trainer/checkpoint.py (
   (`PARTITION_DIMS`); the norms are whole on every rank. Our fused QKV and gate/up layouts are
   split so that each rank holds whole kv groups and whole (gate, up) pairs (nxd_model's module
   doc): concatenated, they are model.py's layouts again.
-- Not read: a model whose key/value heads are replicated over tensor-parallel ranks (tp above
-  the kv-head count, the 70B at tp 32: NxD's GQAQKVColumnParallelLinear, weights
-  `weight_qkv`), whose head layout depends on the hardware that trained it (trn1 tiles the
-  copies, trn2 interleaves them: modules/qkv_linear.py 80-86) and is recorded nowhere in the
-  checkpoint; pipeline-parallel checkpoints (our backend runs pp 1). Both are refused, naming
-  what to use instead (NxD's own scripts/checkpoint_converter.py, told the hardware).
+- Key/value heads replicated over tensor-parallel ranks (tp above the kv-head count, the
+  paper's 70B at tp 32: NxD's GQAQKVColumnParallelLinear, one fused `weight_qkv` a rank,
+  its query rows, then its key rows, then its value rows: modules/qkv_linear.py 474-481).
+  Each rank holds heads/tp query heads (contiguous) and kv_heads*m/tp kv heads (m =
+  tp / kv_heads) of the replicated list, which on trn1 is the kv heads tiled m times
+  (`master_weight.repeat(m, 1)`, 84-86); within a rank, query heads pair with its kv heads
+  in order (nxd_model.CoreAttention). `_join_replicated_kv` regroups the query heads by the
+  kv head they attend to, which is model.py's fused layout, and permutes `wo`'s input
+  columns alike: the same function, its heads relabelled. The layout is the hardware's
+  (recorded nowhere in the checkpoint): it is taken from the job's instance type. trn2's
+  (`repeat_interleave` of the weight's rows, 80-83) is refused, as are pipeline-parallel
+  checkpoints (our backend runs pp 1), naming NxD's scripts/checkpoint_converter.py.
 
 Nothing here ran against a checkpoint NxD wrote (NxD is not installable here): the tests write
 the layout above with torch-xla's own `serialization.save` (tests/xla).
@@ -44,6 +50,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from hlat_api.presets import ModelDims
 from hlat_trainer.errors import UserError
 
 MODEL_DIR = "model"
@@ -130,25 +137,23 @@ def _partition_dim(name: str) -> int | None:
     return None
 
 
-def read_model(path: Path, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def read_model(path: Path, like: Mapping[str, Tensor], dims: ModelDims | None = None,
+               instance_type: str = "") -> dict[str, Tensor]:
     """The whole model state dict of the NxD checkpoint at `path`: each entry of `like` (our
     model's state dict, by the same names) from the tensor-parallel shards, checked against its
-    shape."""
+    shape. `dims` and `instance_type` (the job's): for kv heads replicated over ranks."""
     files = shard_files(path)
     shards = [read_shard(f) for f in files]
     names = set(shards[0])
-    replicated = sorted(n for n in names if n.rsplit(".", 1)[-1] in _REPLICATED_KV)
-    if replicated:
-        raise UserError(
-            f"NxD checkpoint {path} replicates key/value heads over tensor-parallel ranks "
-            f"({replicated[0]}: tensor parallelism above the kv-head count), in a layout that "
-            "depends on the hardware that trained it (trn1 or trn2) and is not recorded in the "
-            "checkpoint: not read here. Use NxD's scripts/checkpoint_converter.py "
-            "(--convert_to_full_state --qkv_linear), told the hardware")
     for file, shard in zip(files, shards, strict=True):
         if set(shard) != names:
             raise UserError(f"NxD checkpoint shard {file} has other entries than {files[0]}: "
                             f"{sorted(set(shard) ^ names)[:5]}")
+    joined: dict[str, Tensor] = {}
+    if any(n.rsplit(".", 1)[-1] in _REPLICATED_KV for n in names):
+        joined = _join_replicated_kv(path, shards, dims, instance_type)
+        names = (names - {n for n in names if n.rsplit(".", 1)[-1] in _REPLICATED_KV}
+                 ) | set(joined)
     missing = sorted(set(like) - names)
     if missing:
         raise UserError(f"NxD checkpoint {path} lacks {len(missing)} of the model's entries "
@@ -156,9 +161,12 @@ def read_model(path: Path, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
                         "(spec.model)?")
     out: dict[str, Tensor] = {}
     for name, target in like.items():
-        pieces = [shard[name] for shard in shards]
-        dim = _partition_dim(name)
-        whole = pieces[0] if dim is None else torch.cat(pieces, dim)
+        if name in joined:
+            whole = joined[name]
+        else:
+            pieces = [shard[name] for shard in shards]
+            dim = _partition_dim(name)
+            whole = pieces[0] if dim is None else torch.cat(pieces, dim)
         if whole.shape != target.shape:
             raise UserError(f"NxD checkpoint {path}: {name} is {tuple(whole.shape)} from "
                             f"{len(files)} tensor-parallel shard(s), the model's is "
@@ -167,11 +175,59 @@ def read_model(path: Path, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def load_into(model: torch.nn.Module, path: Path, unwrapped: Callable[[str], str]) -> None:
+def _join_replicated_kv(path: Path, shards: list[dict[str, Tensor]], dims: ModelDims | None,
+                        instance_type: str) -> dict[str, Tensor]:
+    """Each layer's `attention.wqkv.weight` (model.py's layout) and `attention.wo.weight` from
+    the shards of NxD's GQA layer, its kv heads tiled over the ranks (trn1; module doc)."""
+    if dims is None or not instance_type.startswith(("trn1", "ml.trn1")):
+        raise UserError(
+            f"NxD checkpoint {path} replicates key/value heads over tensor-parallel ranks "
+            f"(tensor parallelism above the kv-head count) in the layout of the hardware that "
+            f"trained it, which the checkpoint does not record; read here for trn1 (the job's "
+            f"instanceType), not {instance_type or 'an unknown instance type'}. Use NxD's "
+            "scripts/checkpoint_converter.py (--convert_to_full_state --qkv_linear)")
+    tp, hd = len(shards), dims.head_dim
+    if "layers.0.attention.wqkv.weight_qkv" not in shards[0]:
+        raise UserError(f"NxD checkpoint {path}: its GQA layers keep separate q/k/v weights "
+                        "(fuse_qkv=False), which our model does not build: not read here")
+    q_local, kv_local = dims.heads // tp, dims.kv_heads * (tp // dims.kv_heads) // tp
+    pairs = q_local // kv_local  # a rank's query heads per kv head, in order
+    groups: list[list[int]] = [[] for _ in range(dims.kv_heads)]
+    kv_at: dict[int, tuple[int, int]] = {}  # kv head -> (rank, local index) of a copy
+    for rank in range(tp):
+        for a in range(q_local):
+            b = a // pairs
+            head = (rank * kv_local + b) % dims.kv_heads  # trn1: the kv heads tiled
+            groups[head].append(rank * q_local + a)
+            kv_at.setdefault(head, (rank, b))
+    if any(len(g) != dims.heads // dims.kv_heads for g in groups):
+        raise UserError(f"NxD checkpoint {path}: the query heads do not pair evenly with the "
+                        f"kv heads at tp {tp} ({dims.heads} heads, {dims.kv_heads} kv heads)")
+    order = [g for group in groups for g in group]  # model.py's query head h is NxD's order[h]
+    out: dict[str, Tensor] = {}
+    for i in range(dims.layers):
+        fused = [s[f"layers.{i}.attention.wqkv.weight_qkv"] for s in shards]
+        q = torch.cat([f[: q_local * hd] for f in fused]).view(dims.heads, hd, -1)
+        k = [f[q_local * hd: (q_local + kv_local) * hd].view(kv_local, hd, -1) for f in fused]
+        v = [f[(q_local + kv_local) * hd:].view(kv_local, hd, -1) for f in fused]
+        rows = []
+        for head, group in enumerate(groups):
+            rank, b = kv_at[head]
+            rows += [q[g] for g in group] + [k[rank][b], v[rank][b]]
+        out[f"layers.{i}.attention.wqkv.weight"] = torch.cat(rows)
+        wo = torch.cat([s[f"layers.{i}.attention.wo.weight"] for s in shards], dim=1)
+        cols = wo.view(wo.shape[0], dims.heads, hd)
+        out[f"layers.{i}.attention.wo.weight"] = cols[:, order].reshape(wo.shape[0], -1)
+    return out
+
+
+def load_into(model: torch.nn.Module, path: Path, unwrapped: Callable[[str], str],
+              dims: ModelDims | None = None, instance_type: str = "") -> None:
     """Load the NxD checkpoint at `path` into `model` (one process, any tensor-parallel degree
     it was saved at); `unwrapped` maps one of the model's state-dict names to the plain one
-    (activation checkpointing and torch.compile add segments)."""
+    (activation checkpointing and torch.compile add segments); `dims`, `instance_type`: the
+    job's (`read_model`)."""
     mine = model.state_dict()
     plain = {unwrapped(k): k for k in mine}
-    whole = read_model(path, {p: mine[k] for p, k in plain.items()})
+    whole = read_model(path, {p: mine[k] for p, k in plain.items()}, dims, instance_type)
     model.load_state_dict({plain[p]: v for p, v in whole.items()})

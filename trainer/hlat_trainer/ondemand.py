@@ -6,8 +6,8 @@ trained again after the job resumes. Instead the operator annotates the attempt'
 (`hlat_api.heartbeat.CHECKPOINT_REQUEST`) and waits, bounded, for a checkpoint at or after the
 step it asked at before it stops the pods.
 
-Only node local rank 0 reads the Lease (its heartbeat sees the annotation in each renewal's
-answer), and it sees it at a different step on each node; a checkpoint is a collective, so every
+Only node local rank 0 reads the Lease (its heartbeat watches it and sees the annotation as it
+is written, and again in each renewal's answer), and it sees it at a different step on each node; a checkpoint is a collective, so every
 rank must save at the same step. Every rank therefore contributes the newest request it has
 seen to a MAX all-reduce once a step, on the host's gloo group (never in the device's graph: on
 XLA a device value read back would cut the overlap of tracing and execution). The reduction

@@ -50,7 +50,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from hlat_api.presets import ModelDims
+from hlat_api.presets import ModelDims, canonical_instance_type
+from hlat_trainer.backends.nxd_model import kv_size_multiplier
 from hlat_trainer.errors import UserError
 
 MODEL_DIR = "model"
@@ -66,6 +67,11 @@ PARTITION_DIMS = {
 """The dimension each tensor-parallel weight of `nxd_model.NxDTransformer` is split along, by
 the end of its name; any other entry (the norms) is whole on every rank."""
 _REPLICATED_KV = ("weight_qkv", "weight_q", "weight_k", "weight_v")
+"""The weights of NxD's GQA layer (kv heads replicated over ranks), by the end of the name."""
+
+
+def _replicated_kv(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in _REPLICATED_KV
 
 
 class _TensorReference:
@@ -150,10 +156,9 @@ def read_model(path: Path, like: Mapping[str, Tensor], dims: ModelDims | None = 
             raise UserError(f"NxD checkpoint shard {file} has other entries than {files[0]}: "
                             f"{sorted(set(shard) ^ names)[:5]}")
     joined: dict[str, Tensor] = {}
-    if any(n.rsplit(".", 1)[-1] in _REPLICATED_KV for n in names):
+    if any(_replicated_kv(n) for n in names):
         joined = _join_replicated_kv(path, shards, dims, instance_type)
-        names = (names - {n for n in names if n.rsplit(".", 1)[-1] in _REPLICATED_KV}
-                 ) | set(joined)
+        names = {n for n in names if not _replicated_kv(n)} | set(joined)
     missing = sorted(set(like) - names)
     if missing:
         raise UserError(f"NxD checkpoint {path} lacks {len(missing)} of the model's entries "
@@ -163,8 +168,8 @@ def read_model(path: Path, like: Mapping[str, Tensor], dims: ModelDims | None = 
     for name, target in like.items():
         if name in joined:
             whole = joined[name]
-        else:
-            pieces = [shard[name] for shard in shards]
+        else:  # each shard's piece let go as it is joined: one copy of the model, not two
+            pieces = [shard.pop(name) for shard in shards]
             dim = _partition_dim(name)
             whole = pieces[0] if dim is None else torch.cat(pieces, dim)
         if whole.shape != target.shape:
@@ -179,7 +184,7 @@ def _join_replicated_kv(path: Path, shards: list[dict[str, Tensor]], dims: Model
                         instance_type: str) -> dict[str, Tensor]:
     """Each layer's `attention.wqkv.weight` (model.py's layout) and `attention.wo.weight` from
     the shards of NxD's GQA layer, its kv heads tiled over the ranks (trn1; module doc)."""
-    if dims is None or not instance_type.startswith(("trn1", "ml.trn1")):
+    if dims is None or not canonical_instance_type(instance_type).startswith("trn1"):
         raise UserError(
             f"NxD checkpoint {path} replicates key/value heads over tensor-parallel ranks "
             f"(tensor parallelism above the kv-head count) in the layout of the hardware that "
@@ -190,7 +195,8 @@ def _join_replicated_kv(path: Path, shards: list[dict[str, Tensor]], dims: Model
     if "layers.0.attention.wqkv.weight_qkv" not in shards[0]:
         raise UserError(f"NxD checkpoint {path}: its GQA layers keep separate q/k/v weights "
                         "(fuse_qkv=False), which our model does not build: not read here")
-    q_local, kv_local = dims.heads // tp, dims.kv_heads * (tp // dims.kv_heads) // tp
+    q_local = dims.heads // tp
+    kv_local = dims.kv_heads * kv_size_multiplier(dims, tp) // tp  # copies a rank holds
     pairs = q_local // kv_local  # a rank's query heads per kv head, in order
     groups: list[list[int]] = [[] for _ in range(dims.kv_heads)]
     kv_at: dict[int, tuple[int, int]] = {}  # kv head -> (rank, local index) of a copy

@@ -152,9 +152,12 @@ def service_account_name(job: str) -> str:
     return f"{job}-worker"
 
 
-def worker_pod_name(job: str, attempt: int, rank: int) -> str:
-    """Per attempt, so the next gang never collides with a pod that is still terminating."""
-    return f"{job}-a{attempt}-{rank}"
+def worker_pod_name(job: str, attempt: int, index: int) -> str:
+    """Per attempt, so the next gang never collides with a pod that is still terminating.
+    `index`: the node rank, but for a pod whose rank's host name another pod of the job keeps
+    (`pod_hostname` reads the host name back from the name; the restart record and the node
+    rank label say which rank the pod holds)."""
+    return f"{job}-a{attempt}-{index}"
 
 
 def worker_lease_name(job: str, attempt: int, rank: int) -> str:

@@ -375,15 +375,17 @@ def build_worker_pods(
     steps_done: int = 0,
     placement: Mapping[int, RankPlacement] | None = None,
     master_addr: str | None = None,
+    hosts: Mapping[int, int] | None = None,
 ) -> list[Pod]:
     """`placement`: each rank's topology placement (none: the scheduler's choice);
     `master_addr`: node rank 0's address where it is not rank 0's own host name (a promoted
     spare holds rank 0: the restart record says so, and a pod made for the same attempt starts
-    its trainers before it reads any record)."""
+    its trainers before it reads any record); `hosts`: a rank's host index where it is not the
+    rank itself (as in `build_worker_pod`)."""
     avoid = sorted(set(avoid_nodes))
     return [
         build_worker_pod(job, spec, attempt, rank, settings, avoid, steps_done,
-                         (placement or {}).get(rank), master_addr)
+                         (placement or {}).get(rank), master_addr, (hosts or {}).get(rank))
         for rank in range(spec.nodes)
     ]
 
@@ -398,17 +400,22 @@ def build_worker_pod(
     steps_done: int = 0,
     place: RankPlacement | None = None,
     master_addr: str | None = None,
+    host: int | None = None,
 ) -> Pod:
     """`steps_done`: the highest step an earlier attempt finished (the trainer counts steps up
-    to it as recomputed work); `master_addr`: as in `build_worker_pods`."""
-    name = labels.worker_pod_name(job.name, attempt, rank)
+    to it as recomputed work); `master_addr`: as in `build_worker_pods`; `host`: the index in
+    the pod's name and host name (`<job>-a<attempt>-<host>`, `<job>-<host>`), the rank unless
+    that host name is taken (a pod that moved down a rank at a shrink keeps its own: a pod
+    made for its old rank when the job grows back in place gets a free one)."""
+    host = rank if host is None else host
+    name = labels.worker_pod_name(job.name, attempt, host)
     extra = {
         labels.COMPONENT: labels.WORKER,
         labels.ATTEMPT: str(attempt),
         labels.NODE_RANK: str(rank),
     }
     pod_spec: PodSpec = {
-        "hostname": labels.worker_hostname(job.name, rank),
+        "hostname": labels.worker_hostname(job.name, host),
         "subdomain": labels.service_name(job.name),
         "restartPolicy": "Never",
         "serviceAccountName": labels.service_account_name(job.name),

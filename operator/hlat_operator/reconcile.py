@@ -744,15 +744,14 @@ def _resize(p: _Pass, desired: PretrainJobSpec, target: int, reason: Reason,
     """A planned restart at `target` nodes: no restart budget, no backoff. Under InPlace the
     pods running on usable nodes stay (up to `target` of them, lowest ranks first) and their
     launchers restart the trainers at the new size (`_in_place_attempt`: the ranks beyond it
-    move down to the free ones, the record says the size); the others, and the pods no node
-    took, are deleted. Otherwise, or where growing in place would give a new pod a host name
-    a kept one has (`_grows_in_place`), the gang is recreated."""
+    move down to the free ones, the record says the size; a pod made when it grows back
+    takes a free host name where a moved pod keeps its rank's: `_host_indices`); the others,
+    and the pods no node took, are deleted. Otherwise the gang is recreated."""
     kept = sorted((pod for pod in p.observed.pods if not pod.spare and pod.node
                    and pod.phase == "Running" and _keepable(p, pod, p.status.attempt)),
                   key=lambda pod: pod.rank or 0)[:target]
     in_place = (builders.in_place(desired)
-                and p.state.in_place_failures < IN_PLACE_FAILURES_BEFORE_RECREATE
-                and _grows_in_place(p, kept, target))
+                and p.state.in_place_failures < IN_PLACE_FAILURES_BEFORE_RECREATE)
     p.state = p.state.model_copy(update={
         "size": None if target == desired.nodes else target, "grow_after": None,
         "in_place_next": p.status.attempt + 1 if in_place else None, **_NO_SPELLS})
@@ -775,17 +774,6 @@ def _resize(p: _Pass, desired: PretrainJobSpec, target: int, reason: Reason,
     else:
         _teardown(p, p.observed.pods)
     p.after(p.settings.fast_requeue_seconds)
-
-
-def _grows_in_place(p: _Pass, kept: list[ObservedPod], target: int) -> bool:
-    """Whether the ranks a resize in place creates pods for can have their own host names
-    (`<job>-<rank>`, from the pod's name): a pod that moved down a rank at a shrink
-    (`_compact`) keeps its host name, which a new pod of its old rank would share under the
-    job's Service. (Where a spare holds rank 0, a new pod is told its address: `_master`.) A
-    shrink creates no pod."""
-    job = p.observed.job.name
-    wanted = {labels.worker_hostname(job, r) for r in range(len(kept), target)}
-    return not wanted & {labels.pod_hostname(job, pod.name) for pod in kept}
 
 
 def _suspend_workload(p: _Pass) -> None:
@@ -1216,12 +1204,13 @@ def _in_place_attempt(p: _Pass, spec: PretrainJobSpec, attempt: int) -> str:
     created = _create_ranks(p, spec, kept | set(moved.values()) | set(promoted.values()),
                             master)
     p.actions.append(CreateObject(builders.build_gang_lease(
-        job, attempt, _steps_done(p), _ranks(p, renamed), master, spec.nodes), replace=True))
+        job, attempt, _steps_done(p), {**_ranks(p, renamed), **created}, master, spec.nodes),
+        replace=True))
     spared = (f", spares {', '.join(f'{n} -> rank {r}' for n, r in sorted(promoted.items()))}"
               if promoted else "")
     down = (f", {', '.join(f'{n} -> rank {r}' for n, r in sorted(moved.items()))} (the "
             f"ranks of {spec.nodes} nodes)" if moved else "")
-    return (f"pods of node ranks {sorted(kept) or 'none'} kept{down}{spared}, {created} "
+    return (f"pods of node ranks {sorted(kept) or 'none'} kept{down}{spared}, {len(created)} "
             "created")
 
 
@@ -1295,17 +1284,44 @@ def _adopt(p: _Pass, spec: PretrainJobSpec) -> set[int]:
     return {r for r in have if r is not None and r < spec.nodes}
 
 
-def _create_ranks(p: _Pass, spec: PretrainJobSpec, have: set[int], master: str | None) -> int:
-    """Create the pods of the ranks not in `have`, told node rank 0's address (`master`)."""
-    placement = _topology(p, spec, (r for r in range(spec.nodes) if r not in have))
+def _create_ranks(p: _Pass, spec: PretrainJobSpec, have: set[int], master: str | None
+                  ) -> dict[str, int]:
+    """Create the pods of the ranks not in `have`, told node rank 0's address (`master`);
+    returns pod -> rank of those created."""
+    wanted = [r for r in range(spec.nodes) if r not in have]
+    placement = _topology(p, spec, wanted)
     if placement is None:
-        return 0
+        return {}
     pods = builders.build_worker_pods(p.observed.job, spec, p.status.attempt, p.settings,
                                       _avoided_nodes(p, spec), _steps_done(p), placement,
-                                      master)
-    missing = [pod for rank, pod in enumerate(pods) if rank not in have]
-    p.actions += [CreateObject(pod) for pod in missing]
-    return len(missing)
+                                      master, _host_indices(p, wanted))
+    missing = {rank: pod for rank, pod in enumerate(pods) if rank not in have}
+    p.actions += [CreateObject(pod) for pod in missing.values()]
+    return {pod["metadata"]["name"]: rank for rank, pod in missing.items()}
+
+
+def _host_indices(p: _Pass, ranks: Iterable[int]) -> dict[int, int]:
+    """The index in the name and host name of each new pod of `ranks`
+    (`builders.build_worker_pod`): its rank, unless a live pod of the job has that host name
+    (one that moved down a rank at a shrink keeps its own), then the lowest index above 0 that
+    no live pod has (0 stays rank 0's: the default rendezvous address). A pod terminating or
+    leaving gives its name up, as when a lost rank's pod is made again. Deterministic from the
+    pods there are, so a pass that creates the rest of an attempt's pods names them alike."""
+    job = p.observed.job.name
+    held = {pod.hostname for pod in p.observed.pods if pod.hostname and not pod.terminating
+            and not pod.finished and pod.name not in p.leaving}
+    out: dict[int, int] = {}
+    for rank in sorted(ranks):
+        if labels.worker_hostname(job, rank) not in held:
+            out[rank] = rank
+    for rank in sorted(ranks):
+        if rank in out:
+            continue
+        index = 1
+        while labels.worker_hostname(job, index) in held or index in out.values():
+            index += 1
+        out[rank] = index
+    return out
 
 
 def _steps_done(p: _Pass) -> int:
@@ -1332,9 +1348,10 @@ def _create_missing(p: _Pass, spec: PretrainJobSpec) -> None:
     placement = _topology(p, spec, (r for r in range(spec.nodes) if r not in present))
     if placement is None:
         return
+    wanted = [r for r in range(spec.nodes) if r not in present]
     pods = builders.build_worker_pods(
         p.observed.job, spec, p.status.attempt, p.settings, _avoided_nodes(p, spec),
-        _steps_done(p), placement, _master(p, spec, {})
+        _steps_done(p), placement, _master(p, spec, {}), _host_indices(p, wanted)
     )
     p.actions += [CreateObject(pod) for rank, pod in enumerate(pods) if rank not in present]
 

@@ -1,6 +1,7 @@
 """Elastic runs on the local cluster (spec.elastic): a 3-node job loses a node with no spare
-and no free node, trains on 2 after elastic.waitSeconds (in place: its two pods kept), grows
-back to 3 at the first checkpoint after the node returns, and ends Succeeded having trained,
+and no free node, trains on 2 after elastic.waitSeconds (in place: its two pods kept, node
+rank 2's taking rank 1), grows back to 3 in place at the first checkpoint after the node
+returns (one pod made, for rank 2, under a free host name), and ends Succeeded having trained,
 step by step, the global batches of an uninterrupted 3-node run, with its losses up to the
 reduction order. Under Volcano, with the gang recreated at each resize, minMember follows."""
 
@@ -53,7 +54,7 @@ def _spec(name: str, strategy: str = "InPlace") -> dict[str, Any]:
 
 def _lines(env: Env, attempt: int) -> list[dict[str, Any]]:
     """The step lines node rank 0 logged in an attempt (none for one that never trained). The
-    job restarts in place and loses node rank 2's node: rank 0 is the first pod's throughout,
+    job restarts in place and loses node rank 1's node: rank 0 is the first pod's throughout,
     its log every attempt's, each from its launcher's line starting it to the next's."""
     try:
         log = env.pod_log(0, 0)
@@ -94,8 +95,10 @@ def test_a_job_trains_on_fewer_nodes_while_one_is_gone_and_grows_back(job_env: E
     job_env.create(spec)
     job_env.wait("past a checkpoint", lambda s: s.get("phase") == "Running"
                  and (s.get("latestCheckpoint") or {}).get("step", -1) >= 20, 180)
+    # node rank 1's node: at 2 nodes rank 2's pod takes rank 1 (keeping its host name), and
+    # growing back makes rank 2 a pod of another host name, the gang kept throughout
     node = next(p for p in job_env.pods()
-                if p.metadata.name == f"{job_env.name}-a0-2").spec.node_name
+                if p.metadata.name == f"{job_env.name}-a0-1").spec.node_name
     down = time.monotonic()
     faults.node_down(job_env.cluster.config, node)
     try:
@@ -117,13 +120,19 @@ def test_a_job_trains_on_fewer_nodes_while_one_is_gone_and_grows_back(job_env: E
             f"cold start {cold_start:.1f}s")
         kept = {p.metadata.name: p.metadata.labels[labels.NODE_RANK] for p in job_env.pods()
                 if p.metadata.deletion_timestamp is None}
-        assert kept == {f"{job_env.name}-a0-0": "0", f"{job_env.name}-a0-1": "1"}, kept
+        assert kept == {f"{job_env.name}-a0-0": "0", f"{job_env.name}-a0-2": "1"}, kept
         at_two = shrunk["progress"]["step"]
     finally:
         faults.node_up(job_env.cluster.config, node)
         job_env.cluster.wait_nodes_ready([node], timeout=60)
     grown = job_env.wait("back on 3 nodes", _trains_on(3, after=at_two), 240)
     assert [r["nodes"] for r in grown["size"]["resizes"]] == [2, 3]
+    live = {p.metadata.name: (p.metadata.labels[labels.NODE_RANK], p.spec.hostname)
+            for p in job_env.pods() if p.metadata.deletion_timestamp is None}
+    assert {n: live[n] for n in kept} == {f"{job_env.name}-a0-0": ("0", f"{job_env.name}-0"),
+                                        f"{job_env.name}-a0-2": ("1", f"{job_env.name}-2")}
+    (new,) = set(live) - set(kept)  # grown in place: one pod made, for rank 2, host name -1
+    assert live[new] == ("2", f"{job_env.name}-1"), live
     assert [r["reason"] for r in grown["size"]["resizes"]] == ["Shrunk", "Grown"]
     done = job_env.wait_trained()
     assert done["phase"] == "Succeeded" and done["progress"]["step"] == STEPS

@@ -16,6 +16,7 @@ from hlat_api.heartbeat import CHECKPOINT_REQUEST
 from hlat_api.labels import Reason
 from hlat_operator.metrics import OperatorMetrics
 from hlat_operator.observe import ObservedNode
+from hlat_trainer import peers
 
 WAIT = 60.0
 
@@ -404,19 +405,28 @@ def test_in_place_a_shrink_keeps_the_running_pods_and_growing_back_creates_one()
     assert record is not None and record.nodes == 3 and record.attempt == w.status.attempt
 
 
-def test_in_place_a_shrink_moves_a_rank_down_and_growing_back_then_recreates_the_gang(
+def test_in_place_a_shrink_moves_a_rank_down_and_growing_back_keeps_the_gang(
         ) -> None:
-    """Node rank 1's node lost: node rank 2's pod takes rank 1 (the record names it). Growing
-    back in place would create a rank 2 pod with the host name the moved pod keeps (both
-    `<job>-2` under the Service): the gang is recreated instead."""
+    """Node rank 1's node lost: node rank 2's pod takes rank 1 (the record names it), keeping
+    its host name `<job>-2`. Growing back keeps the gang too: rank 2's new pod takes the free
+    host name `<job>-1` (two pods of one name under the Service would each be found at the
+    other's address), and the record names it, so its peers find it."""
     w, before, lost = _in_place_shrunk(1)
     assert {pod.name: pod.rank for pod in w.live()} == {before[0]: 0, before[2]: 1}
     record = _record(w)
     assert record is not None and record.nodes == 2
     assert record.ranks == {before[0]: 0, before[2]: 1} and record.master_addr is None
     _grown(w, lost)
-    assert not set(before.values()) & {pod.name for pod in w.live()}
-    assert len({pod.hostname for pod in w.live()}) == 3
+    live = {pod.name: pod for pod in w.live()}
+    assert {before[0], before[2]} < set(live)  # kept: the gang was not recreated
+    (new,) = set(live) - {before[0], before[2]}
+    assert live[new].rank == 2 and live[new].hostname == "tiny-1", live[new]
+    assert new == f"tiny-a{w.status.attempt}-1"  # the name says the host name (pod_hostname)
+    assert len({pod.hostname for pod in live.values()}) == 3
+    record = _record(w)
+    assert record is not None and record.nodes == 3 and record.master_addr is None
+    assert record.ranks == {before[0]: 0, before[2]: 1, new: 2}, record.ranks
+    assert peers.peer_host("tiny", record, 2) == f"tiny-1.{labels.service_name('tiny')}"
 
 
 def test_in_place_a_shrink_that_loses_rank_0_gives_rank_0_and_its_address_to_a_kept_pod(

@@ -282,6 +282,9 @@ class Reason(StrEnum):
     EVICTED_BY_KUEUE = "EvictedByKueue"
     """Kueue evicted the job's Workload (preempted by a higher priority, deactivated, ...): the
     pods are stopped, no restart counted, and the job waits to be admitted again."""
+    REPLACED_BY_KUEUE = "NodeReplacedByKueue"
+    """Kueue failed a worker pod before it ran (placed by topology on a node Kueue found
+    unhealthy, and replaced in the Workload's assignment): the pod is made again, no fault."""
     # evaluation jobs (spec.evaluation): they never change the training's phase
     EVALUATING = "Evaluating"
     """An evaluation Job started on a durable checkpoint."""

@@ -24,7 +24,7 @@ from hlat_api.status import PretrainJobStatus
 from hlat_operator.builders import AVOIDED_ANNOTATION, JobRef
 from hlat_operator.evaluations import ObservedEvaluation
 from hlat_operator.nodehealth import NodeProblem, label_problem, node_problems
-from hlat_operator.queueing import Queueing
+from hlat_operator.queueing import TERMINATED_BY_KUEUE, Queueing
 
 UNREACHABLE_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
 UNPLACED_REASONS = ("Unschedulable", "SchedulingGated")
@@ -84,11 +84,15 @@ class ObservedPod:
     avoided: tuple[str, ...] | None = None
     """The nodes its affinity avoids (the operator's annotation); None: not annotated."""
     lingering: bool = False
+    """The trainer container ended but the pod still runs (a sidecar that does not stop with
+    it): finished for the job, yet holding its node until deleted."""
     spare: bool = False
     """A spare pod (faultTolerance.spareNodes): no attempt or rank until promoted."""
     hostname: str | None = None
-    """The trainer container ended but the pod still runs (a sidecar that does not stop with
-    it): finished for the job, yet holding its node until deleted."""
+    """spec.hostname (`<job>-<index>`, or a spare's)."""
+    terminated_by_kueue: bool = False
+    """Failed by Kueue before it ran: placed by topology on a node Kueue then found unhealthy
+    (`queueing.TERMINATED_BY_KUEUE`)."""
 
     @property
     def terminating(self) -> bool:
@@ -301,6 +305,7 @@ def pod_from_raw(raw: Mapping[str, Any], container: str = "trainer") -> Observed
         lingering=lingering,
         spare=labels.SPARE in pod_labels,
         hostname=(raw.get("spec") or {}).get("hostname"),
+        terminated_by_kueue=(conditions.get(TERMINATED_BY_KUEUE) or {}).get("status") == "True",
     )
 
 

@@ -48,6 +48,12 @@ TOPOLOGY_GATE = "kueue.x-k8s.io/topology"
 selector (pkg/controller/tas/topology_ungater.go, v0.17.0)."""
 WORKLOAD_ANNOTATION = "kueue.x-k8s.io/workload"
 PODSET_LABEL = "kueue.x-k8s.io/podset"
+TERMINATED_BY_KUEUE = "TerminatedByKueue"
+"""The pod condition Kueue's TAS node controller sets on a pod it fails because it was
+assigned, still unplaced, to a node Kueue found unhealthy (pkg/controller/tas/node_controller.go
+`markPodsFailed`, v0.17.0): the pod never ran, and Kueue replaces the node in the Workload's
+topologyAssignment (or evicts the Workload when no node can replace it)."""
+
 TOPOLOGY_ANNOTATIONS = {"required": "kueue.x-k8s.io/podset-required-topology",
                         "preferred": "kueue.x-k8s.io/podset-preferred-topology"}
 """The pod annotations by which Kueue knows a pod as placed by topology (pkg/util/tas/tas.go

@@ -1414,6 +1414,8 @@ def _active(p: _Pass, spec: PretrainJobSpec) -> None:
         if p.state.in_place_attempt != attempt or not all(_on_dead_node(p, pod)
                                                            for pod in older):
             return
+    if _remake_pods_kueue_failed(p):
+        return
     fault = detect_fault(spec, attempt, p.status.phase, p.observed, p.now, p.settings)
     if fault is not None:
         _on_fault(p, spec, fault)
@@ -1448,6 +1450,26 @@ def _active(p: _Pass, spec: PretrainJobSpec) -> None:
         if left is not None:  # judged when the first timeout runs out, not a resync later
             p.after(left + TIMEOUT_CHECK_MARGIN_SECONDS)
     p.after(p.settings.resync_seconds)
+
+
+def _remake_pods_kueue_failed(p: _Pass) -> bool:
+    """Pods of the attempt that Kueue failed before they ran (made again after a node loss,
+    Kueue's ungater placed them by the topology assignment of the day, on the lost node; then
+    Kueue found the node unhealthy: `ObservedPod.terminated_by_kueue`) are no fault of the
+    job, for neither budget nor backoff: each is deleted at once, and made again gated once
+    gone (`_create_missing`), for the ungater to place on the node Kueue assigned in the lost
+    one's place (where Kueue found none, it evicts the Workload). Whether there were any."""
+    taken = [pod for pod in p.observed.pods_of(p.status.attempt) if pod.terminated_by_kueue]
+    for pod in taken:
+        if not pod.terminating:
+            p.actions.append(DeletePod(pod.name, grace_seconds=0))
+            p.event(Reason.REPLACED_BY_KUEUE,
+                    f"Kueue failed pod {pod.name} (node rank {pod.rank}) before it ran: its "
+                    "topology assignment named a node Kueue found unhealthy; the pod is made "
+                    "again for the node Kueue assigns in its place (no restart)")
+    if taken:
+        p.after(p.settings.fast_requeue_seconds)
+    return bool(taken)
 
 
 def _all_training(p: _Pass, pods: list[ObservedPod]) -> bool:

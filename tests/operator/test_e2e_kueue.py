@@ -11,6 +11,7 @@ v0.17.0). On EKS the quota would be on aws.amazon.com/neuron; the tiny jobs here
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import urllib.request
@@ -470,3 +471,104 @@ def test_kopf_rescans_a_group_whose_resource_is_served_after_the_start(
     insights = asyncio.run(follow())
     assert late_apis.watched(insights, kueue.GROUP, "workloads")
     assert (kueue.GROUP, "workloads") in handlers.FOLLOWED
+
+
+
+# --- a node lost under Kueue's topology-aware scheduling ---------------------------------------
+# Kueue v0.17.0 replaces a failed node of a TAS-admitted Workload itself (TASFailedNodeReplacement,
+# TASFailedNodeReplacementFailFast and TASReplaceNodeOnPodTermination: beta, on by default,
+# pkg/features/kube_features.go 432-452): once the node is NotReady and the Workload's pods on it
+# terminated, its node controller lists it in the Workload's status.unhealthyNodes
+# (pkg/controller/tas/node_controller.go), and the scheduler finds a free node in the same
+# domain and rewrites the topologyAssignment, or, finding none, evicts the Workload with reason
+# NodeFailures (pkg/scheduler/scheduler.go `evictWorkloadAfterFailedTASReplacement`).
+
+def _in_place_in_blocks(nodes: int) -> dict[str, Any]:
+    spec = _spec_in_blocks(nodes)
+    spec["train"]["steps"] = 600  # about 25 s of training: the node is lost mid-run
+    spec["checkpoint"] = {**spec["checkpoint"], "interval": 50}
+    spec["faultTolerance"] = {"restartStrategy": "InPlace"}
+    return spec
+
+
+def _ranked_nodes(env: Env) -> dict[int, str]:
+    return {int(p.metadata.labels["hlat.dev/node-rank"]): p.spec.node_name for p in _pods(env)
+            if p.metadata.deletion_timestamp is None and p.spec.node_name}
+
+
+def test_a_node_lost_under_kueue_s_topology_is_replaced_in_its_block_in_place(
+        job_env: Env, tas_queue: str, network: dict[str, str]) -> None:
+    """Block a cordoned: two ranks requiring one block are admitted into block b (3 nodes, one
+    left free). Rank 1's node goes down: the operator restarts in place (rank 0's pod kept)
+    and makes rank 1's pod again with Kueue's scheduling gate; Kueue marks the node unhealthy,
+    assigns the block's free node in its place, and its ungater puts the pod there. The
+    Workload is never evicted, and the job ends Succeeded."""
+    core = client.CoreV1Api(job_env.cluster.admin_api())
+    cordoned = sorted(n for n, block in network.items() if block == "nn-blk-a")
+    for name in cordoned:  # Kueue's topology-aware scheduling skips unschedulable nodes
+        core.patch_node(name, {"spec": {"unschedulable": True}})
+    try:
+        job_env.create(_in_place_in_blocks(2),
+                       labels={"kueue.x-k8s.io/queue-name": tas_queue})
+        job_env.wait("training", lambda s: s.get("phase") == "Running"
+                     and s.get("progress", {}).get("step", 0) >= 1, 180)
+        placed = _ranked_nodes(job_env)
+        assert {network[n] for n in placed.values()} == {"nn-blk-b"}, placed
+        (free,) = {n for n, block in network.items() if block == "nn-blk-b"} - set(placed.values())
+        kept = next(p.metadata.name for p in _pods(job_env)
+                    if p.metadata.labels["hlat.dev/node-rank"] == "0")
+        lost = placed[1]
+        faults.node_down(job_env.cluster.config, lost)
+        try:
+            job_env.wait("rank 1 on the block's free node",
+                         lambda s: s.get("attempt", 0) >= 1 and s.get("phase") == "Running"
+                         and _ranked_nodes(job_env).get(1) == free, 180)
+            assert _workload_condition(job_env, "Evicted").get("status") != "True"
+            ranks = {p.metadata.labels["hlat.dev/node-rank"]: p for p in _pods(job_env)
+                     if p.metadata.deletion_timestamp is None}
+            assert ranks["0"].metadata.name == kept  # in place: rank 0's pod stayed
+            assert not ranks["1"].spec.scheduling_gates  # Kueue's ungater placed it
+            assert ranks["1"].spec.node_selector.get(HOSTNAME) == free
+            assignment = _workload(job_env)["status"]["admission"]["podSetAssignments"][0]
+            assert lost not in json.dumps(assignment["topologyAssignment"]), assignment
+            done = job_env.wait_trained()
+        finally:
+            faults.node_up(job_env.cluster.config, lost)
+            job_env.cluster.wait_nodes_ready([lost], timeout=60)
+    finally:
+        for name in cordoned:
+            core.patch_node(name, {"spec": {"unschedulable": False}})
+    assert done["phase"] == "Succeeded" and done["progress"]["step"] == 600, done
+    # the node loss only: a pod Kueue failed on the lost node before it ran (when the ungater
+    # placed it by the assignment of the day) is made again, no restart (NodeReplacedByKueue)
+    assert done["restarts"]["inPlace"] == 1 and done["restarts"]["total"] == 1, done["restarts"]
+    assert _workload_condition(job_env, "Evicted").get("status") != "True"
+
+
+def test_a_node_lost_under_kueue_s_topology_with_no_free_node_in_its_block_moves_the_job(
+        job_env: Env, tas_queue: str, network: dict[str, str]) -> None:
+    """Two ranks requiring one block are admitted into block a (2 nodes, the tightest). Rank
+    1's node goes down; the block has no node to replace it, so Kueue evicts the Workload
+    (NodeFailures): the operator stops the job, which waits in its queue (no restart counted),
+    and Kueue admits it again in block b, where it resumes and ends Succeeded."""
+    job_env.create(_in_place_in_blocks(2), labels={"kueue.x-k8s.io/queue-name": tas_queue})
+    job_env.wait("training", lambda s: s.get("phase") == "Running"
+                 and s.get("progress", {}).get("step", 0) >= 1, 180)
+    placed = _ranked_nodes(job_env)
+    assert {network[n] for n in placed.values()} == {"nn-blk-a"}, placed
+    lost = placed[1]
+    faults.node_down(job_env.cluster.config, lost)
+    try:
+        job_env.wait("admitted again, in block b",
+                     lambda s: s.get("attempt", 0) >= 1 and s.get("phase") == "Running"
+                     and len(moved := _ranked_nodes(job_env)) == 2
+                     and {network[n] for n in moved.values()} == {"nn-blk-b"}, 180)
+        evicted = [m for r, m in job_env.event_messages() if r == "EvictedByKueue"]
+        assert evicted and "NodeFailures" in evicted[0] and lost in evicted[0], evicted
+        done = job_env.wait_trained()
+    finally:
+        faults.node_up(job_env.cluster.config, lost)
+        job_env.cluster.wait_nodes_ready([lost], timeout=60)
+    assert done["phase"] == "Succeeded" and done["progress"]["step"] == 600, done
+    moved = {p.metadata.labels["hlat.dev/node-rank"]: p.spec.node_name for p in _pods(job_env)}
+    assert {network[n] for n in moved.values()} == {"nn-blk-b"}, moved

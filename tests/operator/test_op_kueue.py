@@ -15,6 +15,7 @@ from hlat_api.labels import Reason
 from hlat_api.manifest import parse_spec
 from hlat_operator import builders, queueing
 from hlat_operator.config import OperatorSettings
+from hlat_operator.observe import pod_from_raw
 from hlat_operator.queueing import Flavor, ObservedWorkload, Queueing, WorkloadCondition
 from hlat_operator.reconcile import CreateObject
 
@@ -399,3 +400,53 @@ def test_an_elastic_job_in_a_queue_keeps_its_full_size() -> None:
     assert Reason.SHRUNK not in w.reasons()
     assert w.status.size is None or w.status.size.nodes == 3
     assert w.status.phase == "Pending" and len([p for p in w.live() if p.node]) == 2
+
+
+def test_a_pod_kueue_fails_before_it_runs_is_made_again_with_no_fault() -> None:
+    """Rank 1's node lost: the operator restarts in place and makes rank 1's pod again, which
+    Kueue's ungater places by the assignment of the day, on the lost node; Kueue's node
+    controller then fails it there (condition TerminatedByKueue) and assigns another node.
+    No fault of the job: the pod is deleted and made again at once, with no restart counted
+    and no backoff, and the attempt runs."""
+    w = _training_world()
+    lost = w.pod_of(1).node
+    assert lost is not None
+    w.node_down(lost)
+    for _ in range(120):
+        w.step()
+        made = [p for p in w.pods.values()
+                if p.attempt == 1 and p.rank == 1 and p.node is None]
+        if made:
+            break
+        w.advance(1)
+    (pod,) = made
+    restarts = w.status.restarts.model_copy()
+    assert restarts.total == 1
+    w.pods[pod.name] = replace(pod, phase="Failed", terminated_by_kueue=True,
+                               message="Pod terminated by Kueue NodeController due to node "
+                               "taint")
+    w.step()
+    assert pod.name not in w.pods  # deleted at once
+    assert Reason.REPLACED_BY_KUEUE in w.reasons()
+    w.step()
+    (again,) = [p for p in w.pods.values() if p.attempt == 1 and p.rank == 1]
+    w.schedule()
+    w.until("Running", step=26)
+    assert w.status.attempt == 1 and w.status.restarts == restarts
+    assert w.pod_of(1).name == again.name and w.pod_of(1).node not in (None, lost)
+
+
+def test_a_pod_kueue_failed_is_told_from_its_condition() -> None:
+    """As Kueue v0.17.0's TAS node controller writes it (node_controller.go `markPodsFailed`:
+    phase Failed, condition TerminatedByKueue True, reason UnschedulableOnAssignedNode)."""
+    raw = {"metadata": {"name": "tiny-a1-1", "labels": {"hlat.dev/attempt": "1",
+                                                        "hlat.dev/node-rank": "1"}},
+           "spec": {"hostname": "tiny-1"},
+           "status": {"phase": "Failed", "conditions": [
+               {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"},
+               {"type": "TerminatedByKueue", "status": "True",
+                "reason": "UnschedulableOnAssignedNode",
+                "message": "Pod terminated by Kueue NodeController due to node taint"}]}}
+    assert pod_from_raw(raw).terminated_by_kueue
+    raw["status"]["conditions"][1]["status"] = "False"
+    assert not pod_from_raw(raw).terminated_by_kueue

@@ -240,20 +240,28 @@ def test_a_gang_preferring_blocks_gets_its_planned_nodes_rank_by_rank() -> None:
 
 def test_ultraserver_labels_as_levels_give_whole_ultraservers_ranks_by_node_id() -> None:
     """The Neuron docs' UltraServer labels (aws-neuron-sdk deploy/eks/ultraserver.rst:337-363:
-    neuron.amazonaws.com/ultraserver-server-id-4 / -server-id-2 / -node-id-4) as levels: a
-    4-node job gets one whole UltraServer, ranks in NeuronLink node-id order (what the SDK's
-    k8s-ultraserver-init-script.sh orders its hostfile by); 8 nodes, two whole ones."""
+    neuron.amazonaws.com/ultraserver-server-id-4 / -node-id-4) as levels: a 4-node job gets one
+    whole UltraServer, ranks in (server id, node id) order, the order AWS's
+    k8s-ultraserver-init-script.sh gives its topology ids and hostfile (`sort -t: -k1,1 -k2,2
+    -k3,3` of server_id_N:node_id_N:fqdn); 8 nodes, two whole ones. Not server-id-2 between
+    them: its values are random strings (the docs' example: u5wy80u0o2saugxy, ygml2651y0lwdd46),
+    so the pair holding node ids 2 and 3 may sort first, as here."""
     us4, us2, nid = (f"neuron.amazonaws.com/ultraserver-{k}"
                      for k in ("server-id-4", "server-id-2", "node-id-4"))
+    pair_ids = ("zq1", "ab7")  # the pair of node ids 0-1 sorts after that of 2-3
     nodes = [ObservedNode(f"ip-{server}-{9 - i}", labels={
-        us4: f"us{server}", us2: f"us{server}-{i // 2}", nid: str(i)})
+        us4: f"us{server}", us2: f"{pair_ids[i // 2]}{server}", nid: str(i)})
         for server in (1, 2) for i in range(4)]
-    topo = TopologySpec(required=us4, levels=[us4, us2, nid])
+    topo = TopologySpec(required=us4, levels=[us4, nid])
     four = topology.plan(nodes, 4, topo)
     assert four is not None
     assert [n.labels[nid] for n in four] == ["0", "1", "2", "3"]  # names run the other way
     assert len({n.labels[us4] for n in four}) == 1
-    eight = topology.plan(nodes, 8, TopologySpec(preferred=us4, levels=[us4, us2, nid]))
+    eight = topology.plan(nodes, 8, TopologySpec(preferred=us4, levels=[us4, nid]))
     assert eight is not None
     assert [(n.labels[us4], n.labels[nid]) for n in eight] == [
         (f"us{s}", str(i)) for s in (1, 2) for i in range(4)]
+    # with server-id-2 as a level between them, the ranks would follow the pairs' ids instead
+    between = topology.plan(nodes, 4, TopologySpec(required=us4, levels=[us4, us2, nid]))
+    assert between is not None
+    assert [n.labels[nid] for n in between] == ["2", "3", "0", "1"]

@@ -42,4 +42,7 @@ def test_a_call_s_own_timeout_is_kept() -> None:
         began = time.monotonic()
         with pytest.raises(HTTPError, match=r"read timeout=0\.5"):
             client.CoreV1Api(api).list_namespaced_pod("default", _request_timeout=(1, 0.5))
-        assert time.monotonic() - began < 5
+        # the message says which timeout ran out; the clock rules out the bound's 30 s. (< 5 s
+        # failed once on a loaded machine, 2026-11-30, beside a full test run: the timed part
+        # is the 0.5 s read plus the client's own work, which load stretches)
+        assert time.monotonic() - began < 30

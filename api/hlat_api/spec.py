@@ -539,7 +539,8 @@ class PretrainJobSpec(_Model):
     """Worker pods, one per node."""
     instance_type: Annotated[InstanceType, WithJsonSchema(
         {"type": "string", "enum": [*INSTANCE_TYPES, *HYPERPOD_INSTANCE_TYPES]})] = "trn1.32xlarge"
-    """Node type: trn1.2xlarge, trn1.32xlarge, trn1n.32xlarge, trn2.48xlarge, p5.48xlarge, cpu.
+    """Node type: trn1.2xlarge, trn1.32xlarge, trn1n.32xlarge, trn2.48xlarge, trn2u.48xlarge
+    (in UltraServers), p5.48xlarge, cpu.
     On SageMaker HyperPod's EKS nodes, whose `node.kubernetes.io/instance-type` label reads
     `ml.<type>`, give the `ml.` name (`ml.trn1.32xlarge`): it is the same type, and the workers'
     node selector asks for the label as HyperPod sets it (`scheduling.nodeSelector` wins)."""

@@ -224,7 +224,7 @@ SPEC_RULES: dict[tuple[str, ...], list[Schema]] = {
             + _cel_map({t: _max_processes(canonical_instance_type(t)) for t in _ALL_NAMES})
             + "[self.instanceType]",
             "processesPerNode must not exceed the instance type's devices (NeuronCores or "
-            "GPUs: trn1.2xlarge 2, trn1(n).32xlarge 32, trn2.48xlarge 64, p5.48xlarge 8)",
+            "GPUs: trn1.2xlarge 2, trn1(n).32xlarge 32, trn2(u).48xlarge 64, p5.48xlarge 8)",
             ".processesPerNode",
         ),
     ],

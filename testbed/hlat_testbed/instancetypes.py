@@ -60,6 +60,12 @@ INSTANCE_TYPES = {
         InstanceType("trn1.2xlarge", 8, 32768, 58, {NEURON: 1, NEURONCORE: 2}),
         InstanceType("trn2.48xlarge", 192, 2097152, 100,
                      {NEURON: 16, NEURONCORE: 128, EFA: 16}),
+        # trn2u.48xlarge (in UltraServers) is on neither Karpenter's page nor nodeadm's list:
+        # EC2's spec page gives the same 192 vCPU and 2048 GiB as trn2.48xlarge and 16 network
+        # cards (https://docs.aws.amazon.com/ec2/latest/instancetypes/ac.html); its devices
+        # and max pods are taken as trn2.48xlarge's (inferred: docs/ultraserver-notes.md)
+        InstanceType("trn2u.48xlarge", 192, 2097152, 100,
+                     {NEURON: 16, NEURONCORE: 128, EFA: 16}),
         InstanceType("p5.48xlarge", 192, 2097152, 100, {NVIDIA_GPU: 8, EFA: 32}),
         InstanceType("p4d.24xlarge", 96, 1179648, 737, {NVIDIA_GPU: 8, EFA: 4}),
         InstanceType("m5.large", 2, 8192, 29),

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from hlat_api import Env, ExitCode, PretrainJobSpec, parse_spec
-from hlat_trainer import launch
+from hlat_trainer import launch, neuron_env
 from hlat_trainer.launch import LaunchError, build_command
 
 CONFIG = "/etc/hlat/spec.json"
@@ -381,7 +381,50 @@ def test_the_in_place_agent_resolves_the_root_comm_per_attempt(
     monkeypatch.setattr(agent, "Agent", FakeAgent)
     monkeypatch.setattr(agent.LeaseControl, "from_environment", staticmethod(lambda env: None))
     assert launch.main([]) == 0
-    assert made["attempt_env"]("127.0.0.1", 5) == {"NEURON_RT_ROOT_COMM_ID": "127.0.0.1:48625"}
+    assert made["attempt_env"]("127.0.0.1", 2, 4, 5) == {
+        "NEURON_RT_ROOT_COMM_ID": "127.0.0.1:48625"}
+
+
+def test_on_an_ultraserver_each_attempt_gets_the_runtime_s_topology_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """trn2u.48xlarge: the agent's per-attempt variables add what AWS's UltraServer init
+    script writes, from the driver's files (here a directory standing for its sysfs), for the
+    node's rank of that attempt; a rank the node's group position contradicts is refused."""
+    from hlat_trainer import agent
+
+    config = tmp_path / "spec.json"
+    config.write_text(json.dumps(spec_raw("trn2u.48xlarge",
+                                          checkpoint={"dir": str(tmp_path / "fsx")},
+                                          neuron={"cacheDir": str(tmp_path / "cache")})))
+    sysfs = tmp_path / "neuron_device"
+    sysfs.mkdir()
+    for name, value in (("ultraserver_mode", "1 2 3 4\n"), ("server_id_4", "bog79p1y8tetj5uu\n"),
+                        ("node_id_4", "2\n")):
+        (sysfs / name).write_text(value)
+    _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config), Env.GANG_LEASE: "llama-gang",
+                                     Env.NPROC_PER_NODE: "64",
+                                     "HLAT_NEURON_DEVICE_SYSFS": str(sysfs)}))
+    monkeypatch.delenv("NEURON_RT_ROOT_COMM_ID", raising=False)
+    made: dict[str, Any] = {}
+
+    class FakeAgent:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            made.update(kwargs)
+
+        def run(self, *args: Any) -> int:
+            return 0
+
+    monkeypatch.setattr(agent, "Agent", FakeAgent)
+    monkeypatch.setattr(agent.LeaseControl, "from_environment", staticmethod(lambda env: None))
+    assert launch.main([]) == 0
+    got = made["attempt_env"]("127.0.0.1", 2, 4, 5)
+    assert got == {"NEURON_RT_ROOT_COMM_ID": "127.0.0.1:48625", "NEURON_GLOBAL_TOPOID": "2",
+                   "NEURON_GLOBAL_TOPOID0_HOST": "127.0.0.1", "NEURON_RT_ULTRASERVER_MODE": "1",
+                   "NEURON_RT_ULTRASERVER_SERVER_ID": "bog79p1y8tetj5uu",
+                   "NEURON_RT_ULTRASERVER_NODE_ID": "2"}
+    with pytest.raises(neuron_env.UltraServerError, match="node rank 1 is on node id 2"):
+        made["attempt_env"]("127.0.0.1", 1, 4, 6)
 
 
 def test_a_pod_cache_url_the_compiler_would_ignore_is_refused(

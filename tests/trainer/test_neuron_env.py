@@ -287,3 +287,53 @@ def test_a_rig_cpu_worker_computes_on_one_thread_and_an_accelerator_node_keeps_t
                                 Env.NODE_RANK: "0", Env.MASTER_ADDR: "10.0.0.1",
                                 Env.MASTER_PORT: "29500"}, cpu)
     assert "OMP_NUM_THREADS" not in extra  # the user's own (the pod template's env) is kept
+
+
+def _sysfs(tmp_path: Any, **files: str) -> Any:
+    """A directory standing for the Neuron driver's /sys/class/neuron_device on a trn2u node."""
+    root = tmp_path / "neuron_device"
+    root.mkdir()
+    for name, value in files.items():
+        (root / name).write_text(value + "\n")
+    return root
+
+
+@pytest.mark.parametrize(("nnodes", "config"), [(4, 4), (8, 4), (2, 2), (6, 2), (3, 1), (1, 1)])
+def test_the_ultraserver_group_is_the_largest_of_4_2_1_dividing_the_nodes(
+        nnodes: int, config: int) -> None:
+    assert neuron_env.ultraserver_node_config(nnodes, {}) == config
+
+
+def test_a_node_config_the_pod_sets_must_divide_the_nodes() -> None:
+    assert neuron_env.ultraserver_node_config(8, {"NEURON_ULTRASERVER_NODE_CONFIG": "2"}) == 2
+    with pytest.raises(neuron_env.UltraServerError, match="not a multiple"):
+        neuron_env.ultraserver_node_config(6, {"NEURON_ULTRASERVER_NODE_CONFIG": "4"})
+    with pytest.raises(neuron_env.UltraServerError, match="must be 1, 2 or 4"):
+        neuron_env.ultraserver_node_config(8, {"NEURON_ULTRASERVER_NODE_CONFIG": "8"})
+
+
+@pytest.mark.parametrize(("modes", "mode"), [("1 2 3 4", "3"), ("1_2_4", "2"), ("2\n4", "2")])
+def test_two_nodes_take_the_vertical_pair_where_the_driver_offers_it(
+        tmp_path: Any, modes: str, mode: str) -> None:
+    """AWS's init script: 2 nodes -> X2V (3) if listed, else X2H (2); the files of the
+    2-node group, server_id_2 and node_id_2."""
+    root = _sysfs(tmp_path, ultraserver_mode=modes, server_id_2="u5wy80u0o2saugxy",
+                  node_id_2="1", server_id_4="bog79p1y8tetj5uu", node_id_4="3")
+    got = neuron_env.ultraserver_environment(3, 6, "job-0.job", {}, root)
+    assert got == {"NEURON_GLOBAL_TOPOID": "3", "NEURON_GLOBAL_TOPOID0_HOST": "job-0.job",
+                   "NEURON_RT_ULTRASERVER_MODE": mode,
+                   "NEURON_RT_ULTRASERVER_SERVER_ID": "u5wy80u0o2saugxy",
+                   "NEURON_RT_ULTRASERVER_NODE_ID": "1"}
+
+
+def test_a_node_without_the_group_or_the_mode_is_refused_naming_the_file(tmp_path: Any) -> None:
+    root = _sysfs(tmp_path, ultraserver_mode="4")  # standalone only: no 4-node group
+    with pytest.raises(neuron_env.UltraServerError, match="does not offer the 4-node"):
+        neuron_env.ultraserver_environment(0, 4, "job-0.job", {}, root)
+    (root / "ultraserver_mode").write_text("1 2 3 4\n")
+    with pytest.raises(neuron_env.UltraServerError, match="server_id_4"):
+        neuron_env.ultraserver_environment(0, 4, "job-0.job", {}, root)
+    # one node: the standalone mode, no group needed (the script's X1)
+    alone = neuron_env.ultraserver_environment(0, 1, "job-0.job", {}, root)
+    assert alone["NEURON_RT_ULTRASERVER_MODE"] == "4"
+    assert alone["NEURON_RT_ULTRASERVER_NODE_ID"] == "-1"

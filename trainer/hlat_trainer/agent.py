@@ -406,9 +406,10 @@ class Agent:
     spare: bool = False
     """A spare pod: no trainer until the restart record names this pod with a node rank."""
     clock: Callable[[], float] = time.monotonic
-    attempt_env: Callable[[str, int], Mapping[str, str]] | None = None
-    """Variables of one attempt, from node rank 0's address and the attempt number (hlat-launch:
-    the Neuron runtime's NEURON_RT_ROOT_COMM_ID, an IP resolved when the attempt starts)."""
+    attempt_env: Callable[[str, int, int, int], Mapping[str, str]] | None = None
+    """Variables of one attempt, from node rank 0's address, this node's rank, the node count
+    and the attempt number (hlat-launch: the Neuron runtime's NEURON_RT_ROOT_COMM_ID, an IP
+    resolved when the attempt starts; on UltraServers the runtime's topology variables)."""
     standbys: list[Standby] = field(default_factory=list)
     standbys_due: float | None = None
     """When to start the next standbys at the latest (None: they run, or none are kept)."""
@@ -454,7 +455,8 @@ class Agent:
                 else self.layout.master_port + attempt % RENDEZVOUS_PORTS)
         common = self._attempt_env(attempt, steps_done, started)
         if self.attempt_env is not None:
-            common.update(self.attempt_env(self.layout.master_addr, attempt))
+            common.update(self.attempt_env(self.layout.master_addr, self.layout.node_rank,
+                                           self.layout.nnodes, attempt))
         self.oom.mark()
         if self.replicas is not None:
             self._restore_snapshots(attempt)

@@ -59,22 +59,26 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from hlat_api import Env, ExitCode, InvalidSpecError, PretrainJobSpec, load_job
+from hlat_api.presets import canonical_instance_type
 from hlat_trainer.backends import is_neuron, resolve_backend_name
 from hlat_trainer.compile_cache import CacheSync
 from hlat_trainer.neuron_env import (
     NEURON_DRIVER_FILE_ENV,
     NEURON_DRIVER_VERSION_FILE,
     ROOT_COMM_ID,
+    ULTRASERVER_TYPES,
     RootCommError,
+    UltraServerError,
     cache_url_conflict,
     check_neuron_driver,
     compile_command_prefix,
     root_comm_id,
     shared_cache_dir,
+    ultraserver_environment,
     worker_environment,
 )
 
@@ -240,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RootCommError as err:  # not permanent: a new attempt may find the address
         print(f"hlat-launch: {err}", file=sys.stderr)
         return 1
+    except UltraServerError as err:  # the job's placement or configuration: permanent
+        print(f"hlat-launch: {err}", file=sys.stderr)
+        return ExitCode.CONFIG_ERROR
     finally:
         if cache is not None:
             cache.stop()
@@ -251,9 +258,13 @@ def _run(env: Mapping[str, str], spec: PretrainJobSpec, extra: dict[str, str],
     if in_place:
         base = {**env, **extra, "PATH": own_bin_first(env.get("PATH", ""))}
         return run_in_place(env, spec, base, command, launched, root_comm)
-    if root_comm:
-        extra = {**extra, ROOT_COMM_ID: root_comm_id(env[Env.MASTER_ADDR].strip(),
-                                                     _int_var(env, Env.ATTEMPT, 0, 0))}
+    per_attempt = _attempt_vars(env, spec, root_comm)
+    if per_attempt is not None:
+        nnodes = _int_var(env, Env.NNODES, spec.nodes, 1)
+        extra = {**extra, **per_attempt(
+            env.get(Env.MASTER_ADDR, "127.0.0.1").strip(),
+            _int_var(env, Env.NODE_RANK, 0, 0) if nnodes > 1 else 0, nnodes,
+            _int_var(env, Env.ATTEMPT, 0, 0))}
     exit_file = Path(tempfile.mkdtemp(prefix="hlat-launch-")) / "exit-code"
     try:
         return supervise(command, {**env, **extra, Env.LAUNCHED_MONOTONIC: f"{launched:.6f}",
@@ -288,7 +299,7 @@ def run_in_place(env: Mapping[str, str], spec: PretrainJobSpec, base: dict[str, 
     runner = agent.Agent(layout, trainer_argv, base, agent.LeaseControl.from_environment(env),
                          spec.fault_tolerance.backoff.max_seconds + agent.WAIT_MARGIN_SECONDS,
                          pod=env.get(Env.POD_NAME, ""), spare=spare,
-                         attempt_env=_root_comm_env if root_comm else None,
+                         attempt_env=_attempt_vars(env, spec, root_comm),
                          watch_peers=multi,
                          replicate=(multi and spec.snapshot_interval is not None
                                     and spec.checkpoint.memory_replicas > 0))
@@ -317,8 +328,25 @@ def snapshot_dir(shm: Path = SHM) -> str:
     return tempfile.mkdtemp(prefix="hlat-snapshots-", dir=where)
 
 
-def _root_comm_env(master_addr: str, attempt: int) -> dict[str, str]:
-    return {ROOT_COMM_ID: root_comm_id(master_addr, attempt)}
+def _attempt_vars(env: Mapping[str, str], spec: PretrainJobSpec, root_comm: bool
+                  ) -> Callable[[str, int, int, int], dict[str, str]] | None:
+    """The variables each attempt sets from (node rank 0's address, this node's rank, the node
+    count, the attempt): NEURON_RT_ROOT_COMM_ID where `root_comm`, and on an UltraServer
+    instance type its runtime's topology variables (a pod that sets them keeps its own).
+    None: neither."""
+    ultra = (canonical_instance_type(spec.instance_type) in ULTRASERVER_TYPES
+             and is_neuron(resolve_backend_name(spec))
+             and "NEURON_RT_ULTRASERVER_MODE" not in env)
+    if not root_comm and not ultra:
+        return None
+
+    def variables(master_addr: str, node_rank: int, nnodes: int, attempt: int
+                  ) -> dict[str, str]:
+        out = {ROOT_COMM_ID: root_comm_id(master_addr, attempt)} if root_comm else {}
+        if ultra:
+            out.update(ultraserver_environment(node_rank, nnodes, master_addr, env))
+        return out
+    return variables
 
 
 def supervise(command: Sequence[str], env: Mapping[str, str], exit_file: Path) -> int:

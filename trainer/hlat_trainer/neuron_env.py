@@ -54,9 +54,11 @@ the cache (reference: pytorch-neuron-parallel-compile.rst).
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Final
 
 from hlat_api import INSTANCE_TYPES, PretrainJobSpec
@@ -216,6 +218,87 @@ def root_comm_id(master_addr: str, attempt: int, **resolve_kw: Any) -> str:
     ip = resolve_ip(master_addr, **resolve_kw)
     host = f"[{ip}]" if ":" in ip else ip
     return f"{host}:{root_comm_port(attempt)}"
+
+
+ULTRASERVER_TYPES: Final = frozenset({"trn2u.48xlarge"})
+"""Instance types that come in UltraServers: 4 nodes whose chips NeuronLink joins."""
+NEURON_DEVICE_SYSFS: Final = "/sys/class/neuron_device"
+NEURON_DEVICE_SYSFS_ENV: Final = "HLAT_NEURON_DEVICE_SYSFS"
+"""A pod's own choice of where the driver's UltraServer files are (as NEURON_DRIVER_FILE_ENV)."""
+ULTRASERVER_NODE_CONFIG: Final = "NEURON_ULTRASERVER_NODE_CONFIG"
+"""AWS's knob for the nodes one UltraServer group gives a job: 4, 2 or 1 (ultraserver.rst
+91-93); here its default is the largest of them that divides the job's node count."""
+_MODE_X4, _MODE_X2H, _MODE_X2V, _MODE_X1 = 1, 2, 3, 4
+"""The driver's `neuron_ultraserver_mode` values (aws-neuron-sdk
+src/libnrt/include/ndl/neuron_driver_shared.h 45-50, and k8s-ultraserver-init-script.sh's
+constants)."""
+
+
+class UltraServerError(ValueError):
+    """This node cannot take its part in the job's UltraServer configuration."""
+
+
+def ultraserver_node_config(nnodes: int, env: Mapping[str, str]) -> int:
+    """The nodes per UltraServer group: NEURON_ULTRASERVER_NODE_CONFIG where the pod sets it,
+    else the largest of 4, 2 and 1 that divides `nnodes` (AWS's init script requires a
+    multiple, and defaults to 4)."""
+    raw = env.get(ULTRASERVER_NODE_CONFIG, "").strip()
+    if not raw:
+        return next(n for n in (4, 2, 1) if nnodes % n == 0)
+    if raw not in ("1", "2", "4"):
+        raise UltraServerError(f"{ULTRASERVER_NODE_CONFIG}={raw}: must be 1, 2 or 4")
+    config = int(raw)
+    if nnodes % config:
+        raise UltraServerError(f"{nnodes} nodes are not a multiple of {ULTRASERVER_NODE_CONFIG}"
+                               f"={config}: set nodes to one, or the config to 2 or 1")
+    return config
+
+
+def ultraserver_environment(node_rank: int, nnodes: int, master_addr: str,
+                            env: Mapping[str, str], sysfs: Path | None = None
+                            ) -> dict[str, str]:
+    """The Neuron runtime's UltraServer variables for one node of an attempt, as AWS's
+    k8s-ultraserver-init-script.sh writes them into each worker's /etc/environment (aws-neuron-
+    sdk src/k8/, read at 3afa0fd): the node's server and node id in its N-node group from the
+    driver's `server_id_N` and `node_id_N`, the mode from the modes the driver lists in
+    `ultraserver_mode` (4 nodes: X4; 2: X2V, else X2H; 1: X1), the node's place in the job
+    (`NEURON_GLOBAL_TOPOID`: the script's index in (server id, node id) order, here the node
+    rank, which follows that order when spec.scheduling.topology's levels are the UltraServer
+    labels, docs/operator.md) and node rank 0's address. Refused, naming what to fix, where the
+    driver has no N-node group for this node, or its node id is not the one its rank needs
+    (the gang not placed on whole groups in order: AWS's script refuses it too)."""
+    root = sysfs or Path(env.get(NEURON_DEVICE_SYSFS_ENV) or NEURON_DEVICE_SYSFS)
+    config = ultraserver_node_config(nnodes, env)
+
+    def read(name: str, default: str) -> str:
+        try:
+            return (root / name).read_text().strip() or default
+        except OSError:
+            return default
+
+    modes = {int(v) for v in re.split(r"[\s,_]+", read("ultraserver_mode", "")) if v.isdigit()}
+    wanted = {4: (_MODE_X4,), 2: (_MODE_X2V, _MODE_X2H), 1: (_MODE_X1,)}[config]
+    mode = next((m for m in wanted if m in modes or config == 1), None)
+    if mode is None:
+        raise UltraServerError(f"this node's driver does not offer the {config}-node "
+                               f"UltraServer config (modes {sorted(modes) or 'none'} in "
+                               f"{root / 'ultraserver_mode'}): is it a trn2u.48xlarge node?")
+    server = read(f"server_id_{config}", "0000000000000000")
+    node = read(f"node_id_{config}", "-1")
+    if config > 1:
+        if server.strip("0") == "":
+            raise UltraServerError(f"this node has no {config}-node UltraServer group "
+                                   f"({root / f'server_id_{config}'} missing)")
+        if node != str(node_rank % config):
+            raise UltraServerError(
+                f"node rank {node_rank} is on node id {node} of its {config}-node UltraServer "
+                f"group, not {node_rank % config}: the gang must take whole groups, ranks in "
+                "(server id, node id) order (spec.scheduling.topology with levels "
+                f"[neuron.amazonaws.com/ultraserver-server-id-{config}, "
+                f"neuron.amazonaws.com/ultraserver-node-id-{config}])")
+    return {"NEURON_GLOBAL_TOPOID": str(node_rank), "NEURON_GLOBAL_TOPOID0_HOST": master_addr,
+            "NEURON_RT_ULTRASERVER_MODE": str(mode), "NEURON_RT_ULTRASERVER_SERVER_ID": server,
+            "NEURON_RT_ULTRASERVER_NODE_ID": node}
 
 
 def check_neuron_driver(version: str | None) -> str | None:

@@ -1070,12 +1070,17 @@ def _check_image(spec: PretrainJobSpec) -> None:
 
 
 def _check_spares(spec: PretrainJobSpec) -> None:
-    """`faultTolerance.spareNodes` needs `faultTolerance.restartStrategy: InPlace`."""
+    """`faultTolerance.spareNodes` needs `faultTolerance.restartStrategy: InPlace`, and an
+    instance type whose nodes can stand in for each other (not an UltraServer's)."""
     ft = spec.fault_tolerance
     if ft.spare_nodes and ft.restart_strategy != "InPlace":
         raise SpecError("faultTolerance.spareNodes", f"{ft.spare_nodes} spare nodes need "
                         "faultTolerance.restartStrategy: InPlace (a gang that is recreated "
                         "has no use for them)")
+    if ft.spare_nodes and canonical_instance_type(spec.instance_type) == "trn2u.48xlarge":
+        raise SpecError("faultTolerance.spareNodes", "trn2u.48xlarge takes no spare nodes: "
+                        "NeuronLink joins the fixed nodes of an UltraServer, and a spare cannot "
+                        "take one of their places (set spareNodes to 0)")
 
 
 def _check_elastic(spec: PretrainJobSpec) -> None:

@@ -80,3 +80,16 @@ def test_bad_files_are_named(tmp_path: Path) -> None:
         load_job(bad)
     with pytest.raises(InvalidSpecError, match="expected PretrainJob"):
         load_job(write(tmp_path, {"kind": "Deployment", "spec": {}}))
+
+
+def test_an_ultraserver_job_takes_no_spare_nodes(tmp_path: Path) -> None:
+    """A spare cannot stand in for one of an UltraServer's NeuronLink-joined nodes (the
+    launcher would refuse its node id at the promotion, failing the job then)."""
+    spec = {**SPEC, "instanceType": "trn2u.48xlarge", "nodes": 4,
+            "train": {"steps": 10, "globalBatch": 256},
+            "faultTolerance": {"spareNodes": 1}}
+    with pytest.raises(InvalidSpecError,
+                       match=r"faultTolerance\.spareNodes: trn2u\.48xlarge takes no spare"):
+        load_job(write(tmp_path, spec))
+    spec["faultTolerance"] = {"spareNodes": 0}
+    assert load_job(write(tmp_path, spec)).spec.instance_type == "trn2u.48xlarge"

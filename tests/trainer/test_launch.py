@@ -360,14 +360,11 @@ def test_an_unresolvable_master_ends_the_pod_as_a_retryable_failure(
     assert "'no-such-host.invalid' ($HLAT_MASTER_ADDR)" in capsys.readouterr().err
 
 
-def test_the_in_place_agent_resolves_the_root_comm_per_attempt(
-    config_file: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Under InPlace node rank 0 can change between attempts (a spare takes it): the address
-    is resolved when each attempt starts, on that attempt's port."""
+def _agent_made_by_main(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Run hlat-launch's main up to the in-place agent it makes (not run); the agent's
+    keyword arguments."""
     from hlat_trainer import agent
 
-    _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config_file), Env.GANG_LEASE: "llama-gang"}))
     monkeypatch.delenv("NEURON_RT_ROOT_COMM_ID", raising=False)
     made: dict[str, Any] = {}
 
@@ -381,6 +378,16 @@ def test_the_in_place_agent_resolves_the_root_comm_per_attempt(
     monkeypatch.setattr(agent, "Agent", FakeAgent)
     monkeypatch.setattr(agent.LeaseControl, "from_environment", staticmethod(lambda env: None))
     assert launch.main([]) == 0
+    return made
+
+
+def test_the_in_place_agent_resolves_the_root_comm_per_attempt(
+    config_file: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under InPlace node rank 0 can change between attempts (a spare takes it): the address
+    is resolved when each attempt starts, on that attempt's port."""
+    _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config_file), Env.GANG_LEASE: "llama-gang"}))
+    made = _agent_made_by_main(monkeypatch)
     assert made["attempt_env"]("127.0.0.1", 2, 4, 5) == {
         "NEURON_RT_ROOT_COMM_ID": "127.0.0.1:48625"}
 
@@ -391,8 +398,6 @@ def test_on_an_ultraserver_each_attempt_gets_the_runtime_s_topology_variables(
     """trn2u.48xlarge: the agent's per-attempt variables add what AWS's UltraServer init
     script writes, from the driver's files (here a directory standing for its sysfs), for the
     node's rank of that attempt; a rank the node's group position contradicts is refused."""
-    from hlat_trainer import agent
-
     config = tmp_path / "spec.json"
     config.write_text(json.dumps(spec_raw("trn2u.48xlarge",
                                           checkpoint={"dir": str(tmp_path / "fsx")},
@@ -405,19 +410,7 @@ def test_on_an_ultraserver_each_attempt_gets_the_runtime_s_topology_variables(
     _set_env(monkeypatch, pod_env(**{Env.CONFIG: str(config), Env.GANG_LEASE: "llama-gang",
                                      Env.NPROC_PER_NODE: "64",
                                      "HLAT_NEURON_DEVICE_SYSFS": str(sysfs)}))
-    monkeypatch.delenv("NEURON_RT_ROOT_COMM_ID", raising=False)
-    made: dict[str, Any] = {}
-
-    class FakeAgent:
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            made.update(kwargs)
-
-        def run(self, *args: Any) -> int:
-            return 0
-
-    monkeypatch.setattr(agent, "Agent", FakeAgent)
-    monkeypatch.setattr(agent.LeaseControl, "from_environment", staticmethod(lambda env: None))
-    assert launch.main([]) == 0
+    made = _agent_made_by_main(monkeypatch)
     got = made["attempt_env"]("127.0.0.1", 2, 4, 5)
     assert got == {"NEURON_RT_ROOT_COMM_ID": "127.0.0.1:48625", "NEURON_GLOBAL_TOPOID": "2",
                    "NEURON_GLOBAL_TOPOID0_HOST": "127.0.0.1", "NEURON_RT_ULTRASERVER_MODE": "1",

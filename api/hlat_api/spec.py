@@ -15,7 +15,7 @@ raise with the offending field's camelCase path, so both the operator (InvalidSp
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     AliasChoices,
@@ -459,6 +459,14 @@ class TopologySpec(_Model):
         min_length=1, max_length=8)
     """The network's levels, top first; node ranks follow them, then the node name. For
     instance types with a fourth layer, add `topology.k8s.aws/network-node-layer-4`."""
+    slice_size: Annotated[int, Field(ge=2, le=64)] | None = None
+    """Place the gang in slices of this many consecutive node ranks, each slice whole in one
+    domain of the level (`required` or `preferred`): a domain gives whole slices or none, and
+    a slice's rank made again goes only to its slice's domain. On trn2 UltraServers, 4 at
+    `neuron.amazonaws.com/ultraserver-server-id-4` (NeuronLink joins the nodes of one, and the
+    runtime wants whole ones). `nodes` must be a multiple. Where too few domains hold whole
+    slices the job waits (TopologyUnavailable), `preferred` too. Through Kueue: the pod set's
+    `podSetSliceRequiredTopology` and `podSetSliceSize`."""
 
     @model_validator(mode="after")
     def _one_level(self) -> TopologySpec:
@@ -695,7 +703,7 @@ class PretrainJobSpec(_Model):
         `precision` become the paper's for the preset (`_with_paper_defaults`)."""
         if not isinstance(raw, dict):
             return raw
-        raw = _hyperpod_instance_type(raw)
+        raw = _with_ultraserver_placement(_hyperpod_instance_type(raw))
         try:
             return _with_paper_defaults(raw)
         except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
@@ -732,6 +740,30 @@ def _hyperpod_instance_type(raw: dict[str, Any]) -> dict[str, Any]:
             scheduling[key] = {INSTANCE_TYPE_LABEL: name, **(selector or {})}
         out["scheduling"] = scheduling
     return out
+
+
+ULTRASERVER_LABEL: Final = "neuron.amazonaws.com/ultraserver-{}-{}"
+"""The Neuron device plugin's UltraServer node labels (aws-neuron-sdk deploy/eks/ultraserver.rst
+337-363): `server-id-N` names a node's N-node group, `node-id-N` its place in it."""
+
+
+def _with_ultraserver_placement(raw: dict[str, Any]) -> dict[str, Any]:
+    """A trn2u.48xlarge job with no `scheduling.topology` (and not elastic) is placed on whole
+    UltraServer groups of the size its launchers will run (the largest of 4 and 2 dividing
+    `nodes`: `neuron_env.ultraserver_node_config`), ranks in (server id, node id) order:
+    `preferred` on `server-id-N` in slices of N. One node per group (an odd count) needs none."""
+    scheduling = _field(raw, "scheduling")
+    if (_field(raw, "instanceType") != "trn2u.48xlarge" or _field(raw, "elastic") is not None
+            or not isinstance(scheduling, dict | None)
+            or (scheduling and _field(scheduling, "topology") is not None)):
+        return raw
+    nodes = _field(raw, "nodes") or 1
+    size = next((n for n in (4, 2) if isinstance(nodes, int) and nodes % n == 0), None)
+    if size is None:
+        return raw
+    server, node = (ULTRASERVER_LABEL.format(k, size) for k in ("server-id", "node-id"))
+    return {**raw, "scheduling": {**(scheduling or {}), "topology": {
+        "preferred": server, "levels": [server, node], "sliceSize": size}}}
 
 
 def _with_paper_defaults(raw: dict[str, Any]) -> dict[str, Any]:
@@ -1083,6 +1115,20 @@ def _check_spares(spec: PretrainJobSpec) -> None:
                         "take one of their places (set spareNodes to 0)")
 
 
+def _check_slices(spec: PretrainJobSpec) -> None:
+    """`scheduling.topology.sliceSize` divides `nodes`, and no elastic size is asked of it."""
+    topo = spec.scheduling.topology
+    size = topo.slice_size if topo is not None else None
+    if size is None:
+        return
+    if spec.nodes % size:
+        raise SpecError("scheduling.topology.sliceSize", f"{size} does not divide nodes "
+                        f"({spec.nodes}): the gang is placed in whole slices")
+    if spec.elastic is not None:
+        raise SpecError("scheduling.topology.sliceSize", "is not taken with elastic: a size "
+                        "between minNodes and nodes may not be whole slices (remove one)")
+
+
 def _check_elastic(spec: PretrainJobSpec) -> None:
     """`elastic.minNodes` at most `nodes`, and some size from it to nodes - 1 that keeps the
     global batch (`PretrainJobSpec.sizes`)."""
@@ -1126,4 +1172,5 @@ def _check_evaluation(spec: PretrainJobSpec) -> None:
 
 _CHECKS = (_check_image, _check_devices, _check_model, _check_parallelism, _check_batch,
            _check_lengths, _check_memory, _check_spares, _check_eval, _check_elastic,
+           _check_slices,
            _check_snapshots, _check_evaluation)

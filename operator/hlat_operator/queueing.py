@@ -54,6 +54,10 @@ assigned, still unplaced, to a node Kueue found unhealthy (pkg/controller/tas/no
 `markPodsFailed`, v0.17.0): the pod never ran, and Kueue replaces the node in the Workload's
 topologyAssignment (or evicts the Workload when no node can replace it)."""
 
+SLICE_ANNOTATIONS = ("kueue.x-k8s.io/podset-slice-required-topology",
+                     "kueue.x-k8s.io/podset-slice-size")
+"""The pod annotations of a pod set placed in slices (apis/kueue/v1beta2/topology_types.go
+53-60, v0.17.0): the slice level and size, as the pod set's topologyRequest says them."""
 TOPOLOGY_ANNOTATIONS = {"required": "kueue.x-k8s.io/podset-required-topology",
                         "preferred": "kueue.x-k8s.io/podset-preferred-topology"}
 """The pod annotations by which Kueue knows a pod as placed by topology (pkg/util/tas/tas.go
@@ -210,23 +214,30 @@ def _gated_template(spec: PretrainJobSpec, workload: str) -> PodTemplate:
     body = dict(base.spec)
     gates = [g for g in body.get("schedulingGates") or [] if g.get("name") != TOPOLOGY_GATE]
     body["schedulingGates"] = [*gates, {"name": TOPOLOGY_GATE}]
+    sliced = (dict(zip(SLICE_ANNOTATIONS, (str(level), str(topo.slice_size)), strict=True))
+              if topo.slice_size else {})
     meta = base.metadata.model_copy(update={
         "labels": {**base.metadata.labels, PODSET_LABEL: WORKERS},
         "annotations": {**base.metadata.annotations, WORKLOAD_ANNOTATION: workload,
-                        TOPOLOGY_ANNOTATIONS[kind]: str(level)}})
+                        TOPOLOGY_ANNOTATIONS[kind]: str(level), **sliced}})
     return PodTemplate(metadata=meta, spec=body)
 
 
-def topology_request(spec: PretrainJobSpec) -> dict[str, str] | None:
+def topology_request(spec: PretrainJobSpec) -> dict[str, str | int] | None:
     """The workers' pod set's topologyRequest for spec.scheduling.topology: the level, and the
-    node rank as the pod index, so the ungater gives consecutive ranks consecutive domains.
-    None without a topology, or with spare nodes (spare pods hold no rank: the operator then
-    places by its own plan, after admission)."""
+    node rank as the pod index, so the ungater gives consecutive ranks consecutive domains;
+    with slices, each of `sliceSize` pods in one domain of the level
+    (`podSetSliceRequiredTopology`, `podSetSliceSize`: apis/kueue/v1beta2/workload_types.go
+    221-234, v0.17.0). None without a topology, or with spare nodes (spare pods hold no rank:
+    the operator then places by its own plan, after admission)."""
     topo = spec.scheduling.topology
     if topo is None or spec.fault_tolerance.spare_nodes:
         return None
     kind, level = ("required", topo.required) if topo.required else ("preferred", topo.preferred)
-    return {kind: str(level), "podIndexLabel": labels.NODE_RANK}
+    request: dict[str, str | int] = {kind: str(level), "podIndexLabel": labels.NODE_RANK}
+    if topo.slice_size:
+        request.update(podSetSliceRequiredTopology=str(level), podSetSliceSize=topo.slice_size)
+    return request
 
 
 def build_workload(job: JobRef, spec: PretrainJobSpec, q: Queueing,

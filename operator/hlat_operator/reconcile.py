@@ -38,7 +38,7 @@ from hlat_api import labels
 from hlat_api.heartbeat import CHECKPOINT_REQUEST, EXPIRY_PERIODS, STARTING_PHASES, Heartbeat
 from hlat_api.labels import Reason
 from hlat_api.manifest import InvalidSpecError, parse_spec
-from hlat_api.spec import PretrainJobSpec
+from hlat_api.spec import PretrainJobSpec, TopologySpec
 from hlat_api.status import (
     AvoidedNode,
     Condition,
@@ -1082,7 +1082,7 @@ def _topology(p: _Pass, spec: PretrainJobSpec, ranks: Iterable[int]
                 free = [n for n in free if n.name != place.node]
         return out
     ranked = topology.plan(usable, spec.nodes, topo) if p.observed.nodes_known else None
-    if ranked is None and topo.preferred:
+    if ranked is None and topo.preferred and not topo.slice_size:
         return {}  # fewer usable nodes than ranks, or none known yet: the scheduler's choice
     if ranked is None:
         _topology_waits(p, spec, usable)
@@ -1105,6 +1105,8 @@ def _domain_lost(p: _Pass, spec: PretrainJobSpec) -> str | None:
     unschedulable for good, and the gang is recreated and planned afresh; says where to. None
     otherwise (where no domain holds the gang, it waits in its own for the node to return)."""
     topo = spec.scheduling.topology
+    if topo is not None and topo.slice_size and p.observed.nodes_known:
+        return _slice_domain_lost(p, spec, topo)
     if topo is None or topo.required is None or not p.observed.nodes_known:
         return None
     level, nodes = topo.required, p.observed.nodes
@@ -1124,18 +1126,49 @@ def _domain_lost(p: _Pass, spec: PretrainJobSpec) -> str | None:
             f"so it moves to {level}={ranked[0].labels.get(level, '')}")
 
 
+def _slice_domain_lost(p: _Pass, spec: PretrainJobSpec, topo: TopologySpec) -> str | None:
+    """`_domain_lost` with slices (`sliceSize`): a domain of the slice level no longer has
+    usable nodes for the gang's slices there (an UltraServer lost a node) while whole slices
+    can be had elsewhere; says where to."""
+    level, size, nodes = topology.slice_level(topo), topo.slice_size or 1, p.observed.nodes
+    need: dict[str, int] = {}
+    for first in range(0, spec.nodes, size):
+        values = {nodes[pod.node].labels.get(level, "") for pod in p.observed.pods
+                  if pod.node in nodes and not pod.spare and pod.rank is not None
+                  and first <= pod.rank < first + size} - {""}
+        if len(values) == 1:
+            value = values.pop()
+            need[value] = need.get(value, 0) + size
+    usable = _usable_nodes(p, spec)
+    short = [(value, wanted, sum(n.labels.get(level) == value for n in usable))
+             for value, wanted in sorted(need.items())]
+    short = [row for row in short if row[2] < row[1]]
+    if not short:
+        return None
+    ranked = topology.plan(usable, spec.nodes, topo)
+    if ranked is None:
+        return None
+    value, wanted, left = short[0]
+    to = sorted({n.labels.get(level, "") for n in ranked})
+    return (f"its domain {level}={value} has {left} usable nodes of the {wanted} its slices of "
+            f"{size} need, so it moves to {', '.join(f'{level}={v}' for v in to)}")
+
+
 def _topology_waits(p: _Pass, spec: PretrainJobSpec, usable: list[ObservedNode]) -> None:
     topo = spec.scheduling.topology
-    assert topo is not None and topo.required is not None  # preferred never waits
+    assert topo is not None  # preferred waits only for whole slices
+    level = topology.slice_level(topo)
+    field = "required" if topo.required is not None else "preferred"
     if p.observed.nodes_known:
-        value, size = topology.largest_domain(usable, topo.required)
-        why = (f"no {topo.required} domain has {spec.nodes} usable nodes (the largest, "
-               f"{value}, has {size})" if value else
-               f"no usable node carries the label {topo.required} (EKS sets the "
+        value, size = topology.largest_domain(usable, level)
+        holds = (f"domains hold whole slices of {topo.slice_size} for {spec.nodes} nodes"
+                 if topo.slice_size else f"domain has {spec.nodes} usable nodes")
+        why = (f"no {level} {holds} (the largest, {value}, has {size})" if value else
+               f"no usable node carries the label {level} (EKS sets the "
                f"network-node-layer labels on trn1, trn2 and p5 nodes)")
     else:
         why = "the node list was not read yet"
-    message = (f"scheduling.topology.required: {why}; no worker pods are created until one "
+    message = (f"scheduling.topology.{field}: {why}; no worker pods are created until one "
                f"does (looked at again every {TOPOLOGY_RETRY_SECONDS:g}s)")
     if not any(c.type == "Schedulable" and c.message == message for c in p.status.conditions):
         p.event(Reason.TOPOLOGY_UNAVAILABLE, message, warning=True)

@@ -36,6 +36,8 @@ def plan(nodes: Iterable[ObservedNode], count: int, topo: TopologySpec
     """`count` of `nodes` (the usable ones) in rank order, or None when `topo.required` names
     a level none of whose domains holds `count` of them."""
     nodes = list(nodes)
+    if topo.slice_size:
+        return _plan_slices(nodes, count, topo, topo.slice_size)
     if topo.required is None:
         return _pick(nodes, count, topo.levels) if len(nodes) >= count else None
     below = topo.levels[topo.levels.index(topo.required) + 1:]
@@ -46,6 +48,42 @@ def plan(nodes: Iterable[ObservedNode], count: int, topo: TopologySpec
         return None
     _, value = min(fitting)
     return _pick(domains[value], count, below)
+
+
+def slice_level(topo: TopologySpec) -> str:
+    """The level whose domains hold whole slices (`sliceSize`): the required or preferred one."""
+    level = topo.required or topo.preferred
+    assert level is not None  # the spec has exactly one
+    return level
+
+
+def _plan_slices(nodes: list[ObservedNode], count: int, topo: TopologySpec, size: int
+                 ) -> list[ObservedNode] | None:
+    """`count` nodes in whole slices of `size`, each in one domain of the slice level: all in
+    the tightest domain that holds them where the level is required, else in as few domains as
+    hold them, those with room for the most slices first; None where there are too few. The
+    nodes sorted by their levels give each domain consecutive ranks, a multiple of `size` of
+    them, so each slice of ranks lies in one domain."""
+    level = slice_level(topo)
+    below = topo.levels[topo.levels.index(level) + 1:]
+    need = count // size
+    domains = {v: g for v, g in _group(nodes, level).items() if v and len(g) >= size}
+    take: dict[str, int] = {}
+    if topo.required is not None:
+        fitting = [(len(g), v) for v, g in domains.items() if len(g) // size >= need]
+        if not fitting:
+            return None
+        take[min(fitting)[1]] = need
+    else:
+        left = need
+        for value in sorted(domains, key=lambda v: (-(len(domains[v]) // size), v)):
+            if left:
+                take[value] = min(left, len(domains[value]) // size)
+                left -= take[value]
+        if left:
+            return None
+    chosen = [n for value, k in take.items() for n in _pick(domains[value], k * size, below)]
+    return sorted(chosen, key=lambda n: path(n, topo.levels))
 
 
 def largest_domain(nodes: Iterable[ObservedNode], level: str) -> tuple[str, int]:
@@ -88,10 +126,13 @@ def placements(ranked: Sequence[ObservedNode], topo: TopologySpec) -> dict[int, 
 
 
 def _placement(node: ObservedNode, topo: TopologySpec) -> RankPlacement:
+    """Required affinity to the node's domain of the required level (of the slice level, with
+    slices: a slice's pods stay in its domain), preferred to the node and its bottom domain."""
     bottom = topo.levels[-1]
     required = None
-    if topo.required is not None:
-        required = (topo.required, node.labels.get(topo.required, ""))
+    level = slice_level(topo) if topo.slice_size else topo.required
+    if level is not None:
+        required = (level, node.labels.get(level, ""))
     near = (bottom, node.labels[bottom]) if node.labels.get(bottom) else None
     return RankPlacement(node=node.name, required=required, near=near)
 
@@ -100,9 +141,16 @@ def replacement(rank: int, free: Iterable[ObservedNode], gang: Mapping[int, Obse
                 topo: TopologySpec) -> RankPlacement:
     """Where a rank created again in a live gang goes: in the gang's required domain (that of
     its placed pods), on the free node there that shares the most levels with its neighbour
-    ranks' nodes. No free node known there: the domain only, the scheduler picks."""
+    ranks' nodes. No free node known there: the domain only, the scheduler picks. With
+    slices, the domain is the rank's slice's (that of the slice's other ranks' nodes)."""
     required = None
-    if topo.required is not None:
+    if topo.slice_size:
+        level, first = slice_level(topo), rank - rank % topo.slice_size
+        values = {gang[r].labels.get(level, "") for r in range(first, first + topo.slice_size)
+                  if r in gang} - {""}
+        if len(values) == 1:
+            required = (level, values.pop())
+    elif topo.required is not None:
         values = {n.labels.get(topo.required, "") for n in gang.values()} - {""}
         if len(values) == 1:
             required = (topo.required, values.pop())

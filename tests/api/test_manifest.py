@@ -93,3 +93,28 @@ def test_an_ultraserver_job_takes_no_spare_nodes(tmp_path: Path) -> None:
         load_job(write(tmp_path, spec))
     spec["faultTolerance"] = {"spareNodes": 0}
     assert load_job(write(tmp_path, spec)).spec.instance_type == "trn2u.48xlarge"
+
+
+@pytest.mark.parametrize(("nodes", "size"), [(8, 4), (4, 4), (6, 2), (3, None)])
+def test_an_ultraserver_job_is_placed_on_whole_groups_unless_its_topology_says_otherwise(
+        tmp_path: Path, nodes: int, size: int | None) -> None:
+    """trn2u.48xlarge without scheduling.topology: whole groups of the size its launchers run
+    (the largest of 4 and 2 dividing nodes), ranks by server then node id; an odd count runs
+    one node per group and needs none. A topology the spec gives, or an elastic job, is left
+    as it is."""
+    spec = {**SPEC, "instanceType": "trn2u.48xlarge", "nodes": nodes,
+            "train": {"steps": 10, "globalBatch": 64 * nodes}}
+    topo = load_job(write(tmp_path, spec)).spec.scheduling.topology
+    if size is None:
+        assert topo is None
+        return
+    assert topo is not None
+    server = f"neuron.amazonaws.com/ultraserver-server-id-{size}"
+    assert (topo.preferred, topo.slice_size) == (server, size)
+    assert topo.levels == [server, f"neuron.amazonaws.com/ultraserver-node-id-{size}"]
+    own = {"preferred": "topology.k8s.aws/network-node-layer-3"}
+    given = load_job(write(tmp_path, {**spec, "scheduling": {"topology": own}}))
+    assert given.spec.scheduling.topology is not None
+    assert given.spec.scheduling.topology.slice_size is None
+    elastic = {**spec, "elastic": {"minNodes": nodes // 2, "waitSeconds": 60}}
+    assert load_job(write(tmp_path, elastic)).spec.scheduling.topology is None

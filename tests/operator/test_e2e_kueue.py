@@ -434,6 +434,51 @@ def test_kueue_places_a_job_requiring_a_block_in_one_block_by_rank(
     assert done["progress"]["step"] == 4
 
 
+def test_kueue_admits_a_job_in_slices_only_where_whole_slices_fit(
+        job_env: Env, tas_queue: str, network: dict[str, str]) -> None:
+    """Four ranks preferring blocks in slices of 2 (`sliceSize`: the pod set's
+    podSetSliceRequiredTopology and podSetSliceSize). With one node of block a cordoned, the
+    blocks hold 1 and 3 usable nodes: 3 + 1 would do for the ranks alone, but only one whole
+    slice fits, so Kueue leaves the job in its queue with no pods. Uncordoned, it admits the
+    job 2 + 2, ranks 0-1 in one block and 2-3 in the other."""
+    core = client.CoreV1Api(job_env.cluster.admin_api())
+    cordoned = sorted(n for n, block in network.items() if block == "nn-blk-a")[0]
+    core.patch_node(cordoned, {"spec": {"unschedulable": True}})
+    try:
+        spec = _spec_in_blocks(4)
+        spec["train"]["steps"] = 2
+        spec["scheduling"]["topology"] = {"preferred": L3, "sliceSize": 2}
+        job_env.create(spec, labels={"kueue.x-k8s.io/queue-name": tas_queue})
+        request = _workload_when_made(job_env)["spec"]["podSets"][0]["topologyRequest"]
+        assert (request["podSetSliceRequiredTopology"], request["podSetSliceSize"]) == (L3, 2)
+        status = job_env.wait("waiting in the queue for whole slices",
+                              lambda s: _condition(s, "Suspended").get("reason") == "Queued",
+                              60)
+        time.sleep(10)  # Kueue has had several scheduling cycles to admit it, and did not
+        assert _workload_condition(job_env, "Admitted").get("status") != "True", status
+        assert not _pods(job_env)
+    finally:
+        core.patch_node(cordoned, {"spec": {"unschedulable": False}})
+    job_env.wait("4 pods bound", lambda _s: len(_ranked_nodes(job_env)) == 4, 180)
+    placed = _ranked_nodes(job_env)
+    blocks = [network[placed[r]] for r in range(4)]
+    assert blocks[0] == blocks[1] and blocks[2] == blocks[3] and blocks[0] != blocks[2], placed
+    assert job_env.wait_trained()["progress"]["step"] == 2
+
+
+def _workload_when_made(env: Env) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+
+    def made(_s: dict[str, Any]) -> bool:
+        try:
+            found.update(_workload(env))
+        except ApiException:
+            return False
+        return True
+    env.wait("the Workload made", made, 60)
+    return found
+
+
 def test_a_job_no_block_holds_waits_in_its_queue_with_kueue_s_reason(
         job_env: Env, tas_queue: str, network: dict[str, str]) -> None:
     job_env.create(_spec_in_blocks(4), labels={"kueue.x-k8s.io/queue-name": tas_queue})

@@ -2,7 +2,8 @@
 the real kube-scheduler, no Kueue: a job that requires one layer-3 block gets all its nodes in
 one block and its node ranks follow the topology; a gang too big for any block waits with the
 reason and no pods; a gang that prefers blocks spans as few as hold it, its ranks contiguous
-per block; a gang whose block loses a node it needs moves whole to the block that holds it.
+per block, and in slices takes whole slices from each; a gang whose block loses a node it
+needs moves whole to the block that holds it.
 
 The rig's nodes carry EKS's labels `topology.k8s.aws/network-node-layer-1..3`, each node its
 own layer-3 block (eksnodes.py). This module adds two nodes and labels the five as a network of
@@ -80,6 +81,25 @@ def test_a_gang_preferring_blocks_spans_as_few_as_hold_it_its_ranks_contiguous(
     placed = _placed(job_env, 4)
     assert [network[placed[r]] for r in range(4)] == ["nn-blk-a"] + ["nn-blk-b"] * 3, placed
     assert placed == {0: "net-1", 1: "net-0", 2: "node-1", 3: "node-2"}
+
+
+def test_a_gang_in_slices_takes_whole_slices_from_each_block(
+        job_env: Env, network: dict[str, str]) -> None:
+    """The same four ranks in slices of 2 (`sliceSize`, as an UltraServer's 4): one slice
+    from each block, never the 3 + 1 above, ranks 0-1 in a and 2-3 in b, each pod required
+    in its slice's block."""
+    spec = _spec(4, {"preferred": L3}, steps=2)
+    spec["scheduling"]["topology"]["sliceSize"] = 2
+    job_env.create(spec)
+    placed = _placed(job_env, 4)
+    assert [network[placed[r]] for r in range(4)] == ["nn-blk-a"] * 2 + ["nn-blk-b"] * 2, placed
+    assert placed == {0: "net-1", 1: "node-0", 2: "net-0", 3: "node-1"}
+    for pod in job_env.pods():
+        terms = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+        wanted = network[pod.spec.node_name]
+        assert any(e.key == L3 and e.values == [wanted]
+                   for t in terms.node_selector_terms for e in t.match_expressions), terms
+    assert job_env.wait_trained()["progress"]["step"] == 2
 
 
 def test_a_gang_whose_block_loses_a_node_moves_whole_to_the_block_that_holds_it(

@@ -450,3 +450,22 @@ def test_a_pod_kueue_failed_is_told_from_its_condition() -> None:
     assert pod_from_raw(raw).terminated_by_kueue
     raw["status"]["conditions"][1]["status"] = "False"
     assert not pod_from_raw(raw).terminated_by_kueue
+
+
+def test_slices_go_into_the_topology_request_and_the_pods_annotations() -> None:
+    """scheduling.topology.sliceSize: the pod set's podSetSliceRequiredTopology and
+    podSetSliceSize (apis/kueue/v1beta2/workload_types.go 221-234, v0.17.0), and the pods'
+    slice annotations beside the topology one (topology_types.go 53-60)."""
+    spec = parse_spec(raw_spec(nodes=4, **{
+        "scheduling.topology": {"preferred": L3, "sliceSize": 2}, "train.globalBatch": 16}))
+    assert queueing.topology_request(spec) == {
+        "preferred": L3, "podIndexLabel": "hlat.dev/node-rank",
+        "podSetSliceRequiredTopology": L3, "podSetSliceSize": 2}
+    placed_by_kueue = replace(_admitted(), placed_by_topology=True)
+    placed = queueing.admitted_spec(spec, Queueing("team", workload=placed_by_kueue,
+                                                   flavors={"trn1": FLAVOR}))
+    pod = builders.build_worker_pod(JOB, placed, 0, 1, SETTINGS)
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["kueue.x-k8s.io/podset-slice-required-topology"] == L3
+    assert annotations["kueue.x-k8s.io/podset-slice-size"] == "2"
+    assert annotations["kueue.x-k8s.io/podset-preferred-topology"] == L3

@@ -265,3 +265,96 @@ def test_ultraserver_labels_as_levels_give_whole_ultraservers_ranks_by_node_id()
     between = topology.plan(nodes, 4, TopologySpec(required=us4, levels=[us4, us2, nid]))
     assert between is not None
     assert [n.labels[nid] for n in between] == ["2", "3", "0", "1"]
+
+
+# --- slices (scheduling.topology.sliceSize) -----------------------------------------------------
+
+def test_slices_take_whole_ones_from_each_domain_never_part_of_one() -> None:
+    """Blocks of 2, 3 and 4: 4 nodes preferring blocks in slices of 2 take one slice from each
+    of two blocks, not the 3 + 1 of the plain plan (block c holds two slices: the largest room
+    first); 6 nodes take c's two slices and one more; with slices of 3, 6 nodes would need
+    two blocks of at least 3: b and c."""
+    plain = topology.plan(NODES, 4, TopologySpec(preferred=L3))
+    assert [_block(n) for n in _names(plain)] == ["c"] * 4
+    sliced = topology.plan(NODES, 4, TopologySpec(preferred=L3, slice_size=2))
+    assert [_block(n) for n in _names(sliced)] == ["c"] * 4  # c's room: two whole slices
+    six = topology.plan(NODES, 6, TopologySpec(preferred=L3, slice_size=2))
+    blocks = [_block(n) for n in _names(six)]
+    assert blocks in (["a", "a", "c", "c", "c", "c"], ["b", "b", "c", "c", "c", "c"]), blocks
+    threes = topology.plan(NODES, 6, TopologySpec(preferred=L3, slice_size=3))
+    assert [_block(n) for n in _names(threes)] == ["b"] * 3 + ["c"] * 3
+    # each pod required in its slice's block (a preferred level alone would require nothing)
+    placed = topology.placements(six or [], TopologySpec(preferred=L3, slice_size=2))
+    assert [placed[r].required for r in range(6)] == [(L3, b) for b in blocks]
+    # every slice of consecutive ranks in one block
+    for plan, size in ((six, 2), (threes, 3)):
+        names = _names(plan)
+        assert all(len({_block(n) for n in names[i:i + size]}) == 1
+                   for i in range(0, len(names), size))
+
+
+def test_too_few_whole_slices_is_no_plan_even_when_preferred() -> None:
+    """8 nodes in slices of 3 need 3 blocks holding 3 each: only b and c do."""
+    assert topology.plan(NODES, 9, TopologySpec(preferred=L3, slice_size=3)) is None
+    assert topology.plan(NODES, 6, TopologySpec(required=L3, slice_size=3)) is None  # no 6
+    one = topology.plan(NODES, 4, TopologySpec(required=L3, slice_size=2))
+    assert [_block(n) for n in _names(one)] == ["c"] * 4
+
+
+US4, NID4 = ("neuron.amazonaws.com/ultraserver-server-id-4",
+             "neuron.amazonaws.com/ultraserver-node-id-4")
+
+
+def _ultraservers(usable: int = 4) -> list[ObservedNode]:
+    """Three 4-node UltraServers (the Neuron device plugin's labels); the third has `usable`
+    nodes left."""
+    return [ObservedNode(f"ip-{s}-{9 - i}", labels={US4: f"us{s}", NID4: str(i)})
+            for s in (1, 2, 3) for i in range(4 if s < 3 else usable)]
+
+
+def test_ultraservers_in_slices_of_4_are_taken_whole_ranks_by_node_id() -> None:
+    topo = TopologySpec(preferred=US4, levels=[US4, NID4], slice_size=4)
+    eight = topology.plan(_ultraservers(usable=3), 8, topo)
+    assert [(n.labels[US4], n.labels[NID4]) for n in eight or []] == [
+        (f"us{s}", str(i)) for s in (1, 2) for i in range(4)]
+    assert topology.plan(_ultraservers(usable=3), 12, topo) is None  # us3 is not whole
+
+
+def test_a_sliced_rank_made_again_goes_only_to_its_slice_s_domain() -> None:
+    topo = TopologySpec(preferred=L3, slice_size=2)
+    gang = {0: _node("n0", RIG["n0"]), 2: _node("n5", RIG["n5"]), 3: _node("n6", RIG["n6"])}
+    free = [_node(n, RIG[n]) for n in ("n1", "n7")]
+    # rank 1's slice is ranks 0-1, in block a: no free node there, so block a only
+    assert topology.replacement(1, free, gang, topo) == RankPlacement(required=(L3, "a"))
+    gang = {0: _node("n5", RIG["n5"]), 1: _node("n6", RIG["n6"]), 2: _node("n0", RIG["n0"])}
+    place = topology.replacement(3, [_node(n, RIG[n]) for n in ("n3", "n7")], gang, topo)
+    assert place.node == "n3" and place.required == (L3, "a")
+
+
+def test_a_sliced_gang_whose_domain_lost_a_node_moves_whole_to_whole_slices() -> None:
+    """A 4-node gang in slices of 2 preferring blocks takes block c (room for the most
+    slices); rank 1's node goes down. Block c has 3 usable nodes left, one slice, not the two
+    the gang has there, and an in-place restart could only put rank 1 in c (its slice's
+    domain) or outside its slice: the gang is recreated on whole slices elsewhere, and the
+    restart says why."""
+    w = _world(4, {"preferred": L3, "sliceSize": 2},
+               **{"faultTolerance.restartStrategy": "InPlace"})
+    w.until("Running", step=1)
+    before = {p.rank: p.node for p in w.live()}
+    assert [_block(n) for _, n in sorted(before.items())] == ["c"] * 4, before
+    w.node_down(before[1])
+    w.run(90, step=2)
+    assert w.status.phase == "Running" and w.status.attempt == 1
+    after = {p.rank: p.node for p in w.live()}
+    blocks = [_block(n) for _, n in sorted(after.items())]
+    assert all(blocks[i] == blocks[i + 1] for i in (0, 2)), after  # slices whole
+    assert before[1] not in after.values()
+    said = " ".join(e.message for e in w.events if e.reason == Reason.NODE_LOST)
+    assert f"its domain {L3}=c has 3 usable nodes of the 4 its slices of 2 need" in said
+
+
+def test_a_slice_size_that_does_not_divide_the_nodes_is_refused() -> None:
+    with pytest.raises(ValueError, match="sliceSize: 4 does not divide nodes"):
+        PretrainJobSpec.model_validate(raw_spec(nodes=6, **{
+            "scheduling.topology": {"preferred": L3, "sliceSize": 4},
+            "train.globalBatch": 24}))

@@ -129,6 +129,16 @@ INSTANCE_TYPES: Final[dict[str, InstanceInfo]] = {
     "cpu": InstanceInfo(1, None, 0, 0),
 }
 
+ULTRASERVER_INSTANCE_TYPES: Final = frozenset({"trn2u.48xlarge"})
+"""Instance types that come in UltraServers: 4 nodes whose chips NeuronLink joins."""
+
+
+def ultraserver_group_size(nodes: int) -> int:
+    """The nodes per UltraServer group a job of `nodes` runs in by default: the largest of 4,
+    2 and 1 that divides it (AWS's init script requires a multiple)."""
+    return next(n for n in (4, 2, 1) if nodes % n == 0)
+
+
 HYPERPOD_PREFIX: Final = "ml."
 """SageMaker HyperPod names instance types `ml.<type>` and labels its EKS nodes so
 (`node.kubernetes.io/instance-type: ml.trn1.32xlarge`): `instanceType` takes either name."""

@@ -46,10 +46,12 @@ from hlat_api.presets import (
     MODEL_PRESETS,
     PAPER_PRECISION,
     PAPER_TENSOR_PARALLEL,
+    ULTRASERVER_INSTANCE_TYPES,
     InstanceType,
     ModelDims,
     ModelPreset,
     canonical_instance_type,
+    ultraserver_group_size,
 )
 
 Precision = Literal["fp32", "mixed", "bf16", "bf16-sr"]
@@ -753,13 +755,14 @@ def _with_ultraserver_placement(raw: dict[str, Any]) -> dict[str, Any]:
     `nodes`: `neuron_env.ultraserver_node_config`), ranks in (server id, node id) order:
     `preferred` on `server-id-N` in slices of N. One node per group (an odd count) needs none."""
     scheduling = _field(raw, "scheduling")
-    if (_field(raw, "instanceType") != "trn2u.48xlarge" or _field(raw, "elastic") is not None
+    if (_field(raw, "instanceType") not in ULTRASERVER_INSTANCE_TYPES
+            or _field(raw, "elastic") is not None
             or not isinstance(scheduling, dict | None)
             or (scheduling and _field(scheduling, "topology") is not None)):
         return raw
     nodes = _field(raw, "nodes") or 1
-    size = next((n for n in (4, 2) if isinstance(nodes, int) and nodes % n == 0), None)
-    if size is None:
+    size = ultraserver_group_size(nodes) if isinstance(nodes, int) and nodes > 0 else 1
+    if size == 1:
         return raw
     server, node = (ULTRASERVER_LABEL.format(k, size) for k in ("server-id", "node-id"))
     return {**raw, "scheduling": {**(scheduling or {}), "topology": {
@@ -1109,7 +1112,7 @@ def _check_spares(spec: PretrainJobSpec) -> None:
         raise SpecError("faultTolerance.spareNodes", f"{ft.spare_nodes} spare nodes need "
                         "faultTolerance.restartStrategy: InPlace (a gang that is recreated "
                         "has no use for them)")
-    if ft.spare_nodes and canonical_instance_type(spec.instance_type) == "trn2u.48xlarge":
+    if ft.spare_nodes and canonical_instance_type(spec.instance_type) in ULTRASERVER_INSTANCE_TYPES:
         raise SpecError("faultTolerance.spareNodes", "trn2u.48xlarge takes no spare nodes: "
                         "NeuronLink joins the fixed nodes of an UltraServer, and a spare cannot "
                         "take one of their places (set spareNodes to 0)")

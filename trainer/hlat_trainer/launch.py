@@ -63,14 +63,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from hlat_api import Env, ExitCode, InvalidSpecError, PretrainJobSpec, load_job
-from hlat_api.presets import canonical_instance_type
+from hlat_api.presets import ULTRASERVER_INSTANCE_TYPES, canonical_instance_type
 from hlat_trainer.backends import is_neuron, resolve_backend_name
 from hlat_trainer.compile_cache import CacheSync
 from hlat_trainer.neuron_env import (
     NEURON_DRIVER_FILE_ENV,
     NEURON_DRIVER_VERSION_FILE,
     ROOT_COMM_ID,
-    ULTRASERVER_TYPES,
     RootCommError,
     UltraServerError,
     cache_url_conflict,
@@ -334,7 +333,7 @@ def _attempt_vars(env: Mapping[str, str], spec: PretrainJobSpec, root_comm: bool
     count, the attempt): NEURON_RT_ROOT_COMM_ID where `root_comm`, and on an UltraServer
     instance type its runtime's topology variables (a pod that sets them keeps its own).
     None: neither."""
-    ultra = (canonical_instance_type(spec.instance_type) in ULTRASERVER_TYPES
+    ultra = (canonical_instance_type(spec.instance_type) in ULTRASERVER_INSTANCE_TYPES
              and is_neuron(resolve_backend_name(spec))
              and "NEURON_RT_ULTRASERVER_MODE" not in env)
     if not root_comm and not ultra:

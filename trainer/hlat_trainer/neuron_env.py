@@ -63,6 +63,7 @@ from typing import Any, Final
 
 from hlat_api import INSTANCE_TYPES, PretrainJobSpec
 from hlat_api.labels import NEURON_ROOT_COMM_PORT, NEURON_ROOT_COMM_PORTS
+from hlat_api.presets import ultraserver_group_size
 from hlat_trainer.backends import is_neuron, resolve_backend_name
 
 PARALLEL_COMPILE: Final = "neuron_parallel_compile"
@@ -220,8 +221,6 @@ def root_comm_id(master_addr: str, attempt: int, **resolve_kw: Any) -> str:
     return f"{host}:{root_comm_port(attempt)}"
 
 
-ULTRASERVER_TYPES: Final = frozenset({"trn2u.48xlarge"})
-"""Instance types that come in UltraServers: 4 nodes whose chips NeuronLink joins."""
 NEURON_DEVICE_SYSFS: Final = "/sys/class/neuron_device"
 NEURON_DEVICE_SYSFS_ENV: Final = "HLAT_NEURON_DEVICE_SYSFS"
 """A pod's own choice of where the driver's UltraServer files are (as NEURON_DRIVER_FILE_ENV)."""
@@ -244,7 +243,7 @@ def ultraserver_node_config(nnodes: int, env: Mapping[str, str]) -> int:
     multiple, and defaults to 4)."""
     raw = env.get(ULTRASERVER_NODE_CONFIG, "").strip()
     if not raw:
-        return next(n for n in (4, 2, 1) if nnodes % n == 0)
+        return ultraserver_group_size(nnodes)
     if raw not in ("1", "2", "4"):
         raise UltraServerError(f"{ULTRASERVER_NODE_CONFIG}={raw}: must be 1, 2 or 4")
     config = int(raw)

@@ -755,7 +755,8 @@ def _with_ultraserver_placement(raw: dict[str, Any]) -> dict[str, Any]:
     `nodes`: `neuron_env.ultraserver_node_config`), ranks in (server id, node id) order:
     `preferred` on `server-id-N` in slices of N. One node per group (an odd count) needs none."""
     scheduling = _field(raw, "scheduling")
-    if (_field(raw, "instanceType") not in ULTRASERVER_INSTANCE_TYPES
+    instance = _field(raw, "instanceType")
+    if (not isinstance(instance, str) or instance not in ULTRASERVER_INSTANCE_TYPES
             or _field(raw, "elastic") is not None
             or not isinstance(scheduling, dict | None)
             or (scheduling and _field(scheduling, "topology") is not None)):

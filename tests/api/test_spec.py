@@ -102,6 +102,7 @@ INVALID = [
     ({"optimizer": {"lr": float("nan")}}, "spec.optimizer.lr", "finite number"),
     ({"train": {"steps": None, "tokens": float("inf")}}, "spec.train.tokens", "finite number"),
     ({"nodes": "64"}, "spec.nodes", "valid integer"),
+    ({"instanceType": []}, "spec.instanceType", "Input should be"),
     ({"suspend": "false"}, "spec.suspend", "valid boolean"),
     ({"faultTolerance": {"heartbeat": {"timeoutSeconds": 2.5}}}, "spec.faultTolerance.heartbeat.timeoutSeconds", "valid integer"),
     ({"instance_type": "cpu"}, "spec.instance_type", "unknown field"),

@@ -8,6 +8,7 @@ reduction order. Under Volcano, with the gang recreated at each resize, minMembe
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -92,6 +93,10 @@ def test_a_job_trains_on_fewer_nodes_while_one_is_gone_and_grows_back(job_env: E
 
     spec = _spec(job_env.name)
     spec["elastic"] = {"minNodes": 2, "waitSeconds": WAIT}
+    # a snapshot every step, copied to the next node (auto chose every 10 here, as often as
+    # the durable checkpoints): the shrink resumes from the newest, which the copy of a step's
+    # snapshot (about 0.03 s) reaches before the step after it ends (0.07 s)
+    spec["checkpoint"]["memoryInterval"] = 1
     job_env.create(spec)
     job_env.wait("past a checkpoint", lambda s: s.get("phase") == "Running"
                  and (s.get("latestCheckpoint") or {}).get("step", -1) >= 20, 180)
@@ -121,10 +126,21 @@ def test_a_job_trains_on_fewer_nodes_while_one_is_gone_and_grows_back(job_env: E
         kept = {p.metadata.name: p.metadata.labels[labels.NODE_RANK] for p in job_env.pods()
                 if p.metadata.deletion_timestamp is None}
         assert kept == {f"{job_env.name}-a0-0": "0", f"{job_env.name}-a0-2": "1"}, kept
-        at_two = shrunk["progress"]["step"]
+        at_two, shrunk_attempt = shrunk["progress"]["step"], shrunk["attempt"]
     finally:
         faults.node_up(job_env.cluster.config, node)
         job_env.cluster.wait_nodes_ready([node], timeout=60)
+    # from the newest state there is: the 3 ranks' in-memory snapshots (the lost node's from
+    # its copies on node rank 2's pod), staged by each launcher and resharded by the trainers,
+    # not the durable checkpoint
+    log = job_env.pod_log(0, 0)
+    log = log[log.find(f"hlat-launch: attempt {shrunk_attempt} published"):]
+    staged = re.search(r"staged step_(\d+) of the 3 old ranks", log)
+    assert staged, log[:3000]
+    assert f"resumed from in-memory snapshot step_{staged.group(1)}" in log, log[:3000]
+    durable = re.search(r"loaded at 2 ranks \(dp 2\) \(durable checkpoint: step_(\d+)\)", log)
+    print(f"elastic: shrunk to 2 nodes from the in-memory snapshot of step_{staged.group(1)} "
+          f"(durable: step_{durable.group(1) if durable else '?'})")
     grown = job_env.wait("back on 3 nodes", _trains_on(3, after=at_two), 240)
     assert [r["nodes"] for r in grown["size"]["resizes"]] == [2, 3]
     live = {p.metadata.name: (p.metadata.labels[labels.NODE_RANK], p.spec.hostname)

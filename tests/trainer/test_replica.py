@@ -286,3 +286,65 @@ def test_a_holder_serves_a_bounded_number_of_requests_at_once_and_refuses_more(
             time.sleep(0.1)
     assert (replica_dir(tmp_path / "holder", JOB, 0) / "step_5.pt").exists()
     server.stop()
+
+
+def _copy(pod: Path, rank: int, step: int) -> None:
+    """A copy of rank `rank`'s snapshot of `step` held by `pod` (as pushed to it)."""
+    directory = replica_dir(pod, JOB, rank)
+    directory.mkdir(parents=True, exist_ok=True)
+    _snapshot(pod / "writer", rank, step).rename(directory / f"step_{step}.pt")
+
+
+def test_a_shrink_stages_the_old_world_from_the_pods_left_and_the_lost_node_s_copies(
+        tmp_path: Path) -> None:
+    """3 nodes (a rank each), node 1 lost: pod a (node 0) holds rank 0's and its copies of
+    rank 2's, pod c (node 2) rank 2's and its copies of rank 1's, the two newest of each. Pod
+    a stages the newest step of all three: its own files linked, rank 1's fetched from c's
+    copies (b, lost, is asked nothing), each whole; with a copy behind, the step before; with a
+    fetch that would not fit in the pod's memory headroom, or the copies gone, nothing is
+    staged and the marker says 0."""
+    a, c = tmp_path / "a", tmp_path / "c"
+    for step in (4, 5):
+        _snapshot(a, 0, step)
+        _snapshot(c, 2, step)
+        _copy(a, 2, step)
+        _copy(c, 1, step)
+    server = ReplicaServer(c, JOB, port=0).start()
+    try:
+        sources = {0: [("a", "own")], 1: [("c", "replica")], 2: [("c", "own"), ("a", "replica")]}
+        said: list[str] = []
+        asked: list[str] = []
+
+        def address(host: str) -> tuple[str, int]:
+            asked.append(host)
+            return _address(server)
+
+        assert replica.gather(a, JOB, sources, 1, "a", address=address, say=said.append) == 5
+        assert replica.staged(a, JOB) == (5, 3)
+        for rank, origin in ((0, own_dir(a, JOB, 0)), (1, replica_dir(c, JOB, 1)),
+                             (2, replica_dir(a, JOB, 2))):
+            staged = replica.staged_path(a, JOB, rank, 5)
+            assert staged.read_bytes() == (origin / "step_5.pt").read_bytes(), rank
+        for rank, origin in ((0, own_dir(a, JOB, 0)), (2, replica_dir(a, JOB, 2))):
+            assert replica.staged_path(a, JOB, rank, 5).stat().st_ino == (
+                origin / "step_5.pt").stat().st_ino  # this pod's: linked, not copied
+        assert set(asked) == {"c"} and "staged step_5 of the 3 old ranks" in said[-1], said
+
+        remote = replica.staged_path(a, JOB, 1, 5).stat().st_size  # the one fetched
+        assert replica.gather(a, JOB, sources, 1, "a", address=address,
+                              headroom=lambda: remote * 3 // 2, say=said.append) == 0
+        assert replica.staged(a, JOB) == (0, 3)
+        assert "exceed half the pod's memory headroom" in said[-1], said
+        assert not replica.staged_path(a, JOB, 1, 5).exists()
+
+        assert replica.gather(a, JOB, sources, 1, "a", address=address,
+                              headroom=lambda: remote * 2, say=said.append) == 5
+        (replica_dir(c, JOB, 1) / "step_5.pt").unlink()  # a copy behind: the step before
+        assert replica.gather(a, JOB, sources, 1, "a", address=address, say=said.append) == 4
+        (replica_dir(c, JOB, 1) / "step_4.pt").unlink()
+        assert replica.gather(a, JOB, sources, 1, "a", address=address, say=said.append) == 0
+        assert "no step is held of every one of the 3 old ranks" in said[-1], said
+    finally:
+        server.stop()
+    replica.unstage(a, JOB)
+    assert replica.staged(a, JOB) is None

@@ -74,7 +74,14 @@ from hlat_trainer.errors import first_line
 from hlat_trainer.leasewatch import watch_lease
 from hlat_trainer.oom import OOM_KILLED, OomCounter
 from hlat_trainer.peers import PeerWatch, peer_host
-from hlat_trainer.replica import ReplicaServer, Replicator, restore, successor
+from hlat_trainer.replica import (
+    ReplicaServer,
+    Replicator,
+    gather,
+    restore,
+    successor,
+    unstage,
+)
 
 log = logging.getLogger("hlat_launch")
 
@@ -431,6 +438,12 @@ class Agent:
     replicas: tuple[ReplicaServer, Replicator] | None = None
     record_seen: GangRecord | None = None
     """The newest restart record this launcher read."""
+    running: tuple[int, GangRecord | None] | None = None
+    """The node count and restart record of the attempt that ran before this one (None: the
+    record of the pods' creation), set when an attempt is published: a resized attempt stages
+    the old world's snapshots (`replica.gather`) from where that record placed them."""
+    record_running: GangRecord | None = None
+    """The restart record of the attempt running now (None: the pods' creation ranks)."""
 
     def _attempt_env(self, attempt: int, steps_done: int, started: float) -> dict[str, str]:
         job = self.env.get(Env.JOB_NAME, "")
@@ -499,8 +512,27 @@ class Agent:
             reading = RecordRead(self.control)  # a pod made again: who holds which rank
             if reading.done.wait(CONNECT_SECONDS) and reading.record is not None:
                 record = self.record_seen = reading.record
+        root = Path(self.env[Env.SNAPSHOT_DIR])
+        if self.running is not None and self.running[0] > self.layout.nnodes:
+            self._stage_resize(root, job, record, *self.running)
+            return
+        unstage(root, job)
         holder = peer_host(job, record, successor(rank, self.layout.nnodes))
-        restore(Path(self.env[Env.SNAPSHOT_DIR]), job, pusher.ranks(rank), holder, say=_say)
+        restore(root, job, pusher.ranks(rank), holder, say=_say)
+
+    def _stage_resize(self, root: Path, job: str, record: GangRecord | None, old_nodes: int,
+                      old: GangRecord | None) -> None:
+        """This attempt runs on fewer nodes than the last: stage that attempt's snapshots for
+        the trainers to reshard (`replica.gather`), asking only pods of this attempt: for each
+        old node rank, the pod that ran it, then the one that held its copies. (Growing back
+        needs none: it comes at a durable checkpoint, and the new pod holds nothing.)"""
+        alive = {peer_host(job, record, n) for n in range(self.layout.nnodes)}
+        here = peer_host(job, record, self.layout.node_rank)
+        sources = {o: [(host, kind) for host, kind in (
+            (peer_host(job, old, o), "own"),
+            (peer_host(job, old, successor(o, old_nodes)), "replica")) if host in alive]
+            for o in range(old_nodes)}
+        gather(root, job, sources, self.layout.nproc, here, say=_say)
 
     def run(self, attempt: int, steps_done: int, started: float) -> int:
         if self.watch_peers and self.layout.nnodes > 1:
@@ -585,6 +617,8 @@ class Agent:
                 if procs:
                     _say(f"attempt {attempt} stopped in {self.clock() - began:.2f}s")
                 self.spare = False
+                self.running = (self.layout.nnodes, self.record_running)
+                self.record_running = record
                 self.layout = replace(self.layout, node_rank=rank,
                                       master_addr=record.master_addr or master,
                                       nnodes=record.nodes or self.layout.nnodes)

@@ -72,7 +72,17 @@ from hlat_trainer.distributed import World
 from hlat_trainer.errors import UserError, first_line
 from hlat_trainer.optim import AdamWSR
 from hlat_trainer.parallel import DataParallel, LocalParams, apply_ac, apply_tp, nxd_param_norm
-from hlat_trainer.snapshot import DpSlices, Snapshots, agree, copy_into, fits, snapshot_root
+from hlat_trainer.replica import staged
+from hlat_trainer.snapshot import (
+    DpSlices,
+    Snapshots,
+    agree,
+    copy_into,
+    fits,
+    read_staged,
+    reassemble,
+    snapshot_root,
+)
 
 log = logging.getLogger(__name__)
 
@@ -548,7 +558,8 @@ class TorchEngine(Engine):
         for path in self.checkpointer.remove_incomplete():
             log.warning("removed incomplete checkpoint %s (no `done` marker)", path)
         entry = latest_complete(self.root, self.job)
-        from_memory = self._resume_from_memory(entry.step if entry else 0)
+        durable = entry.step if entry else 0
+        from_memory = self._resume_from_memory(durable) or self._resume_resharded(durable)
         if from_memory is not None:
             return from_memory
         if entry is None:
@@ -584,7 +595,8 @@ class TorchEngine(Engine):
         if self.snapshots is None:
             return None
         self.snapshots.remove_partial()
-        held = [step for step in self.snapshots.steps() if step >= max(durable, 1)]
+        resized = staged(self.snapshots.root, self.job) is not None  # own ones: the old layout
+        held = [] if resized else [s for s in self.snapshots.steps() if s >= max(durable, 1)]
         agreed = agree(held, self._host_group)
         if agreed == 0:
             return None
@@ -605,6 +617,57 @@ class TorchEngine(Engine):
                  durable)
         r = self.world.rank
         return Restored(agreed, self.layout, {r: state[f"loop.rank{r}"]}, True, "snapshot")
+
+    def _resume_resharded(self, durable: int) -> Restored | None:
+        """After a resize: load the old world's snapshots its launchers staged
+        (`snapshot.staged`), when every rank has them and they are not older than the durable
+        checkpoint of step `durable`; the optimizer state re-partitioned and the loop state of
+        every old dp rank returned, as from a durable checkpoint of the old size (a collective:
+        every rank calls it, and every rank gets the same answer)."""
+        if self.snapshots is None:
+            return None
+        root, job, tp = self.snapshots.root, self.job, self.world.tp
+        step, world = staged(root, job) or (0, 0)
+        usable = step >= max(durable, 1) and world % tp == 0
+        agreed = agree([step] if usable else [], self._host_group)
+        if agreed == 0:
+            return None
+        old_dp, t = world // tp, self.world.tp_rank
+        wanted = sorted({d * tp + t for d in range(old_dp)} | {d * tp for d in range(old_dp)})
+        payloads = {r: read_staged(root, job, r, agreed) for r in wanted}
+        layouts = {str(p.get("layout")) for p in payloads.values() if p is not None}
+        saved = next(iter(payloads.values()))
+        old = Layout(**saved["layout"]) if saved is not None and len(layouts) == 1 else None
+        self._init_optimizer_state()
+        state = self._state(b"")
+        r = self.world.rank
+        del state[f"loop.rank{r}"]
+        state.pop(f"sr_generator.rank{r}", None)
+        whole: dict[str, Any] | None = None
+        if old is not None and (old.world, old.tp) == (world, tp) and all(
+                p is not None for p in payloads.values()):
+            pieces = [payloads[d * tp + t]["state"] for d in range(old_dp)]  # type: ignore[index]
+            try:
+                whole = reassemble(state, pieces, lambda key: key == "model" or (
+                    key.startswith("optim.") and not old.zero1))
+            except (KeyError, ValueError) as err:
+                log.warning("staged snapshots of step_%d do not make up rank %d's state (%s)",
+                            agreed, r, err)
+        if not self._all_ok(whole is not None and fits(state, whole)):
+            log.warning("staged snapshots of step_%d are not whole for every rank: resuming "
+                        "from the durable checkpoint", agreed)
+            return None
+        assert whole is not None and old is not None
+        copy_into(state, whole)
+        self._restore_optimizer(state, False, agreed)
+        loops = {d * tp: payloads[d * tp]["state"][f"loop.rank{d * tp}"]  # type: ignore[index]
+                 for d in range(old_dp)}
+        if durable:
+            self.checkpointer.committed = durable
+        log.info("in-memory snapshot step_%d of %d ranks (dp %d) loaded at %d ranks (dp %d) "
+                 "(durable checkpoint: step_%d)", agreed, old.world, old.dp, self.world.size,
+                 self.world.dp, durable)
+        return Restored(agreed, old, loops, False, "snapshot")
 
     def _restore_optimizer(self, state: dict[str, Any], same_partition: bool, step: int) -> None:
         tp = self.world.tp_rank

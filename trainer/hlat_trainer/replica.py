@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import threading
 import time
@@ -95,6 +96,29 @@ def own_dir(root: Path, job: str, rank: int) -> Path:
 def replica_dir(root: Path, job: str, rank: int) -> Path:
     """The copies of rank `rank`'s snapshots a holder keeps."""
     return root / job / "replica" / f"rank_{rank:05d}"
+
+
+RESIZE_DIR = "resize"
+"""Under `<root>/<job>/`: the old world's snapshots a launcher staged for a resized attempt."""
+RESIZE_MARKER = "world.json"
+
+
+def staged_path(root: Path, job: str, rank: int, step: int) -> Path:
+    """Old rank `rank`'s snapshot of step `step`, staged for a resize."""
+    return root / job / RESIZE_DIR / f"rank_{rank:05d}" / f"step_{step}.pt"
+
+
+def staged(root: Path, job: str) -> tuple[int, int] | None:
+    """(step, old world size) of the snapshots staged for this attempt's resize: step 0 when
+    the launcher staged none it could use; None when this attempt is not a resize."""
+    try:
+        said = json.loads((root / job / RESIZE_DIR / RESIZE_MARKER).read_text())
+        return int(said["step"]), int(said["world"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("the staged snapshots' marker is unreadable (%s): none used", err)
+        return 0, 0
 
 
 def _send(stream: BufferedIOBase, obj: dict[str, Any]) -> None:
@@ -226,6 +250,8 @@ class ReplicaServer:
                     self._put(request, stream)
                 elif request.get("op") == "get":
                     self._get(request, stream)
+                elif request.get("op") == "list":
+                    self._list(stream)
                 else:
                     _send(stream, {"ok": False, "error": f"unknown op {request.get('op')!r}"})
                 stream.flush()
@@ -252,9 +278,17 @@ class ReplicaServer:
             partial.unlink(missing_ok=True)
         _send(stream, {"ok": True})
 
+    def _list(self, stream: BufferedIOBase) -> None:
+        _send(stream, {"ok": True, **inventory(self.root, self.job)})
+
     def _get(self, request: dict[str, Any], stream: BufferedIOBase) -> None:
-        directory = replica_dir(self.root, str(request["job"]), int(request["rank"]))
+        job, rank = str(request["job"]), int(request["rank"])
+        directory = (own_dir if request.get("kind") == "own" else replica_dir)(self.root, job,
+                                                                              rank)
+        only = request.get("step")
         for step in reversed(_steps(directory)):
+            if only is not None and step != int(only):
+                continue
             path = directory / f"step_{step}.pt"
             # opened before its header is sent: a copy dropped meanwhile by a newer one is
             # skipped (the rest are newer), and one open stays readable to its end
@@ -307,30 +341,32 @@ def _put(address: tuple[str, int], f: BufferedIOBase, head: dict[str, Any]
         return _receive(replies)
 
 
-def fetch(address: tuple[str, int], job: str, rank: int, into: Path) -> list[int]:
-    """Every copy of rank `rank`'s snapshots the holder at `address` has, written whole into
-    `into` (the rank's own snapshot directory); the steps fetched, newest first. A copy cut
-    short or not matching its checksum is not written; those before it are kept."""
+def fetch(address: tuple[str, int], job: str, rank: int, into: Path, kind: str = "replica",
+          step: int | None = None) -> list[int]:
+    """Every copy of rank `rank`'s snapshots the holder at `address` has (its copies of a
+    peer's, or with `kind` "own" those its own trainers wrote; only step `step`'s when given),
+    written whole into `into`; the steps fetched, newest first. A copy cut short or not
+    matching its checksum is not written; those before it are kept."""
     into.mkdir(parents=True, exist_ok=True)
     got: list[int] = []
     try:
         with _connect(address) as conn, conn.makefile("rwb") as stream:
-            _send(stream, {"op": "get", "job": job, "rank": rank})
+            _send(stream, {"op": "get", "job": job, "rank": rank, "kind": kind, "step": step})
             stream.flush()
             while "end" not in (header := _receive(stream)):
                 if header.get("ok") is False:
                     raise ReplicaError(f"rank {rank}: refused ({header.get('error')})")
-                step, size = int(header["step"]), int(header["size"])
-                partial = into / f"step_{step}.fetch.tmp"
+                held, size = int(header["step"]), int(header["size"])
+                partial = into / f"step_{held}.fetch.tmp"
                 try:
                     digest = _copy_in(stream, size, partial)
                     said = str(_receive(stream).get("sha256"))
                     if digest != said:
-                        raise ReplicaError(f"step {step}: SHA-256 does not match the holder's")
-                    _land(partial, into / f"step_{step}.pt", SNAPSHOTS_KEPT)
+                        raise ReplicaError(f"step {held}: SHA-256 does not match the holder's")
+                    _land(partial, into / f"step_{held}.pt", SNAPSHOTS_KEPT)
                 finally:
                     partial.unlink(missing_ok=True)
-                got.append(step)
+                got.append(held)
     except (OSError, ValueError) as err:
         raise ReplicaError(f"rank {rank}: {err}") from err
     return sorted(got, reverse=True)
@@ -342,6 +378,142 @@ def resolve(host: str, port: int = REPLICA_PORT) -> tuple[str, int] | None:
     except OSError:
         return None
     return str(sockaddr[0]), int(sockaddr[1])
+
+
+Held = dict[str, dict[int, dict[int, int]]]
+"""What a pod holds: by kind ("own": its trainers' snapshots, "replica": its copies of a
+peer's), global rank and step, the file's size in bytes."""
+
+
+def inventory(root: Path, job: str) -> Held:
+    """The whole snapshot files this pod holds."""
+    out: Held = {"own": {}, "replica": {}}
+    for kind, parent in (("own", root / job), ("replica", root / job / "replica")):
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(parent):
+                if m := re.fullmatch(r"rank_(\d+)", name):
+                    sizes = {}
+                    for step in _steps(parent / name):
+                        with contextlib.suppress(FileNotFoundError):
+                            sizes[step] = (parent / name / f"step_{step}.pt").stat().st_size
+                    if sizes:
+                        out[kind][int(m.group(1))] = sizes
+    return out
+
+
+def _inventory_of(address: tuple[str, int], job: str) -> Held:
+    try:
+        with _connect(address) as conn, conn.makefile("rwb") as stream:
+            _send(stream, {"op": "list", "job": job})
+            stream.flush()
+            answer = _receive(stream)
+        if not answer.get("ok"):
+            raise ReplicaError(f"refused ({answer.get('error')})")
+        return {kind: {int(r): {int(s): int(n) for s, n in dict(sizes).items()}
+                       for r, sizes in dict(answer[kind]).items()} for kind in ("own", "replica")}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ReplicaError(str(err)) from err
+
+
+def memory_headroom() -> int:
+    """Bytes this pod may still take into memory: its cgroup's limit less its use (a memory
+    file system's pages count there), else the node's MemAvailable."""
+    with contextlib.suppress(OSError, ValueError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            return max(0, int(limit) - used)
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        line = next(n for n in Path("/proc/meminfo").read_text().splitlines()
+                    if n.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    return 0
+
+
+def gather(root: Path, job: str, sources: dict[int, list[tuple[str, str]]], nproc: int,
+           here: str, address: Callable[[str], tuple[str, int] | None] = resolve,
+           headroom: Callable[[], int] = memory_headroom,
+           say: Callable[[str], None] = log.info) -> int:
+    """Stage a shrunk attempt's snapshots of the old world (`staged`): of the newest step
+    every old rank is held at, each old rank's file, linked from this pod (`here`: its host)
+    or fetched from a peer, into `<job>/resize/`, and the marker naming the step and the old
+    world. `sources`: by old node rank, the (host, kind) that may hold its ranks' files: the
+    pod that ran it ("own") and the one that held its copies ("replica"), only pods of the new
+    attempt (a lost pod is asked nothing); this pod's files are taken first, then in order. Every node stages the whole old world
+    (the weights are cut over all old dp ranks, and which old rank held the optimizer entries
+    a rank now owns is the trainer's to work out): nothing is fetched unless it fits in half
+    the pod's memory headroom (`memory_headroom`), the other half left to the trainers. Returns
+    the step staged, 0 when none could be (said; the marker says 0 and the trainers resume
+    from the durable checkpoint). Each request is bounded by IO_TIMEOUT_SECONDS of silence."""
+    began = time.monotonic()
+    staging = root / job / RESIZE_DIR
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    world = len(sources) * nproc
+    held: dict[str, Held] = {}
+    for host in sorted({h for options in sources.values() for h, _ in options}):
+        where = None if host == here else address(host)
+        try:
+            held[host] = (inventory(root, job) if host == here else
+                          _inventory_of(where, job) if where is not None else {})
+        except ReplicaError as err:
+            say(f"snapshot replicas: {host} did not say what it holds ({err})")
+
+    def found(rank: int) -> list[tuple[str, str, dict[int, int]]]:
+        """Where old rank `rank`'s files are, this pod's first (linked, not fetched)."""
+        return sorted(((h, kind, held.get(h, {}).get(kind, {}).get(rank, {}))
+                       for h, kind in sources[rank // nproc]), key=lambda o: o[0] != here)
+
+    common = set.intersection(*({s for _, _, sizes in found(r) for s in sizes}
+                                for r in range(world))) if world else set()
+    step = max(common, default=0)
+    why = f"no step is held of every one of the {world} old ranks"
+    if step:
+        remote = sum(next(sizes[step] for _, _, sizes in found(r) if step in sizes)
+                     for r in range(world)
+                     if all(h != here for h, _, sizes in found(r) if step in sizes))
+        if remote > (room := headroom()) // 2:
+            why = (f"step_{step}'s {remote / 2**20:.0f} MiB to fetch exceed half the pod's "
+                   f"memory headroom ({room / 2**20:.0f} MiB)")
+            step = 0
+    fetched = 0
+    for rank in range(world if step else 0):
+        into = staged_path(root, job, rank, step)
+        into.parent.mkdir(parents=True, exist_ok=True)
+        for host, kind, sizes in found(rank):
+            if step not in sizes:
+                continue
+            try:
+                if host == here:
+                    os.link((own_dir if kind == "own" else replica_dir)(root, job, rank)
+                            / f"step_{step}.pt", into)
+                else:
+                    if (where := address(host)) is None:
+                        raise ReplicaError(f"{host} does not resolve")
+                    fetch(where, job, rank, into.parent, kind, step)
+                    fetched += into.stat().st_size
+            except (OSError, ReplicaError) as err:
+                say(f"snapshot replicas: old rank {rank}'s step_{step} from {host} failed "
+                    f"({err})")
+                continue
+            break
+        else:
+            why, step = f"old rank {rank}'s step_{step} could not be had", 0
+    marker = staging / RESIZE_MARKER
+    marker.with_suffix(".tmp").write_text(json.dumps({"step": step, "world": world}))
+    os.replace(marker.with_suffix(".tmp"), marker)
+    if step:
+        say(f"snapshot replicas: staged step_{step} of the {world} old ranks for the resize "
+            f"({fetched / 2**20:.1f} MiB fetched in {time.monotonic() - began:.2f}s)")
+    else:
+        say(f"snapshot replicas: nothing staged for the resize ({why}): the trainers resume "
+            "from the durable checkpoint")
+    return step
+
+
+def unstage(root: Path, job: str) -> None:
+    """Drop what an earlier resize staged: this attempt is not one."""
+    shutil.rmtree(root / job / RESIZE_DIR, ignore_errors=True)
 
 
 class Replicator:

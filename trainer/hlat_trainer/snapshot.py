@@ -20,6 +20,16 @@ older than the newest durable checkpoint. With checkpoint.memoryReplicas the lau
 copies each snapshot into the next node's memory (`hlat_trainer.replica`), from where a rank
 that moved to a new pod fetches it back before its trainer starts. Snapshots never touch the durable checkpoints: the
 `done` marker still means durable.
+
+Resized (an elastic job shrunk or grown in place): the snapshots are of the old layout. Before
+the trainers start, every launcher stages the old world's files of the newest step all of its
+ranks are held at (its own, its peers', and the lost node's copies at its successor) under
+`<job>/resize/` with a marker naming the step and the old world (`replica.gather`). Each
+trainer then takes from them what its rank holds at the new size (`reassemble`): the weights
+and, without ZeRO-1, the optimizer state joined from the old dp ranks' pieces, with ZeRO-1 the
+entries of the parameters it owns now (kept whole by their old owners; their keys name the
+parameter, not the rank), and the loop state of every old dp rank, which the data loader
+reshards as from a durable checkpoint of the old size.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from torch import Tensor
 from hlat_api import Env
 from hlat_api.spec import SNAPSHOTS_KEPT
 from hlat_trainer.parallel import local
+from hlat_trainer.replica import staged_path
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +142,51 @@ def _shell(value: Any, kept: Any, key: str, parent: dict[str, Any],
     return kept
 
 
+def reassemble(state: dict[str, Any], pieces: list[dict[str, Any]],
+               replicated: Callable[[str], bool]) -> dict[str, Any]:
+    """The entries of `state` (this rank's live model and optimizer entries) from the snapshots
+    of one tensor-parallel rank's old dp ranks, `pieces` in dp order: a replicated entry (old
+    layout) joined from every piece, flattened and cut as `DpSlices.cut` made them (dp 1: the
+    tensor whole); any other entry as the one old rank that held it kept it. Raises KeyError or
+    ValueError when the pieces do not make `state` up (an entry missing, too few elements)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if replicated(key):
+            out[key] = _joined(value, [piece[key] for piece in pieces])
+        else:
+            held = [piece[key] for piece in pieces if key in piece]
+            if not held:
+                raise KeyError(f"no old rank's snapshot holds {key}")
+            out[key] = held[0]
+    return out
+
+
+def _joined(value: Any, parts: list[Any]) -> Any:
+    if isinstance(value, dict):
+        return {k: _joined(v, [part[k] for part in parts]) for k, v in value.items()}
+    t = local(value)
+    if not isinstance(t, Tensor):
+        return parts[0]
+    flat = torch.cat([part.reshape(-1) for part in parts])
+    if flat.numel() < t.numel():
+        raise ValueError(f"{flat.numel()} elements in the old pieces of a tensor of "
+                         f"{t.numel()}")
+    return flat[:t.numel()].view(t.shape)
+
+
+def read_staged(root: Path, job: str, rank: int, step: int) -> dict[str, Any] | None:
+    """A staged snapshot's payload (step, layout, state), its tensors mapped from the memory
+    file system rather than copied (a rank reads the parts it needs); None if unreadable."""
+    try:
+        payload: dict[str, Any] = torch.load(staged_path(root, job, rank, step),
+                                             weights_only=True, mmap=True)
+    except Exception as err:  # missing or torn: not a snapshot to use
+        log.warning("staged snapshot of old rank %d step_%d is unreadable (%s)", rank, step,
+                    err)
+        return None
+    return payload if payload.get("step") == step else None
+
+
 def _locals(state: dict[str, Any]) -> dict[str, Any]:
     """`state` with every DTensor, at any depth, as its local shard."""
     return {k: _locals(v) if isinstance(v, dict) else local(v) for k, v in state.items()}
@@ -141,6 +197,7 @@ class Snapshots:
 
     def __init__(self, root: Path, job: str, rank: int, layout: Any,
                  keep: int = SNAPSHOTS_KEPT) -> None:
+        self.root, self.job = root, job
         self.dir = root / job / f"rank_{rank:05d}"
         self.layout = asdict(layout)
         self.keep = keep

@@ -140,7 +140,8 @@ def test_a_job_trains_on_fewer_nodes_while_one_is_gone_and_grows_back(job_env: E
     assert f"resumed from in-memory snapshot step_{staged.group(1)}" in log, log[:3000]
     durable = re.search(r"loaded at 2 ranks \(dp 2\) \(durable checkpoint: step_(\d+)\)", log)
     print(f"elastic: shrunk to 2 nodes from the in-memory snapshot of step_{staged.group(1)} "
-          f"(durable: step_{durable.group(1) if durable else '?'})")
+          f"(durable: step_{durable.group(1) if durable else '?'}; last step logged on 3 "
+          f"nodes: {max(line['step'] for line in _lines(job_env, 0))})")
     grown = job_env.wait("back on 3 nodes", _trains_on(3, after=at_two), 240)
     assert [r["nodes"] for r in grown["size"]["resizes"]] == [2, 3]
     live = {p.metadata.name: (p.metadata.labels[labels.NODE_RANK], p.spec.hostname)

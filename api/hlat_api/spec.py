@@ -285,7 +285,8 @@ class CheckpointSpec(_Model):
     Each rank keeps its two newest, of its 1/dp of the weights and its share of the optimizer
     state (what its dp replicas hold alike is kept once per dp group, gathered back at a
     restore): host memory, per rank, twice its state over the dp degree. A replaced pod (a lost node)
-    resumes from a peer's replica (memoryReplicas), else from the durable checkpoint.
+    resumes from a peer's replica (memoryReplicas), else from the durable checkpoint; an
+    elastic job shrunk in place, from the old world's snapshots resharded (docs/operator.md).
     torch-native backends (cpu, cuda, neuron-native) with restartStrategy InPlace. Unset: auto
     where snapshots can serve (those two, and room in the node's memory), else off (the
     neuron-xla stack, RecreateGang). off: none."""

@@ -21,8 +21,8 @@ copies each snapshot into the next node's memory (`hlat_trainer.replica`), from 
 that moved to a new pod fetches it back before its trainer starts. Snapshots never touch the durable checkpoints: the
 `done` marker still means durable.
 
-Resized (an elastic job shrunk or grown in place): the snapshots are of the old layout. Before
-the trainers start, every launcher stages the old world's files of the newest step all of its
+Shrunk (an elastic job resized in place after a node was lost): the snapshots are of the old
+layout. Before the trainers start, every launcher stages the old world's files of the newest step all of its
 ranks are held at (its own, its peers', and the lost node's copies at its successor) under
 `<job>/resize/` with a marker naming the step and the old world (`replica.gather`). Each
 trainer then takes from them what its rank holds at the new size (`reassemble`): the weights

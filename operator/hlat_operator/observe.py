@@ -193,6 +193,10 @@ class OperatorState(BaseModel):
     grow_after: int | None = None
     """An elastic job below its size saw nodes for a larger one when this checkpoint step was
     the latest: it grows once a newer one is complete (-1: none yet)."""
+    kueue_remakes: int = 0
+    """Pods of `kueue_remakes_attempt` Kueue failed before they ran and the operator made
+    again (`reconcile.KUEUE_REMAKES_PER_ATTEMPT` bounds them)."""
+    kueue_remakes_attempt: int | None = None
     in_place_failures: int = 0
     """In-place attempts in a row that ended before all their workers trained: at
     `reconcile.IN_PLACE_FAILURES_BEFORE_RECREATE` the next restart recreates the gang."""

@@ -83,6 +83,10 @@ ACTIVE: tuple[Phase, ...] = ("Pending", "Running")
 """An attempt's gang exists (its goodput window runs)."""
 PHASE_CONDITIONS = ("Running", "Restarting", "Suspended", "Succeeded", "Failed")
 IN_PLACE_FAILURES_BEFORE_RECREATE = 2
+KUEUE_REMAKES_PER_ATTEMPT = 3
+"""Pods of one attempt Kueue may fail before they run (`_remake_pods_kueue_failed`) and the
+operator make again with no fault; the next counts as the attempt's fault (a restart against
+the budget, with backoff), so that a loop of Kueue failing what the operator makes ends."""
 TIMEOUT_CHECK_MARGIN_SECONDS = 0.1
 """A pass due at a heartbeat timeout runs this much after it, so the timeout has run out."""
 """In-place attempts in a row that fail before all their workers train, after which the next
@@ -1491,15 +1495,29 @@ def _remake_pods_kueue_failed(p: _Pass) -> bool:
     Kueue found the node unhealthy: `ObservedPod.terminated_by_kueue`) are no fault of the
     job, for neither budget nor backoff: each is deleted at once, and made again gated once
     gone (`_create_missing`), for the ungater to place on the node Kueue assigned in the lost
-    one's place (where Kueue found none, it evicts the Workload). Whether there were any."""
-    taken = [pod for pod in p.observed.pods_of(p.status.attempt) if pod.terminated_by_kueue]
-    for pod in taken:
-        if not pod.terminating:
-            p.actions.append(DeletePod(pod.name, grace_seconds=0))
-            p.event(Reason.REPLACED_BY_KUEUE,
-                    f"Kueue failed pod {pod.name} (node rank {pod.rank}) before it ran: its "
-                    "topology assignment named a node Kueue found unhealthy; the pod is made "
-                    "again for the node Kueue assigns in its place (no restart)")
+    one's place (where Kueue found none, it evicts the Workload). At most
+    KUEUE_REMAKES_PER_ATTEMPT in an attempt: past them such a pod is left to fault detection.
+    Whether any was made again or is going."""
+    attempt = p.status.attempt
+    taken = [pod for pod in p.observed.pods_of(attempt) if pod.terminated_by_kueue]
+    made = p.state.kueue_remakes if p.state.kueue_remakes_attempt == attempt else 0
+    fresh = [pod for pod in taken if not pod.terminating]
+    if made + len(fresh) > KUEUE_REMAKES_PER_ATTEMPT:
+        p.event(Reason.REPLACED_BY_KUEUE,
+                f"Kueue failed {made + len(fresh)} pods of attempt {attempt} before they ran "
+                f"(pod {fresh[0].name}, node rank {fresh[0].rank}, the latest): over "
+                f"{KUEUE_REMAKES_PER_ATTEMPT} made again, it counts as a fault of the attempt",
+                warning=True)
+        return False
+    for pod in fresh:
+        p.actions.append(DeletePod(pod.name, grace_seconds=0))
+        p.event(Reason.REPLACED_BY_KUEUE,
+                f"Kueue failed pod {pod.name} (node rank {pod.rank}) before it ran: its "
+                "topology assignment named a node Kueue found unhealthy; the pod is made "
+                "again for the node Kueue assigns in its place (no restart)")
+    if fresh:
+        p.state = p.state.model_copy(update={"kueue_remakes": made + len(fresh),
+                                             "kueue_remakes_attempt": attempt})
     if taken:
         p.after(p.settings.fast_requeue_seconds)
     return bool(taken)

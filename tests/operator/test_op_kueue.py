@@ -17,7 +17,7 @@ from hlat_operator import builders, queueing
 from hlat_operator.config import OperatorSettings
 from hlat_operator.observe import pod_from_raw
 from hlat_operator.queueing import Flavor, ObservedWorkload, Queueing, WorkloadCondition
-from hlat_operator.reconcile import CreateObject
+from hlat_operator.reconcile import KUEUE_REMAKES_PER_ATTEMPT, CreateObject
 
 WL = "pretrainjob-tiny"
 L3 = "topology.k8s.aws/network-node-layer-3"
@@ -434,6 +434,33 @@ def test_a_pod_kueue_fails_before_it_runs_is_made_again_with_no_fault() -> None:
     w.until("Running", step=26)
     assert w.status.attempt == 1 and w.status.restarts == restarts
     assert w.pod_of(1).name == again.name and w.pod_of(1).node not in (None, lost)
+
+
+def test_kueue_failing_the_made_again_pod_over_and_over_ends_as_a_fault() -> None:
+    """Were Kueue to keep failing the pod made again (an assignment never updated), the
+    operator makes it again KUEUE_REMAKES_PER_ATTEMPT times, then counts the next as the
+    attempt's fault: a restart against the budget, said in a Warning, not a loop."""
+    w = _training_world()
+    lost = w.pod_of(1).node
+    assert lost is not None
+    w.node_down(lost)
+    counted = None
+    for _ in range(KUEUE_REMAKES_PER_ATTEMPT + 1):
+        for _ in range(120):
+            w.step()
+            made = [p for p in w.pods.values()
+                    if p.attempt == 1 and p.rank == 1 and p.node is None and p.phase == "Pending"]
+            if made:
+                break
+            w.advance(1)
+        (pod,) = made
+        counted = w.status.restarts.counted
+        w.pods[pod.name] = replace(pod, phase="Failed", terminated_by_kueue=True)
+        w.step()
+    assert w.reasons().count(Reason.REPLACED_BY_KUEUE) == KUEUE_REMAKES_PER_ATTEMPT + 1
+    w.run(5, step=1)
+    assert w.status.restarts.counted == (counted or 0) + 1
+    assert w.status.attempt == 2
 
 
 def test_a_pod_kueue_failed_is_told_from_its_condition() -> None:

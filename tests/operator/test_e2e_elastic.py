@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 STEPS = 600
 WAIT = 10.0
+DURABLE_EVERY = 50
 AVOID = 20.0
 LOSS_TOLERANCE = 1e-2
 """Relative, on every step. The global batches are the same (their digests are equal): only the
@@ -93,13 +94,14 @@ def test_a_job_trains_on_fewer_nodes_while_one_is_gone_and_grows_back(job_env: E
 
     spec = _spec(job_env.name)
     spec["elastic"] = {"minNodes": 2, "waitSeconds": WAIT}
-    # a snapshot every step, copied to the next node (auto chose every 10 here, as often as
-    # the durable checkpoints): the shrink resumes from the newest, which the copy of a step's
-    # snapshot (about 0.03 s) reaches before the step after it ends (0.07 s)
-    spec["checkpoint"]["memoryInterval"] = 1
+    # a snapshot every step, copied to the next node (auto chose every 10 here), durable ones
+    # every 50, the node lost 15 to 40 steps past one: the copies (each about 0.03 s, a step
+    # 0.07 s, both slower under load) have steps to spare to be newer than the durable one
+    spec["checkpoint"].update({"memoryInterval": 1, "interval": DURABLE_EVERY})
     job_env.create(spec)
-    job_env.wait("past a checkpoint", lambda s: s.get("phase") == "Running"
-                 and (s.get("latestCheckpoint") or {}).get("step", -1) >= 20, 180)
+    job_env.wait("15 to 40 steps past a checkpoint", lambda s: s.get("phase") == "Running"
+                 and (d := (s.get("latestCheckpoint") or {}).get("step", -1)) >= DURABLE_EVERY
+                 and 15 <= (s.get("progress") or {}).get("step", 0) - d <= 40, 180)
     # node rank 1's node: at 2 nodes rank 2's pod takes rank 1 (keeping its host name), and
     # growing back makes rank 2 a pod of another host name, the gang kept throughout
     node = next(p for p in job_env.pods()

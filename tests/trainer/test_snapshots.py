@@ -107,41 +107,45 @@ def test_a_crashed_trainer_resumes_from_memory_losing_at_most_one_step_and_never
     assert after == {s: durably[s] for s in after}
 
 
+@pytest.mark.parametrize(("old", "tp", "zero1"), [(3, 1, True), (4, 2, False)],
+                         ids=["dp3-to-2-zero1", "tp2-dp2-to-1-replicated-optimizer"])
 def test_a_shrunk_job_resumes_from_the_old_world_s_snapshots_resharded(
-        write_config: Callable[..., Path]) -> None:
-    """3 ranks (ZeRO-1, snapshots every step, durable every 8) killed past step 12, then 2 ranks
-    (a node lost, the job shrunk in place): the launcher stages the 3 ranks' newest common
+        write_config: Callable[..., Path], old: int, tp: int, zero1: bool) -> None:
+    """`old` ranks (snapshots every step, durable every 8) killed past step 12, then 2 ranks
+    (a node lost, the job shrunk in place): the launcher stages the old ranks' newest common
     snapshot (`replica.gather`, here from this pod's own files) and the 2 trainers take it,
-    weights joined from three pieces, each optimizer entry from its old owner, the data lanes
-    resharded: they resume from that step, not from step_8, and train what an uninterrupted
-    2-rank run trains (the same global batches; losses up to the reduction order). With one
-    old rank's staged file gone, no rank resumes from memory: step_8."""
+    weights joined from the old dp ranks' pieces, each optimizer entry from its old owner
+    (ZeRO-1) or joined like the weights, the data lanes resharded: they resume from that step,
+    not from step_8, and train what an uninterrupted 2-rank run trains (the same global
+    batches; losses up to the reduction order). With one old rank's staged file gone, no rank
+    resumes from memory: step_8."""
     config = write_config(train__steps=20, train__microBatch=1, checkpoint__interval=8,
-                          checkpoint__memoryInterval=1, parallelism__zero1=True)
+                          checkpoint__memoryInterval=1, parallelism__zero1=zero1)
     base = config.parent
-    straight = run(torchrun(config, 2, *layout(2, 1), f"checkpoint.dir={base}/a")).stdout
+    straight = run(torchrun(config, 2, *layout(2, tp), f"checkpoint.dir={base}/a")).stdout
     env = {**ENV, "HLAT_SNAPSHOT_DIR": str(base / "shm")}
-    proc, lines = run_until_step(torchrun(config, 3, *layout(3, 1), f"checkpoint.dir={base}/ck"),
-                                 12, env)
+    proc, lines = run_until_step(
+        torchrun(config, old, *layout(old, tp), f"checkpoint.dir={base}/ck"), 12, env)
     kill_node(proc)
     assert proc.stdout is not None
     last = max(by_step("".join(lines) + proc.stdout.read()))
     durable = latest_complete(base / "ck", "job")
     assert durable is not None and durable.step == 8 and last >= 12, (durable, last)
-    step = replica.gather(base / "shm", "job", {0: [("here", "own")]}, 3, "here")
+    step = replica.gather(base / "shm", "job", {0: [("here", "own")]}, old, "here")
     assert step >= last - 1, (step, last)
     shutil.copytree(base / "ck", base / "ck2")
     shutil.copytree(base / "shm", base / "shm2")
 
-    resumed = run(torchrun(config, 2, *layout(2, 1), f"checkpoint.dir={base}/ck"), env)
+    resumed = run(torchrun(config, 2, *layout(2, tp), f"checkpoint.dir={base}/ck"), env)
     assert resumed_from(resumed.stderr) == ("in-memory snapshot", step)
-    assert "saved by 3 ranks (dp 3), on 2 ranks (dp 2)" in resumed.stderr
+    assert (f"saved by {old} ranks (dp {old // tp}), on 2 ranks (dp {2 // tp})"
+            in resumed.stderr)
     assert [json.loads(x)["step"] for x in resumed.stdout.splitlines()] == list(
         range(step + 1, 21))
     assert digests(resumed.stdout) == digests(straight)[step:]
     assert losses(resumed.stdout) == pytest.approx(losses(straight)[step:], rel=1e-5)
 
     replica.staged_path(base / "shm2", "job", 1, step).unlink()
-    again = run(torchrun(config, 2, *layout(2, 1), f"checkpoint.dir={base}/ck2"),
+    again = run(torchrun(config, 2, *layout(2, tp), f"checkpoint.dir={base}/ck2"),
                 {**ENV, "HLAT_SNAPSHOT_DIR": str(base / "shm2")})
     assert resumed_from(again.stderr) == ("checkpoint", 8)

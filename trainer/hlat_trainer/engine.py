@@ -78,6 +78,7 @@ from hlat_trainer.snapshot import (
     Snapshots,
     agree,
     copy_into,
+    dp_replicated,
     fits,
     read_staged,
     reassemble,
@@ -445,11 +446,9 @@ class TorchEngine(Engine):
         root = snapshot_root(os.environ)
         self.snapshots = (Snapshots(root, job, world.rank, self.layout)
                           if spec.snapshot_interval and root is not None else None)
-        zero1 = self.layout.zero1
-        self.slices = DpSlices(world.dp, world.dp_rank, world.dp_group, lambda key: (
-            key == "model" or (key.startswith("optim.") and not zero1)))
-        """A snapshot keeps each rank's 1/dp of what its dp replicas hold alike: the weights,
-        and the optimizer state unless ZeRO-1 already split it."""
+        self.slices = DpSlices(world.dp, world.dp_rank, world.dp_group,
+                               dp_replicated(self.layout.zero1))
+        """A snapshot keeps each rank's 1/dp of what its dp replicas hold alike."""
         if spec.checkpoint.memory_interval not in (None, "off") and root is None:
             log.warning("checkpoint.memoryInterval is set but no launcher keeps this pod's "
                         "memory across restarts (%s unset): no in-memory snapshots",
@@ -559,7 +558,10 @@ class TorchEngine(Engine):
             log.warning("removed incomplete checkpoint %s (no `done` marker)", path)
         entry = latest_complete(self.root, self.job)
         durable = entry.step if entry else 0
-        from_memory = self._resume_from_memory(durable) or self._resume_resharded(durable)
+        resize = (staged(self.snapshots.root, self.job)
+                  if self.snapshots is not None else None)  # None: this attempt is no resize
+        from_memory = (self._resume_from_memory(durable, resize is not None)
+                       or self._resume_resharded(durable, resize))
         if from_memory is not None:
             return from_memory
         if entry is None:
@@ -588,14 +590,14 @@ class TorchEngine(Engine):
         self._restore_optimizer(state, same_partition, step)
         return Restored(step, saved, {w: state[f"loop.rank{w}"] for w in wanted}, same)
 
-    def _resume_from_memory(self, durable: int) -> Restored | None:
+    def _resume_from_memory(self, durable: int, resized: bool) -> Restored | None:
         """Load the newest in-memory snapshot every rank holds, when there is one not older
         than the durable checkpoint of step `durable` (a collective: every rank calls it, and
-        every rank gets the same answer). Nothing is loaded unless every rank's fits."""
+        every rank gets the same answer). Nothing is loaded unless every rank's fits; none is
+        taken on a `resized` attempt (its own snapshots are of the old layout)."""
         if self.snapshots is None:
             return None
         self.snapshots.remove_partial()
-        resized = staged(self.snapshots.root, self.job) is not None  # own ones: the old layout
         held = [] if resized else [s for s in self.snapshots.steps() if s >= max(durable, 1)]
         agreed = agree(held, self._host_group)
         if agreed == 0:
@@ -618,16 +620,17 @@ class TorchEngine(Engine):
         r = self.world.rank
         return Restored(agreed, self.layout, {r: state[f"loop.rank{r}"]}, True, "snapshot")
 
-    def _resume_resharded(self, durable: int) -> Restored | None:
-        """After a resize: load the old world's snapshots its launchers staged
-        (`snapshot.staged`), when every rank has them and they are not older than the durable
+    def _resume_resharded(self, durable: int, resize: tuple[int, int] | None
+                          ) -> Restored | None:
+        """After a resize: load the old world's snapshots its launchers staged (`resize`:
+        `replica.staged`'s step and old world), when every rank has them and they are not older than the durable
         checkpoint of step `durable`; the optimizer state re-partitioned and the loop state of
         every old dp rank returned, as from a durable checkpoint of the old size (a collective:
         every rank calls it, and every rank gets the same answer)."""
         if self.snapshots is None:
             return None
         root, job, tp = self.snapshots.root, self.job, self.world.tp
-        step, world = staged(root, job) or (0, 0)
+        step, world = resize or (0, 0)
         usable = step >= max(durable, 1) and world % tp == 0
         agreed = agree([step] if usable else [], self._host_group)
         if agreed == 0:
@@ -648,8 +651,7 @@ class TorchEngine(Engine):
                 p is not None for p in payloads.values()):
             pieces = [payloads[d * tp + t]["state"] for d in range(old_dp)]  # type: ignore[index]
             try:
-                whole = reassemble(state, pieces, lambda key: key == "model" or (
-                    key.startswith("optim.") and not old.zero1))
+                whole = reassemble(state, pieces, dp_replicated(old.zero1))
             except (KeyError, ValueError) as err:
                 log.warning("staged snapshots of step_%d do not make up rank %d's state (%s)",
                             agreed, r, err)

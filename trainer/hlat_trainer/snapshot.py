@@ -142,6 +142,12 @@ def _shell(value: Any, kept: Any, key: str, parent: dict[str, Any],
     return kept
 
 
+def dp_replicated(zero1: bool) -> Callable[[str], bool]:
+    """Which state entries (by top-level key) the dp replicas of a rank hold alike: the
+    weights, and the optimizer state unless ZeRO-1 splits it (`DpSlices.replicated`)."""
+    return lambda key: key == "model" or (key.startswith("optim.") and not zero1)
+
+
 def reassemble(state: dict[str, Any], pieces: list[dict[str, Any]],
                replicated: Callable[[str], bool]) -> dict[str, Any]:
     """The entries of `state` (this rank's live model and optimizer entries) from the snapshots

@@ -9,6 +9,7 @@ import json
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from hlat_api.labels import COMPONENT, WORKER
+from hlat_api.labels import ATTEMPT, COMPONENT, NODE_RANK, SPARE, WORKER, gang_lease_name
 from hlat_api.labels import JOB as JOB_LABEL
 from hlat_testbed import faults
 from hlat_testbed.cluster import Cluster
@@ -41,6 +42,8 @@ class Env:
         self.name = name
         api = cluster.admin_api()
         self.core, self.custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+        self.coordination = client.CoordinationV1Api(api)
+        self._restart_record = False
         self.transitions: list[tuple[str, float]] = []
         self.max_gangs = 0
 
@@ -73,9 +76,32 @@ class Env:
         return status
 
     def _count_gangs(self) -> None:
-        """Attempts with a live (not terminating, not finished) pod: never more than one."""
-        attempts = {labels.get("hlat.dev/attempt") for _, labels, live in self.pod_rows() if live}
-        self.max_gangs = max(self.max_gangs, len(attempts))
+        """Gangs alive at once: never more than one. Without a restart record, the attempts
+        with a live (not terminating, not finished) pod. Under InPlace (the job has its restart
+        record) every launcher runs the record's attempt, whatever its pod's label says, and a
+        restart moves the kept pods to the new attempt one label patch at a time (a poll
+        between two patches sees two attempts: CI did); there a second gang is a second live
+        pod holding one node rank (an old pod left beside its replacement)."""
+        live = [labels for _, labels, alive in self.pod_rows() if alive]
+        if self._in_place():
+            holders = Counter(labels[NODE_RANK] for labels in live
+                              if NODE_RANK in labels and SPARE not in labels)
+            gangs = max(holders.values(), default=0)
+        else:
+            gangs = len({labels.get(ATTEMPT) for labels in live})
+        self.max_gangs = max(self.max_gangs, gangs)
+
+    def _in_place(self) -> bool:
+        """Whether the job has its restart record (an InPlace job has it from its first pass
+        on: remembered once seen)."""
+        if not self._restart_record:
+            try:
+                self.coordination.read_namespaced_lease(gang_lease_name(self.name), self.ns)
+                self._restart_record = True
+            except ApiException as err:
+                if err.status != 404:
+                    raise
+        return self._restart_record
 
     @property
     def _workers(self) -> str:

@@ -3,7 +3,7 @@ the real kube-scheduler, no Kueue: a job that requires one layer-3 block gets al
 one block and its node ranks follow the topology; a gang too big for any block waits with the
 reason and no pods; a gang that prefers blocks spans as few as hold it, its ranks contiguous
 per block, and in slices takes whole slices from each; a gang whose block loses a node it
-needs moves whole to the block that holds it.
+needs moves whole to the block that holds it; under Volcano's scheduler the same plan holds.
 
 The rig's nodes carry EKS's labels `topology.k8s.aws/network-node-layer-1..3`, each node its
 own layer-3 block (eksnodes.py). This module adds two nodes and labels the five as a network of
@@ -21,7 +21,8 @@ from e2e_env import Env
 from e2e_network import L3
 from e2e_spec import tiny_spec
 
-from hlat_testbed import faults
+from hlat_testbed import faults, volcano
+from hlat_testbed.cluster import Cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -57,6 +58,27 @@ def test_a_job_requiring_a_block_trains_in_one_block_its_ranks_in_topology_order
     assert messages and f"in {L3}=nn-blk-b" in messages[0], messages
     done = job_env.wait_trained()
     assert done["progress"]["step"] == 4
+
+
+def test_under_volcano_a_job_requiring_a_block_is_bound_whole_in_one_block(
+        job_env: Env, network: dict[str, str], cluster: Cluster) -> None:
+    """The same plan under Volcano's scheduler (`schedulerName: volcano`, its PodGroup's
+    minMember the gang): node affinity carries it there too (Volcano's own networkTopology
+    needs HyperNodes, v1.12 or later, which the rig cannot have: docs/operator.md), so all
+    three ranks are bound in the block of 3 on the nodes the plan gave them, and the job
+    trains."""
+    volcano.start(cluster)
+    try:
+        spec = _spec(3, {"required": L3})
+        spec["scheduling"]["schedulerName"] = "volcano"
+        job_env.create(spec)
+        placed = _placed(job_env, 3)
+        assert placed == {0: "net-0", 1: "node-1", 2: "node-2"}, placed  # as kube-scheduler's
+        group = volcano.pod_group(cluster.admin_api(), job_env.ns, job_env.name)
+        assert group is not None and int(group["spec"]["minMember"]) == 3
+        assert job_env.wait_trained()["progress"]["step"] == 4
+    finally:
+        volcano.stop(cluster)
 
 
 def test_a_gang_no_block_holds_waits_with_the_reason_and_no_pods(

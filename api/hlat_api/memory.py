@@ -155,12 +155,15 @@ def state_bytes_per_rank(dims: ModelDims, *, tp: int, dp: int, precision: str, m
 
 
 def snapshot_bytes_per_rank(dims: ModelDims, *, tp: int, dp: int, precision: str,
-                            zero1: bool) -> float:
-    """One in-memory snapshot of a rank (checkpoint.memoryInterval): its 1/dp of the weights
-    and of the optimizer state (what the dp replicas hold alike is kept once per dp group, and
-    ZeRO-1 splits the optimizer state the same way), not its gradients (the torch-native
-    stack: NxD takes none)."""
-    b = bytes_per_param(precision, False, zero1)
+                            zero1: bool, managed: bool = False) -> float:
+    """One in-memory snapshot of a rank (checkpoint.memoryInterval), not its gradients. The
+    torch-native stack: its 1/dp of the weights and of the optimizer state (what the dp
+    replicas hold alike is kept once per dp group, and ZeRO-1 splits the optimizer state the
+    same way). The neuron-xla stack (`managed`): what its checkpoint holds of the rank, the
+    weights whole (its tensor-parallel shard) and the optimizer state split only by ZeRO-1."""
+    b = bytes_per_param(precision, managed, zero1)
+    if managed:
+        return params_per_rank(dims, tp) * (b.weight + b.optimizer / (dp if zero1 else 1))
     return params_per_rank(dims, tp) * (b.weight + b.optimizer) / dp
 
 

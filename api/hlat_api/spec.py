@@ -287,9 +287,11 @@ class CheckpointSpec(_Model):
     restore): host memory, per rank, twice its state over the dp degree. A replaced pod (a lost node)
     resumes from a peer's replica (memoryReplicas), else from the durable checkpoint; an
     elastic job shrunk in place, from the old world's snapshots resharded (docs/operator.md).
-    torch-native backends (cpu, cuda, neuron-native) with restartStrategy InPlace. Unset: auto
-    where snapshots can serve (those two, and room in the node's memory), else off (the
-    neuron-xla stack, RecreateGang). off: none."""
+    On the neuron-xla stack each rank keeps what NxD's checkpoint holds of it (its weights
+    whole, its optimizer shard), loaded back in NxD's order (docs/trainer.md). Needs
+    restartStrategy InPlace. Unset: auto where snapshots can serve (InPlace, and room in the
+    node's memory) on torch-native backends (cpu, cuda, neuron-native); off with RecreateGang,
+    and on neuron-xla unless set (that path has not run on Trainium). off: none."""
     memory_replicas: int = Field(default=1, ge=0, le=1)
     """With memoryInterval, and more than one node: copies of each node's snapshots kept in
     another node's memory (the next node rank's, in a ring), pushed by the launchers over TCP
@@ -620,8 +622,8 @@ class PretrainJobSpec(_Model):
         every = self.checkpoint.memory_interval
         if every == "off":
             return None
-        if every is None:
-            return "auto" if snapshots_refused(self) is None else None
+        if every is None:  # on neuron-xla only when set: that path has not run on Trainium
+            return "auto" if snapshots_refused(self) is None and not uses_nxd(self) else None
         return every
 
     @property
@@ -936,25 +938,19 @@ def snapshot_gib_per_node(spec: PretrainJobSpec) -> float:
     p = spec.parallelism
     one = snapshot_bytes_per_rank(spec.model.dims(), tp=p.tensor * p.pipeline,
                                   dp=spec.data_parallel, precision=spec.precision,
-                                  zero1=p.zero1)
+                                  zero1=p.zero1, managed=uses_nxd(spec))
     copies = 1 + (spec.checkpoint.memory_replicas if spec.nodes > 1 else 0)
     return copies * SNAPSHOTS_KEPT * one * spec.ranks_per_node / GIB
 
 
 def snapshots_refused(spec: PretrainJobSpec) -> SpecError | None:
-    """Why in-memory snapshots cannot serve this spec, or None: they need restarts in place,
-    the torch-native stack (NxD checkpoints its own state), and room in their share of the
-    node's memory."""
+    """Why in-memory snapshots cannot serve this spec, or None: they need restarts in place
+    and room in their share of the node's memory."""
     if spec.fault_tolerance.restart_strategy != "InPlace":
         return SpecError("checkpoint.memoryInterval",
                          "in-memory snapshots serve restarts in place: set "
                          "faultTolerance.restartStrategy: InPlace (a recreated gang starts on "
                          "new pods, with none of the old pods' memory), or set it off")
-    if uses_nxd(spec):
-        return SpecError("checkpoint.memoryInterval",
-                         "in-memory snapshots are taken by the torch-native engine, not "
-                         "neuron-xla (NxD saves its own state): set it off, or set backend: "
-                         "neuron-native")
     memory = INSTANCE_TYPES[spec.instance_type].memory
     if memory is None:
         return None
@@ -1135,11 +1131,17 @@ def _check_slices(spec: PretrainJobSpec) -> None:
 
 
 def _check_elastic(spec: PretrainJobSpec) -> None:
-    """`elastic.minNodes` at most `nodes`, and some size from it to nodes - 1 that keeps the
-    global batch (`PretrainJobSpec.sizes`)."""
+    """Not on the neuron-xla stack; `elastic.minNodes` at most `nodes`, and some size from it
+    to nodes - 1 that keeps the global batch (`PretrainJobSpec.sizes`)."""
     e = spec.elastic
     if e is None:
         return
+    if uses_nxd(spec):
+        raise SpecError(
+            "elastic", "the neuron-xla stack resumes only the layout its checkpoint was saved "
+            "with (NxD keeps the optimizer's ZeRO-1 shards per data-parallel rank), and a "
+            "resize changes it: drop elastic, or set backend: neuron-native (the torch-native "
+            "stack reshards at any size)")
     if e.min_nodes > spec.nodes:
         raise SpecError("elastic.minNodes", f"{e.min_nodes} is more than nodes ({spec.nodes})")
     if len(spec.sizes(e.min_nodes)) < 2:

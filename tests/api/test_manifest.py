@@ -116,5 +116,6 @@ def test_an_ultraserver_job_is_placed_on_whole_groups_unless_its_topology_says_o
     given = load_job(write(tmp_path, {**spec, "scheduling": {"topology": own}}))
     assert given.spec.scheduling.topology is not None
     assert given.spec.scheduling.topology.slice_size is None
-    elastic = {**spec, "elastic": {"minNodes": nodes // 2, "waitSeconds": 60}}
+    elastic = {**spec, "backend": "neuron-native",
+               "elastic": {"minNodes": nodes // 2, "waitSeconds": 60}}
     assert load_job(write(tmp_path, elastic)).spec.scheduling.topology is None

@@ -110,7 +110,9 @@ INVALID = [
     ({"checkpoint": {"memoryInterval": 0}}, "spec.checkpoint.memoryInterval", "greater than or equal to 1"),
     ({"checkpoint": {"memoryInterval": "often"}}, "spec.checkpoint.memoryInterval", "'auto'"),
     ({"checkpoint": {"memoryInterval": 1}, "faultTolerance": {"restartStrategy": "RecreateGang"}}, "spec.checkpoint.memoryInterval", "restartStrategy: InPlace"),
-    ({"checkpoint": {"memoryInterval": 1}}, "spec.checkpoint.memoryInterval", "backend: neuron-native"),
+    # neuron-xla: each rank keeps its weights whole (NxD's state): the 70B at tp 32, 595 GiB a node
+    ({"checkpoint": {"memoryInterval": 1}, "model": {"preset": "70b"}, "parallelism": {"tensor": 32}}, "spec.checkpoint.memoryInterval", "GiB per node"),
+    ({"elastic": {"minNodes": 32}}, "spec.elastic", "backend: neuron-native"),
     # the 70B on 64 nodes fits (each rank keeps 1/dp of its weights: 42 GiB a node); on 8, not
     ({"checkpoint": {"memoryInterval": 1}, "backend": "neuron-native", "model": {"preset": "70b"}, "parallelism": {"tensor": 32}, "precision": "bf16-sr", "nodes": 8}, "spec.checkpoint.memoryInterval", "GiB per node"),
     # held-out evaluation: held out, and a positive cadence
@@ -136,11 +138,13 @@ def test_invalid_specs_name_field_and_reason(change: dict[str, Any], field: str,
 
 def test_in_memory_snapshots_are_on_by_default_only_where_they_can_serve() -> None:
     """memoryInterval unset: auto with restarts in place on a torch-native backend and room in
-    the node's memory; off, without an error, on the neuron-xla stack (the paper's default),
-    with RecreateGang, or short of memory; `off` turns them off; a value set is kept."""
+    the node's memory; off, without an error, on the neuron-xla stack (the paper's default:
+    there only when set, the path not yet run on Trainium), with RecreateGang, or short of
+    memory; `off` turns them off; a value set is kept."""
     native = {"backend": "neuron-native", "precision": "bf16-sr"}
     assert parse_spec(paper_7b(**native)).snapshot_interval == "auto"
-    assert parse_spec(paper_7b()).snapshot_interval is None  # neuron-xla
+    assert parse_spec(paper_7b()).snapshot_interval is None  # neuron-xla: only when set
+    assert parse_spec(paper_7b(checkpoint={"memoryInterval": 1})).snapshot_interval == 1
     assert parse_spec(paper_7b(**native, faultTolerance={
         "restartStrategy": "RecreateGang"})).snapshot_interval is None
     short = parse_spec(paper_7b(**native, nodes=8, model={"preset": "70b"},

@@ -199,6 +199,19 @@ class Engine(ABC):
         the seconds it held the loop. Engines that take none return 0."""
         return 0.0
 
+    def _snapshot_store(self) -> Snapshots | None:
+        """This rank's in-memory snapshots, of `self.layout` (set it first): where the spec
+        takes them and a launcher keeps the pod's memory across restarts (HLAT_SNAPSHOT_DIR),
+        else None."""
+        root = snapshot_root(os.environ)
+        if self.spec.checkpoint.memory_interval not in (None, "off") and root is None:
+            log.warning("checkpoint.memoryInterval is set but no launcher keeps this pod's "
+                        "memory across restarts (%s unset): no in-memory snapshots",
+                        Env.SNAPSHOT_DIR)
+        if not self.spec.snapshot_interval or root is None:
+            return None
+        return Snapshots(root, self.job, self.world.rank, self.layout)
+
     snapshot_step: int | None = None
     """The newest in-memory snapshot this rank holds (None: none, or not taken)."""
 
@@ -236,7 +249,8 @@ class Engine(ABC):
         commits none. `lately`: the same question answered from what is known already (no
         request), asked before each in-memory snapshot (one a step: `fenced` renews the Lease
         to answer). The managed (NxD) engine's `done` is written by the backend's own save,
-        which has no such hook: there the trainer only stops itself at its next report."""
+        which has no such hook: there the trainer only stops itself at its next report (its
+        snapshots are fenced)."""
         return None
 
     def withheld_checkpoint(self) -> int | None:
@@ -443,16 +457,10 @@ class TorchEngine(Engine):
             deadline = float(spec.evaluation.deadline_seconds)
             self.checkpointer.hold_for = lambda step: (
                 deadline if evaluation_due(spec, step) else 0.0)
-        root = snapshot_root(os.environ)
-        self.snapshots = (Snapshots(root, job, world.rank, self.layout)
-                          if spec.snapshot_interval and root is not None else None)
+        self.snapshots = self._snapshot_store()
         self.slices = DpSlices(world.dp, world.dp_rank, world.dp_group,
                                dp_replicated(self.layout.zero1))
         """A snapshot keeps each rank's 1/dp of what its dp replicas hold alike."""
-        if spec.checkpoint.memory_interval not in (None, "off") and root is None:
-            log.warning("checkpoint.memoryInterval is set but no launcher keeps this pod's "
-                        "memory across restarts (%s unset): no in-memory snapshots",
-                        Env.SNAPSHOT_DIR)
 
     def describe(self) -> str:
         w = self.world
@@ -719,6 +727,9 @@ class ManagedEngine(Engine):
         self._committed = self.latest_step()
         self._held: set[int] = set()
         """Checkpoints kept past checkpoint.keep for a reader (`purge_checkpoints`)."""
+        self.snapshots = self._snapshot_store()
+        """What the backend's checkpoint holds of this rank, whole (no dp cut: gathering the
+        pieces back would be a device collective, a graph to compile at a restart)."""
 
     def describe(self) -> str:
         w = self.world
@@ -767,6 +778,24 @@ class ManagedEngine(Engine):
         self.backend.finalize_checkpoint()
         self._settled()
 
+    @property
+    def takes_snapshots(self) -> bool:
+        return self.snapshots is not None
+
+    def fence(self, fenced: Callable[[], bool], lately: Callable[[], bool] | None = None
+              ) -> None:
+        if self.snapshots is not None:  # the backend's save has no hook: snapshots only
+            self.snapshots.fenced = lately or fenced
+
+    def snapshot(self, step: int, loop_state: bytes) -> float:
+        if self.snapshots is None:
+            return 0.0
+        started = time.perf_counter()  # the copies to the host hold the loop too
+        state = self.backend.snapshot_state(self.model, self.optimizer)
+        self.snapshots.save(step, {**state, "loop": loop_state})
+        self.snapshot_step = step
+        return time.perf_counter() - started
+
     def _settled(self) -> None:
         """After the backend's save or finalize: the newest complete checkpoint, and retention
         (ours, which keeps what a reader holds; the backend is told to keep every one)."""
@@ -786,8 +815,9 @@ class ManagedEngine(Engine):
         DNS subdomains: no underscore) and steps count from 1. The backend's own save writes
         its `done` marker in the scratch, which is removed before training goes on. Every rank
         calls this (the save and load run collectives)."""
-        root, job, committed = self.root, self.job, self._committed
+        root, job, committed, snapshots = self.root, self.job, self._committed, self.snapshots
         self.root, self.job = root / job, PRECOMPILE_DIR
+        self.snapshots = None  # the scratch is what loads back, never a snapshot
         scratch = self.root / self.job
         try:
             self._clear(scratch)  # one a killed precompile left behind
@@ -798,6 +828,7 @@ class ManagedEngine(Engine):
                                    "load back: the resume path's graphs were not traced")
         finally:
             self.root, self.job, self._committed = root, job, committed
+            self.snapshots = snapshots
         self._clear(scratch)
 
     def _clear(self, scratch: Path) -> None:
@@ -810,7 +841,42 @@ class ManagedEngine(Engine):
         for path in remove_incomplete(self.root, self.job, self.world.is_coordinator,
                                       self._host_group):
             log.warning("removed incomplete checkpoint %s (no `done` marker)", path)
-        return load_newest(self.root, self.job, self._load)
+        entry = latest_complete(self.root, self.job)
+        return (self._resume_from_memory(entry.step if entry else 0)
+                or load_newest(self.root, self.job, self._load))
+
+    def _resume_from_memory(self, durable: int) -> Restored | None:
+        """Load the newest in-memory snapshot every rank holds, when there is one not older
+        than the durable checkpoint of step `durable`, and every rank's is whole and of this
+        model and optimizer (a collective: every rank calls it and gets the same answer)."""
+        if self.snapshots is None:
+            return None
+        self.snapshots.remove_partial()
+        held = [s for s in self.snapshots.steps() if s >= max(durable, 1)]
+        agreed = agree(held, self._host_group)
+        if agreed == 0:
+            return None
+        saved = self.snapshots.read(agreed)
+        ok = (saved is not None and isinstance(saved.get("loop"), bytes)
+              and fits(self.model.state_dict(), saved.get("model") or {})
+              and set(saved.get("optim") or {}) == set(self.optimizer.state_dict()))
+        if not self._all_ok(ok):
+            log.warning("in-memory snapshot step_%d is not whole on every rank: resuming from "
+                        "the durable checkpoint", agreed)
+            return None
+        assert saved is not None
+        try:
+            self.backend.load_snapshot_state(self.model, self.optimizer, saved)
+        except Exception as err:  # peers may be inside the load's collectives: stop here
+            raise RuntimeError(
+                f"in-memory snapshot step_{agreed} passed every rank's check but did not load "
+                f"on rank {self.world.rank}; the ranks cannot agree on another one: {err}"
+            ) from err
+        self.snapshot_step = agreed
+        log.info("in-memory snapshot step_%d loaded (durable checkpoint: step_%d)", agreed,
+                 durable)
+        return Restored(agreed, self.layout, {self.world.rank: saved["loop"]}, True,
+                        "snapshot")
 
     def _load(self, entry: CheckpointEntry) -> Restored | None:
         """Load one checkpoint if every rank can read it (None: an older one is tried)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -171,3 +171,15 @@ class Backend(ABC):
     def finalize_checkpoint(self) -> None:
         """Wait for an asynchronous save to become durable (before exit)."""
         return None
+
+    def snapshot_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
+                       ) -> dict[str, Any]:
+        """This rank's state as its checkpoint holds it (the model's and the optimizer's state
+        dicts), copied to host memory, for an in-memory snapshot."""
+        raise NotImplementedError(f"{self.name}: snapshots go through hlat_trainer.snapshot")
+
+    def load_snapshot_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                            state: dict[str, Any]) -> None:
+        """Load what `snapshot_state` returned (this rank's, same layout) into `model` and
+        `optimizer` in place, in the order `load_checkpoint` loads them."""
+        raise NotImplementedError(f"{self.name}: snapshots go through hlat_trainer.snapshot")

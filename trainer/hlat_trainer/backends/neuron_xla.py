@@ -325,3 +325,40 @@ class NeuronXlaBackend(Backend):
 
     def finalize_checkpoint(self) -> None:
         self.nxd().finalize_checkpoint()
+
+    # --- in-memory snapshots ----------------------------------------------------------------
+
+    def snapshot_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
+                       ) -> dict[str, Any]:
+        # what NxD's save_checkpoint writes of a rank, the optimizer's state_dict (under
+        # ZeRO-1 torch-xla's: its shard's moments, the shapes, and the fp32 master weights when
+        # save_master_weights, zero_redundancy_optimizer.py 496-510) and the model's, each
+        # tensor copied to the host: the state dicts hold the live device tensors (`shard.data`)
+        self.step_end()  # device data: each copy is a transfer, no graph
+        state: dict[str, Any] = _on_host({"optim": optimizer.state_dict(),
+                                          "model": model.state_dict()})
+        return state
+
+    def load_snapshot_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                            state: dict[str, Any]) -> None:
+        # as load_checkpoint and for its reasons: the model first, its weights made device
+        # data, then the optimizer, whose load_state_dict re-shards the loaded parameters
+        # (init_zero) and copies the master weights over the shards (512-548)
+        model.load_state_dict(state["model"], strict=True)
+        self.step_end()
+        optimizer.load_state_dict(state["optim"])
+        self.step_end()
+
+
+def _on_host(value: Any) -> Any:
+    """`value` (state dicts: dicts, lists and tuples of tensors and plain values) with every
+    tensor a host copy."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _on_host(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)([_on_host(v) for v in value])
+    return value

@@ -16,22 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from xla_standin import CpuXlaBackend
+from test_xla_zero1_resume import run, weights
 
 from hlat_api import Job
-from hlat_trainer.train import Trainer
-
-
-def run(job: Job) -> tuple[Trainer, dict[int, float]]:
-    trainer = Trainer(job, backend=CpuXlaBackend(job.spec))
-    losses: dict[int, float] = {}
-    trainer.sinks.append(lambda stats: losses.__setitem__(stats["step"], stats["loss"]))
-    trainer.run()
-    return trainer, losses
-
-
-def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.cpu() for k, v in trainer.model.state_dict().items()}
 
 
 def lose_the_last_step(job: Job, snapshots: Path) -> None:

@@ -269,8 +269,8 @@ def snapshot_paths(runs: int, seed: int) -> tuple[list[list[str]], list[list[str
         f"a snapshot blocks training {fs.SNAPSHOT_7B_S:.2f} s (derived: an asynchronous 7B "
         f"save's copy to host memory, {fs.ASYNC_SAVE_7B_S:g} s, scaled by the bytes: each rank "
         "keeps its 1/dp of the weights and its optimizer shard, 1/52 of the state; "
-        f"{fs.ASYNC_SAVE_7B_S:g} s before the weights were kept once per dp group, the "
-        "sensitivity table's last rows); memoryInterval is Daly's interval for that cost "
+        f"{fs.ASYNC_SAVE_7B_S:g} s on the neuron-xla stack, whose snapshots keep each rank's "
+        "weights whole, the sensitivity table's last rows); memoryInterval is Daly's interval for that cost "
         "and the faults it serves (crash and hang; every fault with peer replicas), rounded "
         "to a divisor of the durable interval's 1,000 steps; durable saves asynchronous, "
         "every 1,000 steps, except in the second row",

@@ -46,6 +46,13 @@ def model_elements(snapshot: Path) -> int:
     return sum(t.numel() for t in payload["state"]["model"].values())
 
 
+def optimizer_elements(snapshot: Path) -> int:
+    """The elements of a snapshot's optimizer entries (`optim.tp<t>.<name>.<slot>`)."""
+    payload = torch.load(snapshot, weights_only=True)
+    return sum(v.numel() for k, v in payload["state"].items()
+               if k.startswith("optim.") and isinstance(v, torch.Tensor))
+
+
 @pytest.mark.parametrize("zero1", [True, False], ids=["zero1", "replicated-optimizer"])
 def test_a_crashed_trainer_resumes_from_memory_losing_at_most_one_step_and_never_from_a_torn_one(
         write_config: Callable[..., Path], zero1: bool) -> None:
@@ -87,6 +94,9 @@ def test_a_crashed_trainer_resumes_from_memory_losing_at_most_one_step_and_never
                      key=lambda f: int(f.stem.split("_")[1]))
         kept = model_elements(newest)  # pieces padded: at most one element more per tensor
         assert params / 2 <= kept <= params / 2 + 100, (rank, kept, params)
+        if not zero1:  # AdamW's two moments a parameter, halved as the weights are
+            moments = optimizer_elements(newest)
+            assert params <= moments <= params + 300, (rank, moments, params)
     source, step = resumed_from(resumed.stderr)
     assert source == "in-memory snapshot" and step >= last - 1, (source, step, last)
     after = by_step(resumed.stdout)

@@ -882,8 +882,14 @@ class NodeLoss:
     restart_s: float = ClusterTimes().gang_start_s()
     """A gang's start from a checkpoint to its first step (cold: compile cache and load)."""
     checkpoint_interval_s: float = NXD_CHECKPOINT_STEPS * HLAT_STEP_S
-    """Training seconds between complete checkpoints: a loss loses half of one on average, a
-    grow-back waits for the next one (uniform)."""
+    """Training seconds between complete checkpoints: a loss loses half of one on average
+    (without snapshots), a grow-back waits for the next one (uniform)."""
+    snapshot_interval_s: float | None = None
+    """Training seconds between in-memory snapshots, each copied to a peer node
+    (checkpoint.memoryInterval, memoryReplicas 1): the lost node's ranks are held there, so
+    the restart, at the smaller size (the old world's snapshots staged and resharded) or on
+    the replacement (its ranks' copies fetched back), loses the work since the last snapshot,
+    not since the last checkpoint. None: no snapshots."""
 
     def __post_init__(self) -> None:
         _check(self.node_mtbf_s > 0, "node_mtbf_s", "must be > 0")
@@ -891,6 +897,14 @@ class NodeLoss:
         _check(self.detection_s >= 0 and self.restart_s >= 0, "detection_s/restart_s",
                "must be >= 0")
         _check(self.checkpoint_interval_s > 0, "checkpoint_interval_s", "must be > 0")
+        _check(self.snapshot_interval_s is None or self.snapshot_interval_s > 0,
+               "snapshot_interval_s", "must be > 0")
+
+    @property
+    def lost_span_s(self) -> float:
+        """A loss loses the work since the newest state kept: uniform over this."""
+        return (self.checkpoint_interval_s if self.snapshot_interval_s is None
+                else min(self.snapshot_interval_s, self.checkpoint_interval_s))
 
 
 @dataclass(frozen=True)
@@ -937,7 +951,7 @@ def node_loss_runs(nodes: int, duration_s: float, loss: NodeLoss, runs: int, see
                    elastic: Elastic | None = None) -> NodeLossRuns:
     """Per run, capacity and goodput. Per loss, without elasticity: the gang is down from the
     loss until the replacement and a restart, and recomputes the work since the last
-    checkpoint. Elastic, when the replacement takes longer than detection + wait: down for
+    checkpoint (or snapshot: `NodeLoss.snapshot_interval_s`). Elastic, when the replacement takes longer than detection + wait: down for
     detection, wait and a restart; then short by (nodes - size) nodes until the replacement
     is there and a checkpoint is complete (the next periodic one, or one asked for:
     `Elastic.asked_write_s`); then a planned restart (the whole gang, no work lost). Seeded;
@@ -950,7 +964,7 @@ def node_loss_runs(nodes: int, duration_s: float, loss: NodeLoss, runs: int, see
     for run in range(runs):
         rng = np.random.default_rng([seed, run, 3])
         count = rng.poisson(nodes * duration_s / loss.node_mtbf_s)
-        recomputed = rng.uniform(0, loss.checkpoint_interval_s, count)
+        recomputed = rng.uniform(0, loss.lost_span_s, count)
         drawn = rng.uniform(0, 1, count)
         whole = max(loss.detection_s, loss.replacement_s) + loss.restart_s  # gang seconds down
         down = recomputed + whole  # seconds the gang trains nothing that counts

@@ -37,11 +37,15 @@ pytestmark = pytest.mark.slow
 COUNTERS = ("PersistentCacheMiss", "PersistentCacheHit", "PersistentCacheDeserializeFailure")
 
 
-def drive(config: Path, cache: Path, *sets: str, extract: bool = False) -> dict[str, Any]:
-    """hlat-train with the xla stand-in backend in a fresh process; its cache counters and the
-    cache's graph hashes (file names) once it finished."""
+def drive(config: Path, cache: Path, *sets: str, extract: bool = False,
+          snapshots: Path | None = None) -> dict[str, Any]:
+    """hlat-train with the xla stand-in backend in a fresh process (`snapshots`: the
+    launcher's snapshot directory, HLAT_SNAPSHOT_DIR); its cache counters and the cache's graph
+    hashes (file names) once it finished."""
     out = config.parent / "counters.json"
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    if snapshots is not None:
+        env["HLAT_SNAPSHOT_DIR"] = str(snapshots)
     env.pop("NEURON_EXTRACT_GRAPHS_ONLY", None)
     if extract:
         env["NEURON_EXTRACT_GRAPHS_ONLY"] = "1"
@@ -81,6 +85,31 @@ def test_a_real_run_that_logs_saves_and_resumes_compiles_no_graph_the_precompile
             f"trace (hashes {new})")
         assert run["PersistentCacheDeserializeFailure"] > 0  # it looked them up, found them
     assert (ck / "step_9" / "done").exists()
+
+
+def test_a_restore_from_an_in_memory_snapshot_compiles_no_graph_the_precompile_missed(
+    write_config: Callable[..., Path], tmp_path: Path,
+) -> None:
+    """memoryInterval 1 under ZeRO-1 (NxD's engine): the precompile takes no snapshot; the
+    real run snapshots every step (host copies: transfers, no graph) up to 5, and the run
+    restarted after it resumes from step 5's snapshot, not the durable step_3 (the model's and
+    the optimizer's state loaded back, re-sharded), and trains 6 to 9, compiling nothing the
+    precompile did not trace: on Trainium a restore from memory must not wait minutes for the
+    compiler."""
+    config = write_config(train__steps=9, train__logInterval=1, checkpoint__interval=3,
+                          checkpoint__memoryInterval=1, parallelism={"zero1": True})
+    cache, shm = tmp_path / "xla-cache", tmp_path / "shm"
+    pre = drive(config, cache, "train.steps=8", extract=True)
+    assert not shm.exists()
+    first = drive(config, cache, "train.steps=5", snapshots=shm)
+    resumed = drive(config, cache, snapshots=shm)
+    logged = [json.loads(x)["step"] for x in resumed["stdout"].splitlines() if x[:1] == "{"]
+    assert logged == [6, 7, 8, 9], logged  # from the durable step_3 it would be 4 to 9
+    for name, run in (("snapshotting run", first), ("run resumed from memory", resumed)):
+        new = sorted(set(run["graphs"]) - set(pre["graphs"]))
+        assert run["PersistentCacheMiss"] == 0 and not new, (
+            f"the {name} compiled {run['PersistentCacheMiss']} graphs the precompile did not "
+            f"trace (hashes {new})")
 
 
 def test_a_real_run_that_evaluates_compiles_no_graph_the_precompile_missed(

@@ -282,13 +282,14 @@ class CheckpointSpec(_Model):
     auto: every step, or, when that would cost more, the smallest interval whose snapshots hold
     the loop under 1% of the training time (measured by every rank on a snapshot after its
     attempt's third step, the slowest rank's figures used; each attempt measures again).
-    Each rank keeps its two newest, of its 1/dp of the weights and its share of the optimizer
-    state (what its dp replicas hold alike is kept once per dp group, gathered back at a
-    restore): host memory, per rank, twice its state over the dp degree. A replaced pod (a lost node)
-    resumes from a peer's replica (memoryReplicas), else from the durable checkpoint; an
-    elastic job shrunk in place, from the old world's snapshots resharded (docs/operator.md).
-    On the neuron-xla stack each rank keeps what NxD's checkpoint holds of it (its weights
-    whole, its optimizer shard), loaded back in NxD's order (docs/trainer.md). Needs
+    Each rank keeps its two newest. On torch-native backends a snapshot holds the rank's 1/dp
+    of the weights and its share of the optimizer state (what its dp replicas hold alike is
+    kept once per dp group, gathered back at a restore): host memory, per rank, twice its
+    state over the dp degree. On the neuron-xla stack it holds what NxD's checkpoint holds of
+    the rank (its tp slice of the weights whole, its optimizer shard), loaded back in NxD's
+    order (docs/trainer.md): more nodes do not shrink it. A replaced pod (a lost node) resumes
+    from a peer's replica (memoryReplicas), else from the durable checkpoint; an elastic job
+    shrunk in place, from the old world's snapshots resharded (docs/operator.md). Needs
     restartStrategy InPlace. Unset: auto where snapshots can serve (InPlace, and room in the
     node's memory) on torch-native backends (cpu, cuda, neuron-native); off with RecreateGang,
     and on neuron-xla unless set (that path has not run on Trainium). off: none."""
@@ -957,13 +958,16 @@ def snapshots_refused(spec: PretrainJobSpec) -> SpecError | None:
     node_gib = _gib(memory)
     need = snapshot_gib_per_node(spec)
     if need > SNAPSHOT_MEMORY_SHARE * node_gib:
+        # what shrinks a rank's snapshot: on NxD a rank keeps its weights whole (its tp
+        # slice), so more nodes (a higher dp) cut only a ZeRO-1 optimizer shard
+        shard = ("parallelism.zero1, a higher parallelism.tensor" if uses_nxd(spec) else
+                 "parallelism.zero1, a higher parallelism.tensor, more nodes")
         return SpecError(
             "checkpoint.memoryInterval",
             f"in-memory snapshots need {need:.0f} GiB per node ({SNAPSHOTS_KEPT} per rank, "
             f"{spec.ranks_per_node} ranks, and as many of a peer's with memoryReplicas), over "
             f"{SNAPSHOT_MEMORY_SHARE:.0%} of a {spec.instance_type}'s {node_gib:g} GiB: set it "
-            "off, or shard the state more (parallelism.zero1, a higher parallelism.tensor, "
-            "more nodes)")
+            f"off, set checkpoint.memoryReplicas: 0, or shard the state more ({shard})")
     return None
 
 

@@ -110,11 +110,13 @@ INVALID = [
     ({"checkpoint": {"memoryInterval": 0}}, "spec.checkpoint.memoryInterval", "greater than or equal to 1"),
     ({"checkpoint": {"memoryInterval": "often"}}, "spec.checkpoint.memoryInterval", "'auto'"),
     ({"checkpoint": {"memoryInterval": 1}, "faultTolerance": {"restartStrategy": "RecreateGang"}}, "spec.checkpoint.memoryInterval", "restartStrategy: InPlace"),
-    # neuron-xla: each rank keeps its weights whole (NxD's state): the 70B at tp 32, 595 GiB a node
-    ({"checkpoint": {"memoryInterval": 1}, "model": {"preset": "70b"}, "parallelism": {"tensor": 32}}, "spec.checkpoint.memoryInterval", "GiB per node"),
+    # neuron-xla: each rank keeps its weights whole (NxD's state): the 70B at tp 32, 595 GiB a
+    # node, which more nodes would not shrink (not suggested)
+    ({"checkpoint": {"memoryInterval": 1}, "model": {"preset": "70b"}, "parallelism": {"tensor": 32}}, "spec.checkpoint.memoryInterval", "595 GiB per node"),
+    ({"checkpoint": {"memoryInterval": 1}, "model": {"preset": "70b"}, "parallelism": {"tensor": 32}}, "spec.checkpoint.memoryInterval", "a higher parallelism.tensor)"),
     ({"elastic": {"minNodes": 32}}, "spec.elastic", "backend: neuron-native"),
     # the 70B on 64 nodes fits (each rank keeps 1/dp of its weights: 42 GiB a node); on 8, not
-    ({"checkpoint": {"memoryInterval": 1}, "backend": "neuron-native", "model": {"preset": "70b"}, "parallelism": {"tensor": 32}, "precision": "bf16-sr", "nodes": 8}, "spec.checkpoint.memoryInterval", "GiB per node"),
+    ({"checkpoint": {"memoryInterval": 1}, "backend": "neuron-native", "model": {"preset": "70b"}, "parallelism": {"tensor": 32}, "precision": "bf16-sr", "nodes": 8}, "spec.checkpoint.memoryInterval", "more nodes)"),
     # held-out evaluation: held out, and a positive cadence
     ({"eval": {"path": "/fsx/data"}}, "spec.eval.path", "is data.path"),
     ({"eval": {"path": "/fsx/held-out", "interval": 0}}, "spec.eval.interval", "greater than or equal to 1"),

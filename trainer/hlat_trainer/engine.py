@@ -173,6 +173,8 @@ def read_layout(path: Path) -> Layout | None:
 class Engine(ABC):
     model: nn.Module
     optimizer: torch.optim.Optimizer
+    snapshots: Snapshots | None = None
+    """This rank's in-memory snapshots (`_snapshot_store`; None: not taken)."""
 
     def __init__(self, spec: PretrainJobSpec, job: str, backend: Backend, world: World,
                  device: torch.device) -> None:
@@ -198,6 +200,29 @@ class Engine(ABC):
         """Keep this rank's state in memory as of `step` (checkpoint.memoryInterval); returns
         the seconds it held the loop. Engines that take none return 0."""
         return 0.0
+
+    def _agreed_snapshot(self, durable: int, whole: Callable[[dict[str, Any] | None], bool],
+                         resized: bool = False) -> tuple[int, dict[str, Any]] | None:
+        """The newest in-memory snapshot every rank holds, not older than the durable
+        checkpoint of step `durable`, as (step, this rank's saved state), when `whole` says
+        every rank's is whole and of this run; else None (a collective: every rank calls it
+        and gets the same answer). `whole` is called on every rank alike once a step is
+        agreed (with None where this rank could not read it): it may run collectives. None on
+        a `resized` attempt: its own snapshots are of the old layout."""
+        if self.snapshots is None:
+            return None
+        self.snapshots.remove_partial()
+        held = [] if resized else [s for s in self.snapshots.steps() if s >= max(durable, 1)]
+        agreed = agree(held, self._host_group)
+        if agreed == 0:
+            return None
+        saved = self.snapshots.read(agreed)
+        if not self._all_ok(whole(saved) and saved is not None):
+            log.warning("in-memory snapshot step_%d is not whole on every rank: resuming from "
+                        "the durable checkpoint", agreed)
+            return None
+        assert saved is not None
+        return agreed, saved
 
     def _snapshot_store(self) -> Snapshots | None:
         """This rank's in-memory snapshots, of `self.layout` (set it first): where the spec
@@ -603,21 +628,17 @@ class TorchEngine(Engine):
         than the durable checkpoint of step `durable` (a collective: every rank calls it, and
         every rank gets the same answer). Nothing is loaded unless every rank's fits; none is
         taken on a `resized` attempt (its own snapshots are of the old layout)."""
-        if self.snapshots is None:
+        state: dict[str, Any] = {}
+
+        def whole(saved: dict[str, Any] | None) -> bool:
+            self._init_optimizer_state()  # on every rank alike: a step of the optimizer
+            state.update(self._state(b""))
+            return saved is not None and fits(self.slices.cut(state), saved)
+
+        found = self._agreed_snapshot(durable, whole, resized)
+        if found is None:
             return None
-        self.snapshots.remove_partial()
-        held = [] if resized else [s for s in self.snapshots.steps() if s >= max(durable, 1)]
-        agreed = agree(held, self._host_group)
-        if agreed == 0:
-            return None
-        saved = self.snapshots.read(agreed)
-        self._init_optimizer_state()
-        state = self._state(b"")
-        if not self._all_ok(saved is not None and fits(self.slices.cut(state), saved)):
-            log.warning("in-memory snapshot step_%d is not whole on every rank: resuming from "
-                        "the durable checkpoint", agreed)
-            return None
-        assert saved is not None
+        agreed, saved = found
         copy_into(state, self.slices.join(state, saved))
         self._restore_optimizer(state, True, agreed)
         self.snapshot_step = agreed
@@ -849,22 +870,13 @@ class ManagedEngine(Engine):
         """Load the newest in-memory snapshot every rank holds, when there is one not older
         than the durable checkpoint of step `durable`, and every rank's is whole and of this
         model and optimizer (a collective: every rank calls it and gets the same answer)."""
-        if self.snapshots is None:
+        found = self._agreed_snapshot(durable, lambda saved: saved is not None and (
+            isinstance(saved.get("loop"), bytes)
+            and fits(self.model.state_dict(), saved.get("model") or {})
+            and set(saved.get("optim") or {}) == set(self.optimizer.state_dict())))
+        if found is None:
             return None
-        self.snapshots.remove_partial()
-        held = [s for s in self.snapshots.steps() if s >= max(durable, 1)]
-        agreed = agree(held, self._host_group)
-        if agreed == 0:
-            return None
-        saved = self.snapshots.read(agreed)
-        ok = (saved is not None and isinstance(saved.get("loop"), bytes)
-              and fits(self.model.state_dict(), saved.get("model") or {})
-              and set(saved.get("optim") or {}) == set(self.optimizer.state_dict()))
-        if not self._all_ok(ok):
-            log.warning("in-memory snapshot step_%d is not whole on every rank: resuming from "
-                        "the durable checkpoint", agreed)
-            return None
-        assert saved is not None
+        agreed, saved = found
         try:
             self.backend.load_snapshot_state(self.model, self.optimizer, saved)
         except Exception as err:  # peers may be inside the load's collectives: stop here

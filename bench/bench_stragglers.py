@@ -14,7 +14,11 @@ healthy trial (no slowdown) in each round. What the operator flagged is read fro
   threshold is a false positive); recall: trials over the threshold (s > 0.2) in which the
   slowed node was flagged / all of them (at s = 0.2 itself a flag is right, its absence too).
 
-    .venv/bin/python bench/bench_stragglers.py [--window 20] [--rounds 1]   # needs root
+A healthy run (`--healthy-seconds`, before the trials) checks the other side at length: a gang
+with no slowdown over a soak's length, every flag in it false.
+
+    .venv/bin/python bench/bench_stragglers.py [--window 20] [--rounds 1] [--healthy-seconds 0]
+        [--trials-out FILE]   # needs root; FILE: every trial, one JSON object a line
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import json
 import random
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from kubernetes import client
@@ -138,10 +143,12 @@ class Job:
             self.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, self.name)
 
 
-def trial(job: Job, slowed: tuple[str, str] | None, s: float, window: float
-          ) -> dict[str, Any]:
-    """Slow `slowed` (pod, node) by s for the window plus the margin (None: a healthy trial of
-    that length); then wait until the condition clears. Returns the flags seen and when."""
+def trial(job: Job, slowed: tuple[str, str] | None, s: float, window: float,
+          length_s: float | None = None) -> dict[str, Any]:
+    """Slow `slowed` (pod, node) by s for the window plus the margin, or for `length_s` (None:
+    a healthy trial of that length); then wait until the condition clears. Returns the flags
+    seen and when."""
+    length = window + MARGIN_S if length_s is None else length_s
     flags: dict[str, float] = {}  # node -> seconds into the trial it was first named
     began = time.monotonic()
 
@@ -153,19 +160,20 @@ def trial(job: Job, slowed: tuple[str, str] | None, s: float, window: float
             time.sleep(0.5)
 
     if slowed is None:
-        watch(began + window + MARGIN_S)
+        watch(began + length)
     else:
         pause = s / (1 + s)
         with faults.Slowdown(job.cluster.config, NS, slowed[0], fraction=pause,
                              apart=job.peers(slowed[0])):
-            watch(began + window + MARGIN_S)
+            watch(began + length)
     # a flag raised after the slowdown ended still belongs to this trial (a node over the
     # threshold near its end flagged once its window is up): watched for a window more
     watch(time.monotonic() + window + SETTLE_S)
     clear_by = time.monotonic() + 60
     while job.flagged() is not None and time.monotonic() < clear_by:
         time.sleep(0.5)
-    return {"node": slowed[1] if slowed else None, "s": s, "flags": flags}
+    return {"node": slowed[1] if slowed else None, "s": s, "flags": flags,
+            "seconds": round(time.monotonic() - began, 1)}
 
 
 REPLACE_PAUSE = 0.3
@@ -249,7 +257,9 @@ def score(trials: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def section(trials: list[dict[str, Any]], window: float, command: str,
-            moves: list[dict[str, Any]]) -> report.Section:
+            moves: list[dict[str, Any]], long_runs: list[dict[str, Any]] | None = None
+            ) -> report.Section:
+    long_runs = long_runs or []
     rows = []
     for s in (0.0, *SLOWDOWNS):
         mine = [t for t in trials if t["s"] == s]
@@ -259,7 +269,7 @@ def section(trials: list[dict[str, Any]], window: float, command: str,
         rows.append([f"{s:.0%}" if s else "none (healthy)", len(mine),
                      f"{len(hit)}/{len(mine)}" if s else "-", wrong,
                      f"{statistics.median(latency):.0f}" if latency else "-"])
-    sc = score(trials)
+    sc = score(trials + long_runs)
     body = (f"One 2-node job (a worker per rig node, about 0.1 s of compute a step), "
             f"threshold {THRESHOLD:.0%}, window {window:.0f} s; each trial slows one node's "
             "trainer (a SIGSTOP/SIGCONT duty cycle of 20 ms, nominally making its compute take "
@@ -275,6 +285,22 @@ def section(trials: list[dict[str, Any]], window: float, command: str,
             "under it (10%) a flag counts as false.")
     goals = [report.verdict("detection precision >= 99% at >= 20% slowdown",
                             {"precision": sc["precision"] * 100}, lambda v: v >= 99, "{:.1f}%")]
+    if long_runs:
+        rows = [[f"{t['node']} slowed by {t['s']:.0%}" if t["node"] else "none (healthy)",
+                 f"{t['seconds']:.0f}", f"{2 * t['seconds'] / window:.0f}",
+                 ", ".join(f"{n} at {v:.0f} s" for n, v in t["flags"].items()) or "0"]
+                for t in long_runs]
+        body += ("\n\nLong runs before the trials, on the same gang, where every flag is false "
+                 "(counted in the precision above): healthy for a soak's length, then each node "
+                 "slowed under the threshold in turn. A node-window is one node watched for "
+                 "one straggler window (the chances to flag it wrongly):\n\n"
+                 + report.table(["slowdown", "seconds", "node-windows", "flags"], rows))
+        healthy = [t for t in long_runs if t["node"] is None]
+        if healthy:
+            goals.append(report.verdict(
+                "no flag over a healthy run of a soak's length",
+                {"flags": float(sum(len(t["flags"]) for t in healthy))}, lambda v: v == 0,
+                "{:.0f}"))
     if moves:
         rows = [[i + 1, f"{m['healthy']:.3f}", f"{m['slowed']:.3f}", f"{m['after']:.3f}",
                  f"{m['after'] / m['healthy']:.2f}x", f"{m['latency']:.0f}",
@@ -307,6 +333,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=31)
     parser.add_argument("--replace-rounds", type=int, default=3,
                         help="rounds of the Replace measurement (0: none)")
+    parser.add_argument("--healthy-seconds", type=float, default=0.0,
+                        help="a healthy run of this length before the trials (0: none)")
+    parser.add_argument("--subthreshold-seconds", type=float, default=0.0,
+                        help="then each node slowed by the sweep's smallest slowdown, under the "
+                        "threshold, for this long (0: none)")
+    parser.add_argument("--trials-out", type=Path, default=None,
+                        help="append every trial here, one JSON object a line")
     a = parser.parse_args()
     cluster = Cluster()
     cluster.up(nodes=2, progress=lambda line: print(f"[cluster] {line}", flush=True))
@@ -320,10 +353,25 @@ def main() -> None:
     operator = OperatorProcess(cluster, work / "operator.log", [NS]).start()
     job = Job(cluster, a.window)
     trials: list[dict[str, Any]] = []
+    long_runs: list[dict[str, Any]] = []
+    stamp = report.now()
+
+    def record(t: dict[str, Any], phase: str) -> None:
+        if a.trials_out:
+            with a.trials_out.open("a") as f:
+                f.write(json.dumps({"run": stamp, "phase": phase, "window": a.window, **t}) + "\n")
     rng = random.Random(a.seed)
     try:
         job.wait_training()
         pods = [job.node_of(rank) for rank in range(2)]
+        if a.healthy_seconds:
+            long_runs.append(trial(job, None, 0.0, a.window, a.healthy_seconds))
+        for pod in pods if a.subthreshold_seconds else []:
+            long_runs.append(trial(job, pod, SLOWDOWNS[0], a.window, a.subthreshold_seconds))
+        for t in long_runs:
+            record(t, "long run")
+            print(f"[long run] {t['node'] or '-'} slowed by {t['s']:.0%} for {t['seconds']:.0f}s: "
+                  f"flags {t['flags']}", flush=True)
         for r in range(a.rounds):
             plan: list[tuple[tuple[str, str] | None, float]] = [(None, 0.0)] + [
                 (p, s) for s in SLOWDOWNS for p in pods]
@@ -331,6 +379,7 @@ def main() -> None:
             for slowed, s in plan:
                 trials.append(trial(job, slowed, s, a.window))
                 t = trials[-1]
+                record(t, f"round {r + 1}")
                 print(f"[round {r + 1}] slowed {t['node'] or '-'} by {s:.0%}: flags "
                       f"{ {n: round(v) for n, v in t['flags'].items()} }", flush=True)
         job.delete()
@@ -343,7 +392,7 @@ def main() -> None:
     finally:
         job.delete()
         operator.stop()
-    sec = section(trials, a.window, report.command(), moves)
+    sec = section(trials, a.window, report.command(), moves, long_runs)
     print(sec.body)
     for g in sec.goals:
         print(f"goal {g.line().replace('**', '')}")

@@ -142,7 +142,8 @@ def reference_losses(env: Env, testrun_uid: str) -> dict[int, float]:
         # tens of seconds at a time (CI, 2026-11-30: 1.46-1.85x over 30 s of a healthy
         # reference run); a flag would assert the CPU scheduler's fairness. A healthy gang's
         # window with no flag is checked where the load is ours (test_e2e_stragglers, run
-        # alone) and measured as precision by bench_stragglers; action Report, the default,
+        # alone), and measured as precision by bench_stragglers, with a healthy gang watched
+        # for longer than a soak (930 s, no flag: docs/benchmarks.md); action Report, the default,
         # changes nothing trained, which the losses and restart counts below check.
         reference.delete()
         shared.write_text(json.dumps(expected))

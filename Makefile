@@ -42,21 +42,29 @@ lint: setup
 	.venv/bin/hadolint Dockerfile.trainer Dockerfile.operator
 
 # the control plane's binaries are built (once, cached outside the repo) before pytest starts;
-# then two pytest workers, each with a local cluster of its own, take whole test files; the
-# tests that compare nodes' speeds (marked solo) run after them, alone: every rig node shares
-# the host's two cores, and a second cluster's load is noise no real node has
+# then two pytest workers, each with a local cluster of its own, take whole test files, the two
+# soaks first (tests/conftest.py), and the torch-xla tier runs beside those (its 5 minutes were
+# the suite's serial tail; the soaks' bounds allow for a third load; its output follows
+# theirs, and either failing fails the target); the tests that compare nodes' speeds (marked
+# solo) run last, alone: every rig node shares the host's two cores, and a second cluster's
+# load is noise no real node has
 test: lint .venv-xla/.synced
 	$(PY) -m hlat_testbed.build
-	.venv/bin/pytest --ignore=tests/xla -n 2 --dist loadfile --no-loadscope-reorder -m "not solo"
+	@xla_log=$$(mktemp); $(XLA_TESTS) > $$xla_log 2>&1 & xla=$$!; \
+	  .venv/bin/pytest --ignore=tests/xla -n 2 --dist loadfile --no-loadscope-reorder \
+	    -m "not solo"; cluster=$$?; \
+	  wait $$xla; tier=$$?; cat $$xla_log; rm -f $$xla_log; \
+	  echo "cluster tests: exit $$cluster; torch-xla tier: exit $$tier"; \
+	  test $$cluster = 0 && test $$tier = 0
 	.venv/bin/pytest --ignore=tests/xla -m solo
-	$(MAKE) --no-print-directory test-xla
 
 test-fast: setup
 	.venv/bin/pytest --ignore=tests/xla -m "not slow and not cluster"
 
 # tests/xla on real torch-xla, PJRT's CPU device (tests/xla/conftest.py sets PJRT_DEVICE=CPU)
+XLA_TESTS := .venv-xla/bin/pytest -c xla/pytest.ini --rootdir=. tests/xla
 test-xla: .venv-xla/.synced
-	.venv-xla/bin/pytest -c xla/pytest.ini --rootdir=. tests/xla
+	$(XLA_TESTS)
 
 $(DATA)/tokenizer.json: | setup
 	.venv/bin/hlat-data sample --out $(DATA)

@@ -55,12 +55,12 @@ REFERENCE_SECONDS = 1000
 about 3 steps/s (one CI run reached step 886 of 900 at 300 s, a bound before), alone about 10."""
 
 
-def fault_due(n: int) -> int:
-    """The step the n-th fault waits for: the faults spread evenly over the run, whatever its
-    speed (waiting for a checkpoint past the last fault's, as before, cost a checkpoint
+def fault_due(n: int, faults: int = FAULTS) -> int:
+    """The step the n-th of `faults` waits for: the faults spread evenly over the run, whatever
+    its speed (waiting for a checkpoint past the last fault's, as before, cost a checkpoint
     interval more per fault). A fault due at a step the run already passed comes once the
     attempt trains (Ready)."""
-    return n * (STEPS - 60) // FAULTS
+    return n * (STEPS - 60) // faults
 
 
 KINDS = {"kill": 5, "term": 2, "delete": 3, "hang": 0.6, "operator": 2.5}
@@ -82,12 +82,12 @@ def _ready(status: dict[str, Any]) -> bool:
                for c in status.get("conditions") or [])
 
 
-def _due(status: dict[str, Any], attempt: int, n: int) -> bool:
-    """Fault `n` may come: the attempt trains (Ready) at or past the fault's step; or the run
-    ended first (Succeeded: the loop stops, the count of faults is checked after)."""
+def _due(status: dict[str, Any], attempt: int, n: int, faults: int = FAULTS) -> bool:
+    """Fault `n` of `faults` may come: the attempt trains (Ready) at or past the fault's step;
+    or the run ended first (Succeeded: the loop stops, the count of faults is checked after)."""
     return status.get("phase") == "Succeeded" or (
         status.get("phase") == "Running" and status.get("attempt") == attempt and _ready(status)
-        and (status.get("progress") or {}).get("step", -1) >= fault_due(n))
+        and (status.get("progress") or {}).get("step", -1) >= fault_due(n, faults))
 
 
 def _losses(log: str) -> dict[int, float]:

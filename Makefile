@@ -16,8 +16,10 @@ $(UV):
 # the interpreter both environments are built on: the distribution's CPython where there is one
 # (Debian's is built with PGO and LTO; a trainer's start, torchrun and two ranks, took 15-20% less
 # CPU on it than on a pyenv build without them, 2026-12-01: most of the suite's CPU is Python
-# starting and importing torch), else the first python3 on PATH
-VENV_PYTHON ?= $(firstword $(wildcard /usr/bin/python3.11 /usr/bin/python3.12) python3)
+# starting and importing torch), else the first python3 on PATH. Only with its whole standard
+# library (Debian's libpython3.11-stdlib, here marked by sqlite3): python3.11-minimal alone also
+# installs /usr/bin/python3.11
+VENV_PYTHON ?= $(if $(wildcard /usr/lib/python3.11/sqlite3/__init__.py),/usr/bin/python3.11,python3)
 
 # --compile-bytecode: the images' pip installs write .pyc files too; without them (and with
 # PYTHONDONTWRITEBYTECODE set, as on the development machines) every process compiles what it

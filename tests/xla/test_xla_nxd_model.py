@@ -44,7 +44,7 @@ different places (SDPA against the explicit fp32 softmax, XLA's fused graph agai
 op, XLA summing the norm weights' gradients over the 64 tokens in bf16 where eager CPU
 accumulates in fp32), so a tensor may differ by a few roundings of its largest entries:
 measured at most 2.5 eps (layer 1's attention-norm gradient), and 8 leaves 3x. fp32: the same
-rounding orders, measured at most 6.5 eps; 32 leaves 5x. A wrong view (a Q/K/V or gate/up slice
+rounding orders, measured at most 7.0 eps (the logits and gradients one graph); 32 leaves 4x. A wrong view (a Q/K/V or gate/up slice
 read from the wrong offset, as the split under functionalization off gives model.Transformer)
 differs by the tensor's own scale, over 100 bf16 epsilons."""
 

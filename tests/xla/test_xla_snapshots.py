@@ -59,3 +59,31 @@ def test_a_restarted_trainer_resumes_from_its_snapshot_exactly_and_never_from_a_
     assert resumed_losses[8] == straight_losses[8]
     for name, tensor in final.items():
         torch.testing.assert_close(weights(resumed)[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_snapshots_of_another_model_are_passed_over_for_the_durable_checkpoint(
+        make_job: Callable[..., Job], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pod's memory holds a job's snapshots of another model, newer than the durable
+    checkpoint (the spec's model changed while the pods stayed): they do not fit this model on
+    any rank, so no rank loads them (a load would fail half-way, inside the collectives), and
+    the run resumes from the durable checkpoint and ends where the uninterrupted run ended.
+    The wider run itself starts fresh past the narrower one's snapshots, for the same reason."""
+    monkeypatch.setenv("HLAT_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    common = {"parallelism": {"zero1": True}, "train__steps": 8, "train__logInterval": 1,
+              "checkpoint__interval": 4, "checkpoint__memoryInterval": 1}
+    job = make_job(**common)
+    straight, straight_losses = run(job)
+    final = weights(straight)
+    wider = make_job(model__hiddenSize=128, checkpoint__dir=str(tmp_path / "wider"), **common)
+    assert wider.name == job.name  # the same snapshot directory in the pod's memory
+    _, fresh_losses = run(wider)
+    assert sorted(fresh_losses) == list(range(1, 9))  # from step 1: nothing loaded
+    snapshots = tmp_path / "shm" / job.name / "rank_00000"
+    assert sorted(p.name for p in snapshots.iterdir()) == ["step_7.pt", "step_8.pt"]
+
+    shutil.rmtree(Path(job.spec.checkpoint.dir, job.name, "step_8"))  # durable: step_4
+    resumed, losses = run(job)
+    assert resumed.resumed_from == "checkpoint" and sorted(losses) == [5, 6, 7, 8]
+    assert losses == {s: straight_losses[s] for s in losses}
+    for name, tensor in final.items():
+        torch.testing.assert_close(weights(resumed)[name], tensor, rtol=0, atol=0, msg=name)

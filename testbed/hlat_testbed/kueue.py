@@ -122,9 +122,15 @@ def stop(cluster: Cluster) -> None:
     cluster.processes.stop(PROCESS)
 
 
+REPLACE_ATTEMPTS = 5
+
+
 def apply(api: client.ApiClient, obj: dict[str, Any]) -> None:
     """Create a Kueue object (ResourceFlavor, ClusterQueue, LocalQueue, WorkloadPriorityClass,
-    Topology), or replace the one of that name."""
+    Topology), or replace the one of that name. A replace carries the version it read, and
+    Kueue's controllers write the object's status meanwhile (a ClusterQueue's usage, its
+    pending workloads): a replace that loses to such a write (409) reads and replaces again,
+    up to REPLACE_ATTEMPTS times."""
     custom = client.CustomObjectsApi(api)
     plural = PLURALS[obj["kind"]]
     namespace = obj["metadata"].get("namespace")
@@ -133,16 +139,24 @@ def apply(api: client.ApiClient, obj: dict[str, Any]) -> None:
             custom.create_namespaced_custom_object(GROUP, VERSION, namespace, plural, obj)
         else:
             custom.create_cluster_custom_object(GROUP, VERSION, plural, obj)
+        return
     except ApiException as err:
         if err.status != 409:
             raise
-        name = obj["metadata"]["name"]
+    name = obj["metadata"]["name"]
+    for attempt in range(1, REPLACE_ATTEMPTS + 1):
         current: Any = (custom.get_namespaced_custom_object(GROUP, VERSION, namespace, plural, name)
                         if namespace else
                         custom.get_cluster_custom_object(GROUP, VERSION, plural, name))
-        obj = {**obj, "metadata": {**obj["metadata"],
-                                   "resourceVersion": current["metadata"]["resourceVersion"]}}
-        if namespace:
-            custom.replace_namespaced_custom_object(GROUP, VERSION, namespace, plural, name, obj)
-        else:
-            custom.replace_cluster_custom_object(GROUP, VERSION, plural, name, obj)
+        fresh = {**obj, "metadata": {**obj["metadata"],
+                                     "resourceVersion": current["metadata"]["resourceVersion"]}}
+        try:
+            if namespace:
+                custom.replace_namespaced_custom_object(GROUP, VERSION, namespace, plural, name,
+                                                        fresh)
+            else:
+                custom.replace_cluster_custom_object(GROUP, VERSION, plural, name, fresh)
+            return
+        except ApiException as err:
+            if err.status != 409 or attempt == REPLACE_ATTEMPTS:
+                raise

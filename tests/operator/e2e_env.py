@@ -278,16 +278,18 @@ def after_a_fresh_beat(env: Env, lease: str, interval: int, act: Callable[[], No
     raise AssertionError(f"{lease} carried no new step inside an interval for {timeout:.0f} s")
 
 
+def metric_lines(log: str) -> list[dict[str, Any]]:
+    """A trainer's JSON metric lines (one per logged step), in order, whole lines only: a log
+    read while the trainer writes to it may end in part of a line (seen in CI: a step's line
+    cut at its 194th character), which is left out, as it is not written yet."""
+    whole = log[:log.rfind("\n") + 1]
+    return [json.loads(line) for line in whole.splitlines()
+            if line.startswith("{") and '"step"' in line]
+
+
 def steps_logged(log: str) -> list[int]:
     """The steps a trainer logged (its JSON metric lines), in order."""
-    out = []
-    for line in log.splitlines():
-        if line.startswith("{") and '"step"' in line:
-            try:
-                out.append(int(json.loads(line)["step"]))
-            except (ValueError, KeyError):
-                continue
-    return out
+    return [int(row["step"]) for row in metric_lines(log)]
 
 
 def resumed_from(log: str) -> int | None:
@@ -305,11 +307,8 @@ def restart_under_way(status: dict[str, Any]) -> bool:
 
 def first_step_time(log: str) -> float | None:
     """The wall-clock time of the first step a trainer logged (its JSON `time`)."""
-    for line in log.splitlines():
-        if line.startswith("{") and '"step"' in line:
-            with contextlib.suppress(ValueError, KeyError):
-                return float(json.loads(line)["time"])
-    return None
+    rows = metric_lines(log)
+    return float(rows[0]["time"]) if rows else None
 
 
 def report_recovery(env: Env, what: str, fault_at: float, attempt: int = 1) -> float:
@@ -394,10 +393,8 @@ def _describe(pid: int) -> str:
 def losses(log: str) -> dict[int, list[float]]:
     """Every loss each step was logged with, in order (a step trained twice has two)."""
     out: dict[int, list[float]] = {}
-    for line in log.splitlines():
-        if line.startswith("{") and '"step"' in line:
-            row = json.loads(line)
-            out.setdefault(int(row["step"]), []).append(float(row["loss"]))
+    for row in metric_lines(log):
+        out.setdefault(int(row["step"]), []).append(float(row["loss"]))
     return out
 
 

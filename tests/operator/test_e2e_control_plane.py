@@ -6,13 +6,12 @@ happened, one gang at a time.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-from e2e_env import JOB, Env, report_recovery, resumed_from, steps_logged
+from e2e_env import JOB, Env, metric_lines, report_recovery, resumed_from, steps_logged
 from e2e_spec import tiny_spec
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -69,8 +68,7 @@ def test_the_api_server_and_etcd_restarted_mid_job_cause_no_restart(job_env: Env
     assert outage > 12
 
     def stepped_at(log: str) -> list[tuple[int, float]]:
-        return [(r["step"], r["time"]) for r in (json.loads(line) for line in log.splitlines()
-                                                 if line.startswith("{") and '"step"' in line)]
+        return [(r["step"], r["time"]) for r in metric_lines(log)]
 
     # the operator, back, sees the steps trained since: 5 s of training after the outage
     reached = max(step for step, _ in stepped_at(job_env.pod_log(0, 0)))

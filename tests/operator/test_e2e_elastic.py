@@ -7,14 +7,13 @@ reduction order. Under Volcano, with the gang recreated at each resize, minMembe
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from e2e_env import Env, attempt_log
+from e2e_env import Env, attempt_log, metric_lines
 from e2e_spec import tiny_spec
 
 from hlat_api import labels
@@ -65,8 +64,7 @@ def _lines(env: Env, attempt: int) -> list[dict[str, Any]]:
     part = attempt_log(log, attempt)
     later = part.find(f"hlat-launch: attempt {attempt + 1}: started") if part else -1
     part = part if later < 0 else part[:later]
-    return [json.loads(line) for line in part.splitlines()
-            if line.startswith("{") and '"step"' in line]
+    return metric_lines(part)
 
 
 def _size(status: dict[str, Any]) -> int:

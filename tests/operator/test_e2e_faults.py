@@ -8,7 +8,6 @@ reason instead of starting over at step 1.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import signal
@@ -23,6 +22,7 @@ from e2e_env import (
     Env,
     after_a_fresh_beat,
     first_step_time,
+    metric_lines,
     report_recovery,
     resumed_from,
     steps_logged,
@@ -280,8 +280,7 @@ def _clock_offset(job_env: Env, timeout: float = 60) -> tuple[float, float]:
     (The last line already there may be old: under load a synchronous save can hold a step
     for many seconds, and its age would read as skew.)"""
     def stamps() -> list[float]:
-        return [json.loads(line)["time"] for line in job_env.pod_log(0, 0).splitlines()
-                if line.startswith("{") and '"step"' in line]
+        return [row["time"] for row in metric_lines(job_env.pod_log(0, 0))]
 
     seen, before = len(stamps()), time.time()
     deadline = time.monotonic() + timeout

@@ -202,35 +202,44 @@ def steps_done(env: Mapping[str, str]) -> int:
 
 PEAK_GEMM_SECONDS = 0.02
 """The CPU peak is timed on the largest square GEMM (128 to 1024, doubling) that takes about
-this long: a 1024 GEMM in fp32 takes ~20 ms here, but in bf16, which this CPU emulates, 2.3 s,
-and 17 of them held every bf16 run's start for 40 s (256 there: 37 ms each)."""
+this long on one thread: a 1024 GEMM in fp32 takes ~24 ms here, but in bf16, which this CPU
+emulates, 2.3 s (17 of them held every bf16 run's start for 40 s; 256 there: 25 ms each)."""
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     """Peak matmul FLOP/s of one rank: the table for accelerators, a short GEMM on CPU.
 
-    On CPU the rate is that of the fastest of several timed GEMMs: a machine busy with other
-    work while the trainer starts would otherwise yield a peak below what later steps reach,
-    and an MFU above 1. The GEMM's size is the largest up to 1024 that still takes about
-    PEAK_GEMM_SECONDS, so the measurement takes well under a second in any dtype.
+    On CPU: the fastest of several GEMMs on one thread, timed in that thread's CPU time, times
+    the threads the rank computes with. A machine busy with other work while the trainer
+    starts takes the CPU away for part of any GEMM timed by the wall clock, and every one of 16
+    was (CI, 2 cores, with three times as many runnable processes): the peak came out below what
+    later steps reached, an MFU above 1. CPU time counts only what the GEMM ran; one thread,
+    so that no thread spins waiting for a sibling the scheduler took off its core. The GEMM's
+    size is the largest up to 1024 that still takes about PEAK_GEMM_SECONDS, so the measurement
+    takes well under a second in any dtype.
     """
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return next((v for k, v in _GPU_PEAK_TFLOPS.items() if k in name), 989.0) * 1e12
-    n = 128
-    while True:
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        start = time.perf_counter()
-        a @ b  # a warm-up, and the size probe
-        if n >= 1024 or time.perf_counter() - start >= PEAK_GEMM_SECONDS:
-            break
-        n *= 2
-    fastest = float("inf")
-    for _ in range(16):
-        start = time.perf_counter()
-        a @ b
-        fastest = min(fastest, time.perf_counter() - start)
-    return 2 * n**3 / fastest
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = 128
+        while True:
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            start = time.thread_time()
+            a @ b  # a warm-up, and the size probe
+            if n >= 1024 or time.thread_time() - start >= PEAK_GEMM_SECONDS:
+                break
+            n *= 2
+        fastest = float("inf")
+        for _ in range(16):
+            start = time.thread_time()
+            a @ b
+            fastest = min(fastest, time.thread_time() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return threads * 2 * n**3 / max(fastest, 1e-9)
 
 
 def known_peak_flops(device: torch.device, dtype: torch.dtype, path: str | None) -> float:

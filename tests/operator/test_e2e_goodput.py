@@ -25,7 +25,7 @@ from datetime import datetime
 from typing import Any
 
 import pytest
-from e2e_env import JOB, Env, after_a_fresh_beat, attempt_log
+from e2e_env import JOB, Env, after_a_fresh_beat, attempt_log, metric_lines
 from e2e_spec import tiny_spec
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -86,7 +86,7 @@ def steps_done(env: Env, pod: str) -> int:
 
 
 def records(log: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in log.splitlines() if line.startswith('{"step"')]
+    return metric_lines(log)
 
 
 def logged_at(log: str, pattern: str) -> float:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import pytest
-from e2e_env import JOB, Env, resumed_from
+from e2e_env import JOB, Env, metric_lines, resumed_from
 from e2e_spec import tiny_spec
 
 from hlat_testbed import faults
@@ -91,12 +91,7 @@ def _due(status: dict[str, Any], attempt: int, n: int, faults: int = FAULTS) -> 
 
 
 def _losses(log: str) -> dict[int, float]:
-    out = {}
-    for line in log.splitlines():
-        if line.startswith("{") and '"loss"' in line:
-            entry = json.loads(line)
-            out[int(entry["step"])] = float(entry["loss"])
-    return out
+    return {int(row["step"]): float(row["loss"]) for row in metric_lines(log)}
 
 
 def _all_attempt_losses(env: Env, attempts: int) -> list[dict[int, float]]:
